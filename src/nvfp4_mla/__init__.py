@@ -1,0 +1,1 @@
+from . import abi, reference, validation  # noqa: F401

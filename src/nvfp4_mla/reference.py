@@ -1,0 +1,311 @@
+"""Pure-torch reference of every entry: the definition of the correct bytes (SPEC.md sections 2-5).
+
+Readable and vectorized over rows, heads and groups; runs on the CPU or on CUDA tensors. The
+numerics follow SPEC.md section 4 step by step; each helper names the step it implements. fp32
+operations that torch cannot express with one rounding (the fused multiply-add of RoPE) are
+emulated exactly in fp64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import abi, validation
+
+_F32_MIN_NORMAL = 2.0**-126
+R6 = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()  # the fp32 nearest 1/6, 0x3E2AAAAB
+
+# E2M1 magnitudes by code, and the rounding boundaries between neighbouring codes: a magnitude
+# at a boundary rounds to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2,
+# 3.5 -> 4, 5 -> 4); "inclusive" marks the boundaries that already belong to the upper code.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+# ---------------------------------------------------------------- scalar formats
+
+
+def bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    """bf16(x) of fp32 ``x`` as int16 bits: round to nearest even, NaN -> 0x7FC0 (torch's rule)."""
+    return x.to(torch.bfloat16).view(torch.int16)
+
+
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """IEEE fp32 ``fma(a, b, c)``: one rounding, subnormals kept.
+
+    ``a * b`` of two fp32 values is exact in fp64 (24 + 24 < 53 bits). The fp64 sum is made
+    round-to-odd with its exact error term (TwoSum), so that the final rounding to fp32 is
+    correct (53 >= 24 + 2 bits; double rounding through round-to-odd is innocuous).
+    """
+    p = a.double() * b.double()
+    c = c.double()
+    s = p + c
+    p_part = s - c
+    c_part = s - p_part
+    err = (p - p_part) + (c - c_part)
+    lsb_even = (s.view(torch.int64) & 1) == 0
+    to_odd = (err != 0) & lsb_even & torch.isfinite(s)
+    s = torch.where(to_odd, torch.nextafter(s, torch.where(err > 0, torch.inf, -torch.inf).double()), s)
+    return s.float()
+
+
+def mul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """IEEE fp32 product with one rounding (exact in fp64 first), whatever the device's fp32 mode."""
+    return (a.double() * b.double()).float()
+
+
+def flush_subnormal(x: torch.Tensor) -> torch.Tensor:
+    """Subnormal fp32 values become zero of the same sign (what ``.ftz`` instructions do)."""
+    return torch.where(x.abs() < _F32_MIN_NORMAL, x * 0.0, x)
+
+
+def e4m3_code(x: torch.Tensor) -> torch.Tensor:
+    """E4M3 (fn) code of fp32 ``x >= 0`` (section 4 step 4) as uint8.
+
+    Round to nearest even; anything above 448, including +inf, saturates to 448 (0x7E); NaN gives
+    0x7F. Codes 0..7 are the subnormals m * 2^-9; code (e << 3 | m) with e >= 1 is
+    (1 + m/8) * 2^(e-7). Code 8 is 2^-6 in both readings, so the subnormal rounding carries over.
+    """
+    x = x.double().clamp(max=448.0)
+    _, exp = torch.frexp(x)  # x = mant * 2^exp, mant in [0.5, 1)
+    e = (exp - 1).clamp(min=-6)  # binade of x; the subnormal binade shares e = -6
+    mant8 = torch.ldexp(x, 3 - e)  # x / 2^e * 8, exact
+    normal = x >= 2.0**-6
+    code = torch.round(mant8) + torch.where(normal, (e + 7) * 8 - 8, 0)  # round(): half to even
+    code = torch.where(torch.isnan(x), abi.E4M3_NAN_CODE, code)
+    return code.to(torch.uint8)
+
+
+def e4m3_value(code: torch.Tensor) -> torch.Tensor:
+    """fp32 value of E4M3 (fn) codes 0..0x7F (0x7F is NaN)."""
+    code = code.to(torch.int32)
+    e, m = code >> 3, code & 7
+    value = torch.where(e == 0, m * 2.0**-9, torch.ldexp((8 + m).double(), e - 10))
+    return torch.where(code == abi.E4M3_NAN_CODE, torch.nan, value).float()
+
+
+def e2m1_code(y: torch.Tensor) -> torch.Tensor:
+    """E2M1 code of fp32 ``y`` (section 4 step 7) as uint8: sign bit 8, magnitude code 0..7.
+
+    The sign bit is y's, also when the magnitude rounds to 0; above 6 (inf too) saturates to
+    code 7; NaN gives +6 (0x7).
+    """
+    a = y.abs()
+    code = torch.zeros_like(y, dtype=torch.uint8)
+    for bound, inclusive in _E2M1_BOUNDS:
+        code += (a >= bound) if inclusive else (a > bound)
+    code |= torch.signbit(y).to(torch.uint8) << 3
+    return torch.where(torch.isnan(y), torch.tensor(7, dtype=torch.uint8, device=y.device), code)
+
+
+def e2m1_value(code: torch.Tensor) -> torch.Tensor:
+    """fp32 value of E2M1 codes 0..15."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=code.device)
+    return table[code.long()]
+
+
+# ---------------------------------------------------------------- RoPE and quantization
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J RoPE of BF16 ``x[..., 64]`` with fp32 ``cos``/``sin[..., 32]`` broadcastable to pairs.
+
+    even = fma(xe, c, -(xo * s)), odd = fma(xe, s, xo * c), each rounded to BF16.
+    """
+    xe, xo = x[..., 0::2].float(), x[..., 1::2].float()
+    even = fma_f32(xe, cos, -mul_f32(xo, sin))
+    odd = fma_f32(xe, sin, mul_f32(xo, cos))
+    return torch.stack((even, odd), dim=-1).flatten(-2).to(torch.bfloat16)
+
+
+def _sel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a > b ? a : b``: a NaN in ``a`` loses, a NaN in ``b`` wins."""
+    return torch.where(a > b, a, b)
+
+
+def group_amax(v: torch.Tensor) -> torch.Tensor:
+    """Per-half amax of groups ``v[..., 28, 16]`` (fp32), section 4 steps 2-3: ``[..., 28, 2]``.
+
+    Without NaN both halves of a group get max |v|; with NaN the two-threads-per-group reduction
+    order of the reference quantizer decides, reproduced here exactly.
+    """
+    a = flush_subnormal(v).abs()
+    a = a.unflatten(-1, (2, 4, 2))  # [half, pair i, lane (x = even element, y = odd)]
+    m = a[..., 0, :]
+    for i in range(1, 4):
+        m = _sel(m, a[..., i, :])
+    m0, m1 = m[..., 0, :], m[..., 1, :]  # [..., lane] of each half
+    lanes = torch.stack((_sel(m1, m0), _sel(m0, m1)), dim=-2)  # half 0, half 1
+    return _sel(lanes[..., 0], lanes[..., 1])
+
+
+def quantize_nope(nope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 of BF16 ``nope[..., 448]`` (section 4 steps 1-7).
+
+    Returns the 224 packed E2M1 bytes and the 28 scale bytes of each row, both uint8.
+    """
+    v = nope.float().unflatten(-1, (abi.NUM_GROUPS, abi.GROUP_SIZE))
+    amax = group_amax(v)  # [..., 28, 2]
+    code = e4m3_code(mul_f32(amax, torch.tensor(R6)))  # step 4
+    inv = torch.where(amax != 0, 1.0 / e4m3_value(code), 0.0)  # step 5, fp32 division
+    inv = inv.repeat_interleave(abi.GROUP_SIZE // 2, dim=-1)  # [..., 28, 16]: each half's elements
+    y = flush_subnormal(mul_f32(flush_subnormal(v), inv))  # step 6
+    codes = e2m1_code(y).flatten(-2)  # step 7
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, code[..., 0]  # the group's scale is half 0's
+
+
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Records of BF16 ``rows[n, 512]``: the 352-byte data rows and the 32-byte scale slots."""
+    packed, scales = quantize_nope(rows[:, : abi.NOPE_DIM])
+    rope_bytes = rows[:, abi.NOPE_DIM :].contiguous().view(torch.uint8)
+    data = torch.cat((packed, rope_bytes), dim=1)
+    pad = torch.zeros(rows.shape[0], abi.SCALE_BYTES - abi.NUM_GROUPS, dtype=torch.uint8, device=rows.device)
+    return data, torch.cat((scales, pad), dim=1)
+
+
+# ---------------------------------------------------------------- cache addressing
+
+
+def _record_views(cache: torch.Tensor, geometry: validation.CacheGeometry):
+    """``[num_pages, page_size, 352]`` data and ``[num_pages, page_size, 32]`` scale views."""
+    num_pages, page_size, page_stride = geometry
+    offset = cache.storage_offset()
+    data = cache.as_strided((num_pages, page_size, abi.DATA_BYTES), (page_stride, abi.DATA_BYTES, 1), offset)
+    scales = cache.as_strided(
+        (num_pages, page_size, abi.SCALE_BYTES), (page_stride, abi.SCALE_BYTES, 1), offset + page_size * abi.DATA_BYTES
+    )
+    return data, scales
+
+
+def _insert(cache, geometry, rows: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> None:
+    """Writes the records of ``rows[keep]`` at ``slots[keep]``; invalid slots are skipped."""
+    num_pages, page_size, _ = geometry
+    slots = slots.long()
+    keep = keep & (slots >= 0) & (slots < num_pages * page_size)
+    rows, slots = rows[keep], slots[keep]
+    data, scales = _record_views(cache, geometry)
+    row_data, row_scales = quantize_rows(rows)
+    pages, entries = slots // page_size, slots % page_size
+    data[pages, entries] = row_data
+    scales[pages, entries] = row_scales
+
+
+def _cos_sin(cos_sin_cache: torch.Tensor, rope_rows: torch.Tensor):
+    """cos, sin ``[n, 32]`` of each RoPE row, and whether the row is inside the table.
+
+    Out-of-range rows read row 0 instead (or zeros for an empty table); callers mask them.
+    """
+    in_range = (rope_rows >= 0) & (rope_rows < cos_sin_cache.shape[0])
+    if cos_sin_cache.shape[0] == 0:
+        table = torch.zeros(rope_rows.shape[0], abi.ROPE_DIM, device=rope_rows.device)
+    else:
+        table = cos_sin_cache[torch.where(in_range, rope_rows, 0)]
+    return table[:, : abi.ROPE_PAIRS], table[:, abi.ROPE_PAIRS :], in_range
+
+
+def _roped(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x[..., 512]`` with its last 64 dims rotated; NoPE dims bitwise."""
+    return torch.cat((x[..., : abi.NOPE_DIM], rope(x[..., abi.NOPE_DIM :], cos, sin)), dim=-1)
+
+
+# ---------------------------------------------------------------- entries
+
+
+def cake_dsv4_nvfp4_rope_quantize_insert(
+    q, kv, cache, slot_mapping, positions, cos_sin_cache, *, q_head_padded=0, apply_q_rope=True, q_inplace=False
+):
+    """Reference of the main fused entry (SPEC section 5)."""
+    geometry = validation.check_main(
+        q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, q_inplace, need_cuda=False
+    )
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    if num_tokens == 0:
+        return q if q_inplace else q.new_empty(0, q_head_padded, abi.HEAD_DIM)
+    cos, sin, in_range = _cos_sin(cos_sin_cache, positions)
+    n = slot_mapping.shape[0]
+    if n:
+        _insert(cache, geometry, _roped(kv[:n], cos[:n], sin[:n]), slot_mapping, in_range[:n])
+
+    if q_inplace:
+        if apply_q_rope:
+            rotated = rope(q[..., abi.NOPE_DIM :], cos[:, None], sin[:, None])
+            keep = in_range[:, None, None]
+            q[..., abi.NOPE_DIM :] = torch.where(keep, rotated, q[..., abi.NOPE_DIM :])
+        return q
+    q_out = q.new_zeros(num_tokens, q_head_padded, abi.HEAD_DIM)
+    if q_head_padded:
+        live = q
+        if apply_q_rope:
+            nan = torch.tensor(abi.BF16_NAN_BITS, dtype=torch.int16, device=q.device).view(torch.bfloat16)
+            live = torch.where(in_range[:, None, None], _roped(q, cos[:, None], sin[:, None]), nan)
+        q_out[:, :num_heads] = live
+    return q_out
+
+
+def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, *, compress_ratio=1):
+    """Reference of the KV-only entry: row i is inserted when ``(positions[i] + 1) % ratio == 0``,
+    roped with row ``positions[i] // ratio * ratio``. Negative positions are never inserted."""
+    geometry = validation.check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda=False)
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return None
+    pos = positions[:n]
+    rope_rows = torch.div(pos, compress_ratio, rounding_mode="floor") * compress_ratio
+    cos, sin, in_range = _cos_sin(cos_sin_cache, rope_rows)
+    keep = in_range & (pos >= 0) & ((pos + 1) % compress_ratio == 0)
+    _insert(cache, geometry, _roped(kv[:n], cos, sin), slot_mapping, keep)
+    return None
+
+
+def nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache):
+    """Reference of the unfused writer: quantize already-roped BF16 rows, insert by slot."""
+    geometry = validation.check_append(latent_kv, slot_mapping, cache, need_cuda=False)
+    n = slot_mapping.shape[0]
+    if n:
+        keep = torch.ones(n, dtype=torch.bool, device=latent_kv.device)
+        _insert(cache, geometry, latent_kv[:n], slot_mapping, keep)
+
+
+def new_cache(num_pages: int, page_size: int, kv_layout: str, device) -> torch.Tensor:
+    """An uninitialised packed cache of the given layout (what the pack entry returns)."""
+    shape = (num_pages, 1, page_size, abi.RECORD_BYTES) if kv_layout == "HND" else (num_pages, page_size, 1, abi.RECORD_BYTES)
+    return torch.empty(shape, dtype=torch.uint8, device=device)
+
+
+def nvfp4_quantize_pack_sparse_mla_cache(latent_kv, *, kv_layout="HND"):
+    """Reference of the whole-page writer: ``[num_pages, page_size, 512]`` -> a new cache."""
+    validation.check_pack(latent_kv, kv_layout, need_cuda=False)
+    num_pages, page_size = latent_kv.shape[0], latent_kv.shape[1]
+    cache = new_cache(num_pages, page_size, kv_layout, latent_kv.device)
+    geometry = validation.check_cache(cache)
+    rows = latent_kv.reshape(num_pages * page_size, abi.HEAD_DIM)
+    slots = torch.arange(num_pages * page_size, device=latent_kv.device)
+    _insert(cache, geometry, rows, slots, torch.ones_like(slots, dtype=torch.bool))
+    return cache
+
+
+def nvfp4_dequantize_sparse_mla_cache(cache, slots=None, *, dtype=torch.float32):
+    """Records read back as ``[n, 512]`` values: NoPE = E2M1 value x E4M3 scale, RoPE = BF16.
+
+    ``slots=None`` reads every slot in order; rows of invalid slots are NaN.
+    """
+    geometry = validation.check_dequantize(cache, slots, dtype)
+    num_pages, page_size, _ = geometry
+    capacity = num_pages * page_size
+    if slots is None:
+        slots = torch.arange(capacity, device=cache.device)
+    slots = slots.long()
+    valid = (slots >= 0) & (slots < capacity)
+    safe = torch.where(valid, slots, 0)
+    if capacity == 0:
+        return torch.full((slots.shape[0], abi.HEAD_DIM), torch.nan, dtype=dtype, device=cache.device)
+    data, scales = _record_views(cache, geometry)
+    data = data[safe // page_size, safe % page_size]
+    scale = e4m3_value(scales[safe // page_size, safe % page_size, : abi.NUM_GROUPS])
+    packed = data[:, : abi.NOPE_BYTES]
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+    nope = e2m1_value(codes).unflatten(-1, (abi.NUM_GROUPS, abi.GROUP_SIZE)) * scale[..., None]
+    rope_values = data[:, abi.NOPE_BYTES :].contiguous().view(torch.bfloat16).float()
+    values = torch.cat((nope.flatten(-2), rope_values), dim=-1)
+    return torch.where(valid[:, None], values, torch.nan).to(dtype)
