@@ -1,0 +1,145 @@
+// One kernel for every writer entry, specialized at compile time (-D) by the geometry:
+//   PAGE_SIZE       tokens per page
+//   SLOT_INT64      slot_mapping is int64 (else int32)
+//   IDENTITY_SLOTS  row i goes to slot i (the pack entry; no slot_mapping)
+//   KV_ROPE         rotate the KV row's RoPE dims with cos_sin_cache[positions[i]] (else they are
+//                   already roped and copied bitwise: append/pack)
+//   COMPRESS_RATIO  KV entry: insert only when (pos + 1) % ratio == 0, RoPE row pos / ratio * ratio
+//   Q_MODE          0: no query work, 1: write the head-padded q_out, 2: rotate q in place
+//   NUM_HEADS       live query heads; Q_HEADS: heads of q_out (the padded count)
+//   APPLY_Q_ROPE    rotate the live heads (else copy them bitwise)
+//
+// Work is cut into units of 64 threads, each thread one 16-byte chunk of a 512-dim BF16 row:
+// units [0, num_kv_rows) quantize and insert KV row `unit`; the units after them write the query
+// (one (token, head) row of q_out each, or in place 8 heads x 8 RoPE chunks each). A unit is two
+// whole warps, so early exits never split a warp before its shuffles.
+#include "nvfp4_numerics.cuh"
+
+#define THREADS 256
+#define UNIT_THREADS 64
+#define UNITS_PER_BLOCK (THREADS / UNIT_THREADS)
+#define CHUNKS 64           // 16-byte chunks in a 512-dim BF16 row
+#define NOPE_CHUNKS 56      // 448 NoPE dims; a group of 16 is chunks 2g (half 0) and 2g+1 (half 1)
+#define DATA_BYTES 352
+#define NOPE_BYTES 224
+#define SCALE_BYTES 32
+
+struct Params {  // 8-byte fields only: packed on the host with one struct format
+    const uint4* q;         // [num_tokens, NUM_HEADS, 64 chunks]
+    uint4* q_out;           // [num_tokens, Q_HEADS, 64 chunks]; q itself in place
+    const uint4* kv;        // [rows, 64 chunks]
+    u8* cache;              // page 0
+    const void* slots;      // [num_kv_rows] int32 or int64
+    const i64* positions;   // [num_tokens]
+    const float* cos_sin;   // [max_position, 64]: cos[32] | sin[32]
+    i64 page_stride;        // bytes
+    i64 capacity;           // num_pages * PAGE_SIZE: valid slots are [0, capacity)
+    i64 max_position;
+    i64 num_kv_rows;        // rows that may be inserted (slot_mapping.numel())
+    i64 num_units;
+};
+
+// Loads the cos and sin of chunk k (pairs 4k..4k+3) of RoPE row r.
+__device__ __forceinline__ uint4 rope_row_chunk(const Params& p, uint4 x, i64 r, int k) {
+    const float4 c = *reinterpret_cast<const float4*>(p.cos_sin + r * 64 + 4 * k);
+    const float4 s = *reinterpret_cast<const float4*>(p.cos_sin + r * 64 + 32 + 4 * k);
+    return rope_chunk(x, c, s);
+}
+
+__device__ __forceinline__ void insert_kv_row(const Params& p, i64 row, int c) {
+#if IDENTITY_SLOTS
+    const i64 slot = row;
+#else
+#if SLOT_INT64
+    const i64 slot = static_cast<const i64*>(p.slots)[row];
+#else
+    const i64 slot = static_cast<const int*>(p.slots)[row];
+#endif
+    if (slot < 0 || slot >= p.capacity) return;
+#endif
+#if KV_ROPE
+    const i64 pos = p.positions[row];
+    if (pos < 0 || (pos + 1) % COMPRESS_RATIO != 0) return;
+    const i64 rope_row = pos / COMPRESS_RATIO * COMPRESS_RATIO;
+    if (rope_row >= p.max_position) return;  // never read outside cos_sin_cache
+#endif
+    u8* page = p.cache + (slot / PAGE_SIZE) * p.page_stride;
+    const i64 entry = slot % PAGE_SIZE;
+    u8* data = page + entry * DATA_BYTES;
+    u8* scale = page + PAGE_SIZE * DATA_BYTES + entry * SCALE_BYTES;
+    const uint4 x = p.kv[row * CHUNKS + c];
+
+    // Every lane quantizes (RoPE lanes on data they discard) so the warp shuffles stay whole.
+    u32 scale_code;
+    const u32 codes = quantize_half(x, &scale_code);
+    // Four lanes' code words make one 16-byte store; lanes 8w, 8w+2, 8w+4, 8w+6 hold the scales
+    // of groups 4w..4w+3, one 4-byte store.
+    const u32 c1 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 1);
+    const u32 c2 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 2);
+    const u32 c3 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 3);
+    const u32 s1 = __shfl_down_sync(NVFP4_FULL_MASK, scale_code, 2);
+    const u32 s2 = __shfl_down_sync(NVFP4_FULL_MASK, scale_code, 4);
+    const u32 s3 = __shfl_down_sync(NVFP4_FULL_MASK, scale_code, 6);
+    if (c < NOPE_CHUNKS) {
+        if ((c & 3) == 0) *reinterpret_cast<uint4*>(data + 4 * c) = make_uint4(codes, c1, c2, c3);
+        if ((c & 7) == 0) *reinterpret_cast<u32*>(scale + c / 2) = scale_code | (s1 << 8) | (s2 << 16) | (s3 << 24);
+    } else {
+        const int k = c - NOPE_CHUNKS;
+#if KV_ROPE
+        const uint4 out = rope_row_chunk(p, x, rope_row, k);
+#else
+        const uint4 out = x;
+#endif
+        *reinterpret_cast<uint4*>(data + NOPE_BYTES + 16 * k) = out;
+        if (k == 0) *reinterpret_cast<u32*>(scale + 28) = 0u;  // scale slot bytes 28..31
+    }
+}
+
+#if Q_MODE == 1
+// One (token, head) row of q_out: live heads rotated or copied, padded heads zero, and a
+// whole live head of BF16 NaN when the position is outside cos_sin_cache.
+__device__ __forceinline__ void write_q_out_row(const Params& p, i64 qunit, int c) {
+    const i64 token = qunit / Q_HEADS;
+    const int head = static_cast<int>(qunit % Q_HEADS);
+    uint4 out = make_uint4(0u, 0u, 0u, 0u);
+    if (head < NUM_HEADS) {
+        out = p.q[(token * NUM_HEADS + head) * CHUNKS + c];
+#if APPLY_Q_ROPE
+        const i64 pos = p.positions[token];
+        if (pos < 0 || pos >= p.max_position) {
+            out = make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
+        } else if (c >= NOPE_CHUNKS) {
+            out = rope_row_chunk(p, out, pos, c - NOPE_CHUNKS);
+        }
+#endif
+    }
+    p.q_out[qunit * CHUNKS + c] = out;
+}
+#endif
+
+#if Q_MODE == 2
+// In place: 8 heads x the 8 RoPE chunks of one token; out-of-range positions leave q untouched.
+__device__ __forceinline__ void rotate_q_in_place(const Params& p, i64 qunit, int c) {
+    const i64 token = qunit / (NUM_HEADS / 8);
+    const i64 head = (qunit % (NUM_HEADS / 8)) * 8 + (c >> 3);
+    const i64 pos = p.positions[token];
+    if (pos < 0 || pos >= p.max_position) return;
+    const i64 chunk = (token * NUM_HEADS + head) * CHUNKS + NOPE_CHUNKS + (c & 7);
+    p.q_out[chunk] = rope_row_chunk(p, p.q_out[chunk], pos, c & 7);
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_write(const Params p) {
+    const i64 unit = static_cast<i64>(blockIdx.x) * UNITS_PER_BLOCK + (threadIdx.x / UNIT_THREADS);
+    const int c = threadIdx.x % UNIT_THREADS;
+    if (unit >= p.num_units) return;
+    if (unit < p.num_kv_rows) {
+        insert_kv_row(p, unit, c);
+        return;
+    }
+#if Q_MODE == 1
+    write_q_out_row(p, unit - p.num_kv_rows, c);
+#elif Q_MODE == 2
+    rotate_q_in_place(p, unit - p.num_kv_rows, c);
+#endif
+}

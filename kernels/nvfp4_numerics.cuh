@@ -1,0 +1,98 @@
+// Bit-exact numerics of SPEC.md section 4, shared by every kernel.
+//
+// Self-contained (no CUDA headers) so NVRTC needs no include path. Every floating-point
+// operation is an explicit round-to-nearest intrinsic without flush-to-zero: the bytes must not
+// depend on compiler contraction or fast-math flags.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#define NVFP4_FULL_MASK 0xffffffffu
+
+// bf16(x): round to nearest even, NaN -> 0x7FC0 (torch's conversion).
+__device__ __forceinline__ u32 bf16_bits(float x) {
+    const u32 u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0u;
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+__device__ __forceinline__ float bf16_value(u32 bits16) { return __uint_as_float(bits16 << 16); }
+
+// GPT-J RoPE of one pair: one rounded product, one fused multiply-add.
+__device__ __forceinline__ u32 rope_pair_bits(u32 pair, float c, float s) {
+    const float xe = bf16_value(pair & 0xffffu), xo = bf16_value(pair >> 16);
+    const float even = __fmaf_rn(xe, c, -__fmul_rn(xo, s));
+    const float odd = __fmaf_rn(xe, s, __fmul_rn(xo, c));
+    return bf16_bits(even) | (bf16_bits(odd) << 16);
+}
+
+// Rotates the 4 pairs of a 16-byte chunk of RoPE dims with their cos and sin.
+__device__ __forceinline__ uint4 rope_chunk(uint4 x, float4 c, float4 s) {
+    return make_uint4(rope_pair_bits(x.x, c.x, s.x), rope_pair_bits(x.y, c.y, s.y),
+                      rope_pair_bits(x.z, c.z, s.z), rope_pair_bits(x.w, c.w, s.w));
+}
+
+// E4M3 (fn) code of x >= 0 or NaN: nearest even, saturating at 448 (0x7E), NaN -> 0x7F.
+__device__ __forceinline__ u32 e4m3_code(float x) {
+    if (!(x <= 448.0f)) return x != x ? 0x7Fu : 0x7Eu;
+    if (x < 0.015625f) return (u32)__float2int_rn(x * 512.0f);  // subnormal binade: m * 2^-9 (exact scaling)
+    const u32 u = __float_as_uint(x);
+    const u32 mant3 = (u >> 20) & 7u, rest = u & 0xfffffu;  // 3 kept mantissa bits, 20 rounded off
+    const u32 up = rest > 0x80000u || (rest == 0x80000u && (mant3 & 1u));
+    return (((u >> 23) - 120u) << 3) + mant3 + up;  // exponent bias 127 -> 7; a carry bumps the exponent
+}
+
+__device__ __forceinline__ float e4m3_value(u32 code) {
+    if (code == 0x7Fu) return __uint_as_float(0x7fffffffu);
+    const u32 e = code >> 3, m = code & 7u;
+    return e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : __fmul_rn((float)m, 0.001953125f);
+}
+
+// E2M1 code: sign of y (also when the magnitude rounds to 0), magnitude to nearest even on
+// {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6; NaN -> +6 (0x7).
+__device__ __forceinline__ u32 e2m1_code(float y) {
+    if (y != y) return 7u;
+    const float a = fabsf(y);
+    const u32 mag = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+    return mag | ((__float_as_uint(y) >> 28) & 8u);
+}
+
+// a > b ? a : b -- the reference quantizer's max: a NaN in b survives, a NaN in a does not.
+__device__ __forceinline__ float sel(float a, float b) { return a > b ? a : b; }
+
+__device__ __forceinline__ bool is_subnormal_or_zero(float v) { return fabsf(v) < 1.17549435e-38f; }
+
+// Quantizes one half (8 consecutive NoPE values, 16 bytes) of a 16-element group. The partner
+// half of the same group must be in lane ^ 1 of the same warp, and every lane of the warp must
+// call this (it shuffles). Returns the 8 E2M1 codes (element k in bits 4k..4k+3); *scale_code
+// receives this half's E4M3 code (the group's scale byte is half 0's).
+__device__ __forceinline__ u32 quantize_half(uint4 x, u32* scale_code) {
+    const u32 w[4] = {x.x, x.y, x.z, x.w};
+    // Steps 2-3: per-lane folds (x = even elements, y = odd), then the partner half, then x vs y.
+    float mx = 0.0f, my = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float ax = fabsf(bf16_value(w[i] & 0xffffu)), ay = fabsf(bf16_value(w[i] >> 16));
+        const float fx = is_subnormal_or_zero(ax) ? 0.0f : ax, fy = is_subnormal_or_zero(ay) ? 0.0f : ay;
+        mx = i ? sel(mx, fx) : fx;
+        my = i ? sel(my, fy) : fy;
+    }
+    const float px = __shfl_xor_sync(NVFP4_FULL_MASK, mx, 1), py = __shfl_xor_sync(NVFP4_FULL_MASK, my, 1);
+    const float amax = sel(sel(px, mx), sel(py, my));
+    // Steps 4-5.
+    const u32 code = e4m3_code(__fmul_rn(amax, __uint_as_float(0x3E2AAAABu)));
+    const float inv = amax != 0.0f ? __frcp_rn(e4m3_value(code)) : 0.0f;
+    *scale_code = code;
+    // Steps 6-7. A subnormal product needs no flush: it rounds to a signed E2M1 zero either way.
+    u32 codes = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const float v = bf16_value((w[k >> 1] >> ((k & 1) * 16)) & 0xffffu);
+        const float vf = is_subnormal_or_zero(v) ? __uint_as_float(__float_as_uint(v) & 0x80000000u) : v;
+        codes |= e2m1_code(__fmul_rn(vf, inv)) << (4 * k);
+    }
+    return codes;
+}
