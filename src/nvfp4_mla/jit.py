@@ -137,6 +137,7 @@ def cache_dir() -> Path:
 
 
 _fallback_dir: Path | None = None
+_build_lock = threading.RLock()  # compiles, disk-cache writes and module loads
 
 
 def _writable_cache_dir() -> Path:
@@ -168,22 +169,26 @@ def _key(variant: Variant, arch: str) -> str:
 
 
 def cubin_path(variant: Variant, arch: str) -> Path:
-    """The verified cubin of ``variant`` for ``arch`` on disk, compiling it when missing or bad."""
+    """The verified cubin of ``variant`` for ``arch`` on disk, compiling it when missing or bad.
+
+    Threads of one process compile a variant once (the build lock); processes sharing the
+    directory may both compile, and each publishes a whole file atomically.
+    """
     key = _key(variant, arch)
-    for directory in {cache_dir(), _writable_cache_dir()}:
+    with _build_lock:
+        directory = _writable_cache_dir()
         for name in glob.glob(str(directory / f"{key}-*.cubin")):
             path = Path(name)
             if hashlib.sha256(path.read_bytes()).hexdigest()[:16] == path.stem.rsplit("-", 1)[1]:
                 return path
             path.unlink(missing_ok=True)  # truncated or corrupted: rebuild
-    cubin = compile_variant(variant, arch).cubin
-    directory = _writable_cache_dir()
-    path = directory / f"{key}-{hashlib.sha256(cubin).hexdigest()[:16]}.cubin"
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(cubin)
-    os.replace(tmp, path)  # atomic: concurrent processes see a whole file or none
-    return path
+        cubin = compile_variant(variant, arch).cubin
+        path = directory / f"{key}-{hashlib.sha256(cubin).hexdigest()[:16]}.cubin"
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        os.replace(tmp, path)  # atomic: a concurrent reader sees a whole file or none
+        return path
 
 
 # ---------------------------------------------------------------- loading and launching
@@ -242,7 +247,6 @@ class _LaunchStorage(threading.local):
 _storage = _LaunchStorage()
 _driver = None  # cupy.cuda.driver, imported with the first kernel so the reference needs no CuPy
 _launchers: dict = {}
-_build_lock = threading.Lock()
 
 
 def launcher(key: tuple) -> Launcher:

@@ -1,0 +1,65 @@
+"""NVRTC compilation of every kernel variant the public entries can request, for a representative
+geometry set, on every architecture we ship for. Needs no GPU: NVRTC compiles for a named arch.
+A local-memory spill or stack frame fails the test (ptxas -v report through NVRTC)."""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from nvfp4_mla import Geometry, abi, jit
+
+pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install 'nvfp4-mla[cu12]')")
+
+
+def representative_geometries():
+    """Every (heads, padded heads, rope, in-place) combination at page 64, every entry on the
+    page sizes of the GPU tests, both slot dtypes, both compress ratios."""
+    geometries = []
+    for heads in (1, 5, 8, 16, 64, 128):
+        for padded in (0, *abi.Q_HEAD_PADDINGS):
+            if padded == 0 or padded >= heads:
+                for rope in (True, False):
+                    geometries.append(Geometry("main", 64, heads, padded, apply_q_rope=rope))
+        if heads in abi.Q_HEAD_PADDINGS:
+            for rope in (True, False):
+                geometries.append(Geometry("main", 64, heads, heads, apply_q_rope=rope, q_inplace=True))
+    for page_size in (1, 3, 16, 32, 128, 256):
+        for slot_dtype in (torch.int32, torch.int64):
+            geometries.append(Geometry("main", page_size, 8, 16, slot_dtype=slot_dtype))
+            geometries.append(Geometry("append", page_size, slot_dtype=slot_dtype))
+            for ratio in abi.COMPRESS_RATIOS:
+                geometries.append(Geometry("kv", page_size, compress_ratio=ratio, slot_dtype=slot_dtype))
+        geometries.append(Geometry("pack", page_size))
+    return geometries
+
+
+VARIANTS = sorted({g.variant() for g in representative_geometries()})
+
+
+def test_variant_set_covers_every_mode():
+    fields = jit.Variant._fields
+    seen = {name: {getattr(v, name) for v in VARIANTS} for name in fields}
+    assert seen["q_mode"] == {0, 1, 2}
+    assert seen["identity_slots"] == {0, 1} and seen["kv_rope"] == {0, 1}
+    assert seen["compress_ratio"] == {1, 2} and seen["apply_q_rope"] == {0, 1}
+    assert seen["q_heads"] >= {0, *abi.Q_HEAD_PADDINGS}
+    assert len(VARIANTS) > 60
+
+
+@pytest.mark.parametrize("arch", jit.ARCHS)
+def test_every_variant_compiles_without_spills(arch):
+    with ThreadPoolExecutor(os.cpu_count()) as pool:  # NVRTC releases the GIL
+        results = list(pool.map(lambda v: jit.compile_variant(v, arch), VARIANTS))
+    for variant, result in zip(VARIANTS, results):
+        assert result.cubin[:4] == b"\x7fELF", variant
+        assert f"for '{arch}'" in result.log, result.log
+        assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{variant} on {arch}:\n{result.log}"
+        assert 0 < result.registers <= 64, f"{variant}: {result.registers} registers"
+
+
+def test_compile_error_names_the_variant(monkeypatch):
+    monkeypatch.setattr(jit, "_SOURCES", ("this is not CUDA", ""))
+    with pytest.raises(RuntimeError, match="NVRTC failed"):
+        jit.compile_variant(VARIANTS[0], "sm_90")
