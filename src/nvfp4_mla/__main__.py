@@ -123,16 +123,23 @@ def _geometries(args) -> list:
     return geometries
 
 
+def _describe(g) -> str:
+    what = {"main": f"main heads={g.num_heads} q_head_padded={g.q_head_padded}" + (" inplace" if g.q_inplace else ""),
+            "kv": f"kv ratio={g.compress_ratio}"}.get(g.entry, g.entry)
+    return f"{what} page_size={g.page_size} {str(g.slot_dtype).removeprefix('torch.')}"
+
+
 def _progress(done: int, total: int, label: str, width: int = 30) -> None:
     filled = width * done // total
     end = "\n" if done == total else ""
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}{end}")
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<55}{end}")
     sys.stderr.flush()
 
 
-def cmd_precompile(args, parser) -> int:
+def cmd_precompile(args) -> int:
     from .ops import precompile
 
+    parser = args.parser
     geometries = _geometries(args)
     if not geometries:
         parser.error("nothing to build: give --heads (main entry), --kv-ratio and/or --append")
@@ -151,7 +158,7 @@ def cmd_precompile(args, parser) -> int:
     jobs = [(arch, g) for arch in archs for g in geometries]
     paths = []
     for i, (arch, g) in enumerate(jobs):
-        _progress(i, len(jobs), f"{arch} {g.entry} page_size={g.page_size}")
+        _progress(i, len(jobs), f"{arch} {_describe(g)}")
         try:
             paths += precompile([g], arch=arch)
         except RuntimeError as exc:  # NVRTC missing or an unknown arch
@@ -166,42 +173,43 @@ def cmd_precompile(args, parser) -> int:
 # ---------------------------------------------------------------- inspect
 
 
-def _row(label: str, items) -> str:
-    return f"  {label:<7}" + "".join(f"{x:>9}" for x in items)
+def _row(label: str, items, width: int) -> str:
+    return f"  {label:<6}" + "".join(f"{x:>{width}}" for x in items)
 
 
 def format_record(cache: torch.Tensor, slot: int) -> str:
-    """One record of ``cache`` as text: the 28 group scales, each group's codes and values, RoPE."""
+    """One record of ``cache`` as text: the 28 group scales, each group's E2M1 codes and their
+    values, and the 64 RoPE values."""
     num_pages, page_size, page_stride = validation.check_cache(cache)
     if not 0 <= slot < num_pages * page_size:
         raise ValueError(f"slot {slot} is outside the cache's {num_pages * page_size} slots")
     page, entry = divmod(slot, page_size)
     page_bytes = cache.detach().cpu().flatten(1)[page]  # the page's page_size * 384 bytes
-    data = page_bytes[entry * abi.DATA_BYTES :][: abi.DATA_BYTES]
-    scale_slot = page_bytes[page_size * abi.DATA_BYTES + entry * abi.SCALE_BYTES :][: abi.SCALE_BYTES]
-    values = reference.nvfp4_dequantize_sparse_mla_cache(cache.cpu(), torch.tensor([slot]))[0]
-
-    packed = data[: abi.NOPE_BYTES]
+    data_at, scales_at = entry * abi.DATA_BYTES, page_size * abi.DATA_BYTES + entry * abi.SCALE_BYTES
+    packed = page_bytes[data_at : data_at + abi.NOPE_BYTES]
+    scale_slot = page_bytes[scales_at : scales_at + abi.SCALE_BYTES]
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten()  # element 2j: low nibble
-    scales = scale_slot[: abi.NUM_GROUPS]
-    scale_values = reference.e4m3_value(scales)
+    code_values = reference.e2m1_value(codes).tolist()
+    scales = scale_slot[: abi.NUM_GROUPS].tolist()
+    scale_values = reference.e4m3_value(scale_slot[: abi.NUM_GROUPS]).tolist()
+    values = reference.nvfp4_dequantize_sparse_mla_cache(cache.detach().cpu(), torch.tensor([slot]))[0].tolist()
+
     lines = [
-        f"slot {slot}: page {page}, entry {entry} (page_size {page_size}, {num_pages} pages, "
+        f"slot {slot} = page {page}, entry {entry}  (cache: {num_pages} pages of {page_size}, "
         f"page stride {page_stride} B)",
-        f"data row at page byte {entry * abi.DATA_BYTES}, scale slot at page byte "
-        f"{page_size * abi.DATA_BYTES + entry * abi.SCALE_BYTES}; "
-        f"scale padding bytes: {scale_slot[abi.NUM_GROUPS:].tolist()}",
-        "NoPE: value = E2M1 code value x E4M3 group scale",
+        f"data row at page byte {data_at}, scale slot at page byte {scales_at} "
+        f"(padding bytes {' '.join(f'{b:02X}' for b in scale_slot[abi.NUM_GROUPS:].tolist())})",
+        "NoPE, 28 groups of 16: value = E2M1 code value x E4M3 group scale",
     ]
     for g in range(abi.NUM_GROUPS):
         group = slice(g * abi.GROUP_SIZE, (g + 1) * abi.GROUP_SIZE)
-        lines.append(f"group {g:2}  scale 0x{int(scales[g]):02X} = {scale_values[g].item():g}")
-        lines.append(_row("code", (f"{int(c):X}" for c in codes[group])))
-        lines.append(_row("e2m1", (f"{v:g}" for v in reference.e2m1_value(codes[group]).tolist())))
-        lines.append(_row("value", (f"{v:.4g}" for v in values[group].tolist())))
-    lines.append("RoPE (BF16):")
-    rope = values[abi.NOPE_DIM :].tolist()
-    lines += [_row(f"{i:3}", (f"{v:.4g}" for v in rope[i : i + 8])) for i in range(0, abi.ROPE_DIM, 8)]
+        amax = max(abs(v) for v in values[group])
+        lines.append(f"group {g:2}  scale 0x{scales[g]:02X} = {scale_values[g]:g}  (max |value| {amax:g})")
+        lines.append(_row("code", (f"{c:X}" for c in codes[group].tolist()), 5))
+        lines.append(_row("e2m1", (f"{v:g}" for v in code_values[group]), 5))
+    lines.append("RoPE, 64 BF16 values:")
+    rope = values[abi.NOPE_DIM :]
+    lines += [_row(f"{i:3}", (f"{v:.4g}" for v in rope[i : i + 8]), 10) for i in range(0, abi.ROPE_DIM, 8)]
     return "\n".join(lines)
 
 
@@ -281,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nvfp4-mla", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("info", help="GPU, torch/CuPy/NVRTC versions and the kernel cache")
+    p = sub.add_parser("info", help="GPU, torch/CuPy/NVRTC versions and the kernel cache")
+    p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("precompile", help="compile kernels into the disk cache (serving start-up)",
                        description="Compile kernels for one serving geometry into the disk cache; "
@@ -291,10 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=0, help="query heads per GPU: builds the main entry")
     p.add_argument("--q-head-padded", type=int, default=0, help="padded head count of q_out (0: cache only)")
     p.add_argument("--inplace", action="store_true", help="the q_inplace variant of the main entry")
-    p.add_argument("--slot-dtype", choices=("int32", "int64"), default="int64")
+    p.add_argument("--slot-dtype", choices=("int32", "int64"), default="int64", help="slot_mapping dtype (default int64)")
     p.add_argument("--kv-ratio", type=int, nargs="+", default=[], choices=abi.COMPRESS_RATIOS,
                    help="also build the KV entry for these compress ratios")
     p.add_argument("--append", action="store_true", help="also build the unfused append entry")
+    p.set_defaults(func=cmd_precompile, parser=p)
 
     sub.add_parser("bench", help="the benchmark (arguments go to nvfp4_mla.bench)", add_help=False)
 
@@ -302,10 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="use the reference even when a GPU is usable")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", metavar="PATH", help="torch.save the cache (for inspect)")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("inspect", help="pretty-print one record of a torch.save'd cache")
     p.add_argument("path")
     p.add_argument("--slot", type=int, default=0, help="slot = page * page_size + entry (default 0)")
+    p.set_defaults(func=cmd_inspect)
     return parser
 
 
@@ -313,11 +325,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # forwarded untouched, --help included
         return cmd_bench(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "precompile":
-        return cmd_precompile(args, parser)
-    return {"info": cmd_info, "demo": cmd_demo, "inspect": cmd_inspect}[args.command](args)
+    args = build_parser().parse_args(argv)
+    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -103,10 +103,10 @@ def _launch(key, num_units, q, q_out, kv, cache, slots, positions, cos_sin, geom
     )
 
 
-def cake_dsv4_nvfp4_rope_quantize_insert(
-    q, kv, cache, slot_mapping, positions, cos_sin_cache, *, q_head_padded=0, apply_q_rope=True, q_inplace=False
-):
-    """Rotate q, then rotate, quantize and insert kv into the DeepSeek-V4 NVFP4 cache, in one launch."""
+# ---------------------------------------------------------------- eager implementations
+
+
+def _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace):
     geometry = validation.check_main(
         q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, q_inplace, need_cuda=True
     )
@@ -132,9 +132,7 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
     return q_out
 
 
-def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, *, compress_ratio=1):
-    """Rotate, quantize and insert KV rows; with ``compress_ratio=2`` only rows whose
-    ``(positions[i] + 1) % 2 == 0``, roped with row ``positions[i] // 2 * 2``."""
+def _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio):
     geometry = validation.check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda=True)
     num_kv_rows = slot_mapping.shape[0]
     if num_kv_rows == 0:
@@ -147,8 +145,7 @@ def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, 
     return None
 
 
-def nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache):
-    """Quantize already-roped BF16 rows ``[n, 512]`` and insert row i at ``slot_mapping[i]``."""
+def _append(latent_kv, slot_mapping, cache):
     geometry = validation.check_append(latent_kv, slot_mapping, cache, need_cuda=True)
     num_kv_rows = slot_mapping.shape[0]
     if num_kv_rows == 0:
@@ -161,8 +158,7 @@ def nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache):
     return None
 
 
-def nvfp4_quantize_pack_sparse_mla_cache(latent_kv, *, kv_layout="HND"):
-    """Quantize whole pages ``[num_pages, page_size, 512]`` into a new cache (HND or NHD)."""
+def _pack(latent_kv, kv_layout):
     validation.check_pack(latent_kv, kv_layout, need_cuda=True)
     num_pages, page_size = latent_kv.shape[0], latent_kv.shape[1]
     cache = new_cache(num_pages, page_size, kv_layout, latent_kv.device)
@@ -171,3 +167,200 @@ def nvfp4_quantize_pack_sparse_mla_cache(latent_kv, *, kv_layout="HND"):
         geometry = validation.CacheGeometry(num_pages, page_size, page_size * abi.RECORD_BYTES)
         _launch(_pack_variant(page_size), num_rows, _NO_PTR, _NO_PTR, latent_kv.data_ptr(), cache, _NO_PTR, _NO_PTR, _NO_PTR, geometry, 0, num_rows)
     return cache
+
+
+# ---------------------------------------------------------------- torch custom ops
+# Registered so torch.compile traces the entries without a graph break (the fake
+# implementations give output shapes). Eager calls skip the dispatcher: it would cost more host
+# time than the whole launch path.
+
+_Tensor = torch.Tensor
+
+
+@torch.library.custom_op("nvfp4_mla::rope_quantize_insert", mutates_args=("cache",))
+def _rope_quantize_insert_op(
+    q: _Tensor, kv: _Tensor, cache: _Tensor, slot_mapping: _Tensor, positions: _Tensor, cos_sin_cache: _Tensor,
+    q_head_padded: int, apply_q_rope: bool,
+) -> _Tensor:
+    return _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, False)
+
+
+@_rope_quantize_insert_op.register_fake
+def _(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope):
+    return q.new_empty((q.shape[0], q_head_padded, abi.HEAD_DIM))
+
+
+@torch.library.custom_op("nvfp4_mla::rope_quantize_insert_inplace", mutates_args=("q", "cache"))
+def _rope_quantize_insert_inplace_op(
+    q: _Tensor, kv: _Tensor, cache: _Tensor, slot_mapping: _Tensor, positions: _Tensor, cos_sin_cache: _Tensor,
+    apply_q_rope: bool,
+) -> None:
+    _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, 0, apply_q_rope, True)
+
+
+@_rope_quantize_insert_inplace_op.register_fake
+def _(q, kv, cache, slot_mapping, positions, cos_sin_cache, apply_q_rope):
+    return None
+
+
+@torch.library.custom_op("nvfp4_mla::kv_rope_quantize_insert", mutates_args=("cache",))
+def _kv_rope_quantize_insert_op(
+    kv: _Tensor, cache: _Tensor, slot_mapping: _Tensor, positions: _Tensor, cos_sin_cache: _Tensor, compress_ratio: int
+) -> None:
+    _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
+
+
+@_kv_rope_quantize_insert_op.register_fake
+def _(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio):
+    return None
+
+
+@torch.library.custom_op("nvfp4_mla::quantize_append", mutates_args=("cache",))
+def _append_op(latent_kv: _Tensor, slot_mapping: _Tensor, cache: _Tensor) -> None:
+    _append(latent_kv, slot_mapping, cache)
+
+
+@_append_op.register_fake
+def _(latent_kv, slot_mapping, cache):
+    return None
+
+
+@torch.library.custom_op("nvfp4_mla::quantize_pack", mutates_args=())
+def _pack_op(latent_kv: _Tensor, kv_layout: str) -> _Tensor:
+    return _pack(latent_kv, kv_layout)
+
+
+@_pack_op.register_fake
+def _(latent_kv, kv_layout):
+    return new_cache(latent_kv.shape[0], latent_kv.shape[1], kv_layout, latent_kv.device)
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+# ---------------------------------------------------------------- public entries
+
+
+def cake_dsv4_nvfp4_rope_quantize_insert(
+    q, kv, cache, slot_mapping, positions, cos_sin_cache, *, q_head_padded=0, apply_q_rope=True, q_inplace=False
+):
+    """Rotate q, then rotate, quantize and insert kv into the DeepSeek-V4 NVFP4 cache, in one launch.
+
+    The cache bytes equal appending the BF16-rounded roped KV row
+    (:func:`nvfp4_quantize_append_sparse_mla_cache`); ``q_out`` is the fp32 rotation of each live
+    head rounded to BF16, with zero-filled padded heads. Rows ``>= slot_mapping.numel()``
+    (data-parallel padding) get their ``q_out`` rows but are not inserted; negative and
+    out-of-range slots are skipped. A row whose position is outside ``cos_sin_cache`` is not
+    inserted and its live ``q_out`` heads are BF16 NaN (left untouched in place).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Contiguous CUDA BF16 ``[num_tokens, num_heads, 512]`` queries (448 NoPE dims, then 64 RoPE dims).
+    kv : torch.Tensor
+        Contiguous CUDA BF16 ``[num_tokens, 512]`` latent KV rows, one per query token (unrotated).
+    cache : torch.Tensor
+        uint8 NVFP4 paged cache: ``[num_pages, page_size, 384]``, HND ``[num_pages, 1, page_size, 384]``
+        or NHD ``[num_pages, page_size, 1, 384]``; any page size; page stride a multiple of 16 bytes
+        (padded pools accepted). Only the addressed records are written.
+    slot_mapping : torch.Tensor
+        Contiguous 1-D int32 or int64, at most ``num_tokens`` entries, ``page * page_size + entry``.
+        A valid slot must not repeat within one call.
+    positions : torch.Tensor
+        Contiguous 1-D int64 ``[num_tokens]`` rows of ``cos_sin_cache`` (int32 is rejected, not converted).
+    cos_sin_cache : torch.Tensor
+        Contiguous fp32 ``[max_position, 64]``: ``cos[32] | sin[32]``; pair ``p`` uses column ``p``.
+    q_head_padded : int
+        Heads of ``q_out``: 0 (cache only) or one of 8, 16, 32, 64, 128, at least ``num_heads``.
+    apply_q_rope : bool
+        Rotate the live heads (default); False copies them bitwise.
+    q_inplace : bool
+        Rotate dims 448..511 of ``q`` in place and return ``q`` (needs ``num_heads`` in
+        8, 16, 32, 64, 128 and ``q_head_padded`` 0 or ``num_heads``).
+
+    Returns
+    -------
+    torch.Tensor
+        ``q_out``, a new BF16 ``[num_tokens, q_head_padded, 512]`` tensor, or ``q`` itself in place.
+
+    Raises
+    ------
+    ValueError
+        On any argument outside the contract (SPEC.md section 6), before anything is written.
+    """
+    if _is_compiling():
+        if q_inplace:
+            torch.ops.nvfp4_mla.rope_quantize_insert_inplace(q, kv, cache, slot_mapping, positions, cos_sin_cache, apply_q_rope)
+            return q
+        return torch.ops.nvfp4_mla.rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope)
+    return _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace)
+
+
+def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, *, compress_ratio=1):
+    """Rotate, quantize and insert latent KV rows (no query), in one launch.
+
+    Row ``i < slot_mapping.numel()`` is inserted when its slot is valid and
+    ``(positions[i] + 1) % compress_ratio == 0``; its RoPE row is
+    ``positions[i] // compress_ratio * compress_ratio`` (the compressed pool of ratio 2 and
+    speculative-context writes). Negative positions and RoPE rows outside ``cos_sin_cache`` are
+    not inserted.
+
+    Parameters
+    ----------
+    kv, cache, slot_mapping, positions, cos_sin_cache : torch.Tensor
+        As in :func:`cake_dsv4_nvfp4_rope_quantize_insert`.
+    compress_ratio : int
+        1 or 2.
+
+    Returns
+    -------
+    None
+        The cache is updated in place.
+    """
+    if _is_compiling():
+        return torch.ops.nvfp4_mla.kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
+    return _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
+
+
+def nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache):
+    """Quantize already-roped BF16 rows and insert row ``i`` at ``slot_mapping[i]`` (the unfused writer).
+
+    Parameters
+    ----------
+    latent_kv : torch.Tensor
+        Contiguous CUDA BF16 ``[num_rows, 512]``.
+    slot_mapping : torch.Tensor
+        Contiguous 1-D int32 or int64, at most ``num_rows`` entries; negative and out-of-range
+        slots are skipped.
+    cache : torch.Tensor
+        As in :func:`cake_dsv4_nvfp4_rope_quantize_insert`.
+
+    Returns
+    -------
+    None
+        The cache is updated in place.
+    """
+    if _is_compiling():
+        return torch.ops.nvfp4_mla.quantize_append(latent_kv, slot_mapping, cache)
+    return _append(latent_kv, slot_mapping, cache)
+
+
+def nvfp4_quantize_pack_sparse_mla_cache(latent_kv, *, kv_layout="HND"):
+    """Quantize whole pages into a new cache.
+
+    Parameters
+    ----------
+    latent_kv : torch.Tensor
+        Contiguous CUDA BF16 ``[num_pages, page_size, 512]`` (already roped).
+    kv_layout : str
+        "HND" gives ``[num_pages, 1, page_size, 384]``, "NHD" ``[num_pages, page_size, 1, 384]``.
+
+    Returns
+    -------
+    torch.Tensor
+        The new uint8 cache, every byte written; equal to appending every row at slot
+        ``page * page_size + entry``.
+    """
+    if _is_compiling():
+        return torch.ops.nvfp4_mla.quantize_pack(latent_kv, kv_layout)
+    return _pack(latent_kv, kv_layout)

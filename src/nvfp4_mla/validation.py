@@ -33,22 +33,28 @@ def _fail(message: str) -> None:
 
 
 def _check_device(tensors: tuple, names: tuple, need_cuda: bool) -> None:
-    device = tensors[0].device
+    # get_device() is an int (-1 off CUDA): cheaper than building torch.device objects.
+    index = tensors[0].get_device()
     for t, name in zip(tensors, names):
-        if need_cuda and t.device.type != "cuda":
-            _fail(f"{name} must be a CUDA tensor, got one on {t.device}{_CUDA_FIX}")
-        if t.device != device:
-            _fail(
-                f"all tensors must be on the same CUDA device (or all on the CPU for the "
-                f"reference): {names[0]} is on {device}, {name} on {t.device}"
-            )
+        if t.get_device() != index or index < 0:
+            if need_cuda and not t.is_cuda:
+                _fail(f"{name} must be a CUDA tensor, got one on {t.device}{_CUDA_FIX}")
+            if t.device != tensors[0].device:
+                _fail(
+                    f"all tensors must be on the same CUDA device (or all on the CPU for the "
+                    f"reference): {names[0]} is on {tensors[0].device}, {name} on {t.device}"
+                )
 
 
 def _check_aligned(tensors: tuple, names: tuple) -> None:
     # The kernels move these with 16-byte vector accesses.
-    for t, name in zip(tensors, names):
-        if t.data_ptr() % abi.PAGE_ALIGN:
-            _fail(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x}); pass a fresh tensor")
+    combined = 0
+    for t in tensors:
+        combined |= t.data_ptr()
+    if combined % abi.PAGE_ALIGN:
+        for t, name in zip(tensors, names):
+            if t.data_ptr() % abi.PAGE_ALIGN:
+                _fail(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x}); pass a fresh tensor")
 
 
 def check_cache(cache: torch.Tensor) -> CacheGeometry:
@@ -94,7 +100,7 @@ def _check_slots(slot_mapping: torch.Tensor, num_rows: int) -> None:
         _fail(f"slot_mapping must be a contiguous 1D tensor, got shape {list(slot_mapping.shape)}")
     if slot_mapping.shape[0] > num_rows:
         _fail(
-            f"slot_mapping must never be longer than the number of token rows: "
+            f"slot_mapping must hold at most one slot per token row (never longer than the rows): "
             f"{slot_mapping.shape[0]} slots for {num_rows} rows"
         )
 
