@@ -506,11 +506,13 @@ def test_group_scale_underflow():
     # amax/6 rounds to E4M3 zero when amax * R6 <= 2^-10, i.e. amax < ~0.00586
     assert reference.e4m3_code(f32([0.005859375 * float(R6_NP)])).item() == 0  # 0.005859375 = 3 * 2^-9
     assert reference.e4m3_code(f32([0.005889892578125 * float(R6_NP)])).item() == 1
-    group = [0.005, -0.004, 0.0, -0.0, 0.001, -0.001, 2.0**-126, -(2.0**-126)] + [0.0] * 7 + [0.0058]
+    sub = [-(2.0**-130), 2.0**-133]  # subnormal BF16: signed zeros, so NaN too (not -inf)
+    group = [0.005, -0.004, 0.0, -0.0, 0.001, -0.001, 2.0**-126, -(2.0**-126)] + sub + [0.0] * 5 + [0.0058]
     data, scales = reference.quantize_rows(_rows_with_group(group))
     assert scales[0, 0].item() == 0x00
     # nonzero elements: v * inf -> +-6; zeros: 0 * inf = NaN -> +6 (0x7)
     assert _group_codes(data, 0) == [0x7, 0xF, 0x7, 0x7, 0x7, 0xF, 0x7, 0xF] + [0x7] * 7 + [0x7]
+    assert _sim_group(torch.tensor(group).to(torch.bfloat16).float().tolist()) == (0, _group_codes(data, 0))
     assert data[0, :8].tolist() == [0xF7, 0x77, 0xF7, 0xF7, 0x77, 0x77, 0x77, 0x77]
     # it still dequantizes to zeros
     cache = make_cache(1, 1)

@@ -268,7 +268,9 @@ def test_main_position_safety(seed):
     T, H, hp = 12, 8, 16
     q, kv = random_rows((T, H, 512)), random_rows((T, 512))
     max_position = 20
-    table = cos_sin_table(max_position)
+    # rows of a later window, so that row 0 is not the identity rotation: a reference that rotated
+    # out-of-range rows with some in-range row would show
+    table = cos_sin_table(max_position + 9)[9:].clone()
     positions = torch.randint(0, max_position, (T,))
     bad = [1, 4, 7, 10]
     positions[1], positions[4], positions[7], positions[10] = -1, max_position, 2**40, -(2**62)
