@@ -21,7 +21,7 @@ def test_info(capsys, monkeypatch, tmp_path):
     (tmp_path / "sm_90-abc-def.cubin").write_bytes(b"x" * 100)
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    for word in ("GPU:", "torch:", "CuPy:", "NVRTC:", f"kernel cache: {tmp_path}", "sm_90: 1 kernels, 100 B"):
+    for word in ("GPU:", "torch:", "CuPy:", "NVRTC:", f"kernel cache: {tmp_path}", "sm_90: 1 kernel, 100 B"):
         assert word in out
     if gpu_status().name is None:
         assert "no GPU" in out
@@ -40,7 +40,7 @@ def test_demo(capsys, tmp_path, force_cpu):
     assert main(["demo", "--save", str(saved)] + (["--cpu"] if force_cpu else [])) == 0
     out = capsys.readouterr().out
     if force_cpu or gpu_status().why_not:
-        assert "Ran nvfp4_mla.reference on the CPU" in out
+        assert "Ran nvfp4_mla.reference on the CPU, not the GPU kernels: " in out
     else:
         assert "Ran the fused GPU entry" in out and "reference on the CPU: yes" in out
     assert "group 27" in out and "max |quantization error|" in out
@@ -107,6 +107,8 @@ def test_precompile(capsys, monkeypatch, tmp_path):
     [
         (["--heads", "8", "--q-head-padded", "16", "--inplace", "--arch", "sm_90"], "q_inplace needs"),
         (["--arch", "sm_90"], "nothing to build"),
+        (["--q-head-padded", "16", "--arch", "sm_90"], "give --heads too"),
+        (["--heads", "8", "--page-size", "0", "--arch", "sm_90"], "--page-size must be positive"),
     ],
 )
 def test_precompile_errors(capsys, argv, message):

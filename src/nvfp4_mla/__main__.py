@@ -25,23 +25,23 @@ from . import abi, jit, reference, validation
 class GpuStatus(NamedTuple):
     name: str | None  # the current GPU's name, None without one
     arch: str | None  # "sm_90", ...
-    why_not: str | None  # None when the GPU kernels can run here, else one sentence why not
+    why_not: str | None  # None when the GPU kernels can run here, else why not (one clause)
 
 
 def gpu_status() -> GpuStatus:
     """Whether the GPU entries can run here: a CUDA GPU of sm_80 or newer, CuPy and NVRTC."""
     if not torch.cuda.is_available():
-        return GpuStatus(None, None, "torch sees no CUDA GPU on this machine.")
+        return GpuStatus(None, None, "torch sees no CUDA GPU on this machine")
     major, minor = torch.cuda.get_device_capability()
     name, arch = torch.cuda.get_device_name(), f"sm_{major}{minor}"
     if major < 8:
-        return GpuStatus(name, arch, f"{name} is {arch}, older than the sm_80 the kernels need.")
+        return GpuStatus(name, arch, f"{name} is {arch}, older than the sm_80 the kernels need")
     try:
         from cupy.cuda import nvrtc
 
         nvrtc.getVersion()
     except Exception as exc:  # CuPy missing, or libnvrtc not found
-        return GpuStatus(name, arch, f"CuPy with NVRTC is not usable ({exc}); pip install 'nvfp4-mla[cu12]'.")
+        return GpuStatus(name, arch, f"CuPy with NVRTC is not usable ({exc}); pip install 'nvfp4-mla[cu12]'")
     return GpuStatus(name, arch, None)
 
 
@@ -70,6 +70,10 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes:.1f} GiB"
 
 
+def _kernels(n: int) -> str:
+    return f"{n} kernel" + ("s" if n != 1 else "")
+
+
 def cache_summary(directory: Path) -> list[str]:
     """Lines describing the cubins in ``directory`` (named ``<arch>-<key>-<hash>.cubin``)."""
     files = sorted(directory.glob("*.cubin")) if directory.is_dir() else []
@@ -79,8 +83,8 @@ def cache_summary(directory: Path) -> list[str]:
     for f in files:
         by_arch.setdefault(f.name.split("-", 1)[0], []).append(f.stat().st_size)
     total = sum(sum(sizes) for sizes in by_arch.values())
-    lines = [f"  {len(files)} kernels, {_size(total)}"]
-    lines += [f"  {arch}: {len(sizes)} kernels, {_size(sum(sizes))}" for arch, sizes in sorted(by_arch.items())]
+    lines = [f"  {_kernels(len(files))}, {_size(total)}"]
+    lines += [f"  {arch}: {_kernels(len(sizes))}, {_size(sum(sizes))}" for arch, sizes in sorted(by_arch.items())]
     return lines
 
 
@@ -94,7 +98,7 @@ def cmd_info(args) -> int:
     else:
         print(f"GPU:   {status.name} ({status.arch})")
     if status.why_not:
-        print(f"       GPU entries unavailable: {status.why_not}")
+        print(f"       GPU entries unavailable: {status.why_not}.")
     for name, version in _versions().items():
         print(f"{name + ':':6} {version}")
     directory = jit.cache_dir()
@@ -140,6 +144,10 @@ def cmd_precompile(args) -> int:
     from .ops import precompile
 
     parser = args.parser
+    if args.page_size < 1:
+        parser.error(f"--page-size must be positive, got {args.page_size}")
+    if (args.q_head_padded or args.inplace) and not args.heads:
+        parser.error("--q-head-padded and --inplace describe the main entry: give --heads too")
     geometries = _geometries(args)
     if not geometries:
         parser.error("nothing to build: give --heads (main entry), --kv-ratio and/or --append")
@@ -166,7 +174,7 @@ def cmd_precompile(args) -> int:
     _progress(len(jobs), len(jobs), "done")
     for path in paths:
         print(path)
-    print(f"{len(paths)} kernels ready in {paths[0].parent}")
+    print(f"{_kernels(len(paths))} ready in {paths[0].parent}")
     return 0
 
 
@@ -249,8 +257,8 @@ def cmd_demo(args) -> int:
 
     status = gpu_status()
     if args.cpu or status.why_not:
-        why = "--cpu was given." if args.cpu else status.why_not
-        print(f"Ran nvfp4_mla.reference on the CPU (the GPU kernels are not used: {why})")
+        why = "--cpu was given" if args.cpu else status.why_not
+        print(f"Ran nvfp4_mla.reference on the CPU, not the GPU kernels: {why}.")
         q_out = reference.cake_dsv4_nvfp4_rope_quantize_insert(*inputs, q_head_padded=q_head_padded)
     else:
         gpu_inputs = tuple(t.cuda() for t in inputs)
