@@ -187,6 +187,7 @@ def cubin_path(variant: Variant, arch: str) -> Path:
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(cubin)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep other users of a shared cache out
         os.replace(tmp, path)  # atomic: a concurrent reader sees a whole file or none
         return path
 
