@@ -173,6 +173,10 @@ class Case:
     table: str = "real"  # see make_table
     max_position: int = 4096
 
+    def __post_init__(self):
+        assert self.entry in ENTRIES, self.entry
+        assert self.layout in (abi.KV_LAYOUTS if self.entry == "pack" else ("3D", *abi.KV_LAYOUTS)), self.layout
+
     def __str__(self):
         changed = [
             f"{f.name}={getattr(self, f.name)}"
@@ -679,7 +683,7 @@ def test_reference_same_on_cpu_and_cuda(seed):
         Case(heads=16, q_head_padded=0, q_inplace=True, table="wild", **crafted),
         Case(entry="kv", compress_ratio=2, table="wild", **crafted),
         Case(entry="append", **crafted),
-        Case(entry="pack", page_size=16, pages=8, rows="crafted"),
+        Case(entry="pack", page_size=16, pages=8, layout="HND", rows="crafted"),
     ]
     run_cases(cases, run=lambda case: check_case(case, ref_device="cpu", impl=getattr(reference, ENTRIES[case.entry])))
 
@@ -700,7 +704,7 @@ def test_cpu_tensors_rejected(seed):
     """CPU tensors passed to a GPU entry raise ValueError 'must be a CUDA tensor' (the argument
     checks come before any compile or launch, so this runs without a GPU)."""
     for entry in ENTRIES:
-        case = Case(entry=entry, tokens=4, pages=2)
+        case = Case(entry=entry, tokens=4, pages=2, layout="HND")
         args = args_of(entry, make_inputs(case, device="cpu"))
         with pytest.raises(ValueError, match="must be a CUDA tensor"):
             gpu_entry(ENTRIES[entry])(*args, **case.kwargs())
