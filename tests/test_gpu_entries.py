@@ -622,8 +622,8 @@ def test_position_safety(seed):
 def test_debug_check_env(seed, monkeypatch):
     """NVFP4_MLA_CHECK=1 (SPEC section 5): good inputs (padding slots included) still match the
     reference; an out-of-range position or a repeated valid slot raises ValueError before any
-    write. Assumes the variable is read at call time."""
-    monkeypatch.setenv("NVFP4_MLA_CHECK", "1")
+    write. The variable is read at import; the module attribute it sets is flipped here."""
+    monkeypatch.setattr(nvfp4_mla.validation, "DEBUG_CHECKS", True)
     case = Case(tokens=24)
     check_case(case)
     for problem in ("position", "slot"):

@@ -402,3 +402,38 @@ def test_pack_bad_rows():
             reference.nvfp4_quantize_pack_sparse_mla_cache(torch.zeros(shape, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"latent_kv must be contiguous"):
         reference.nvfp4_quantize_pack_sparse_mla_cache(torch.zeros(4, 2, 512, dtype=torch.bfloat16).transpose(0, 1))
+
+
+# ---------------------------------------------------------------- NVFP4_MLA_CHECK debug checks
+
+
+def test_debug_check_names_the_first_out_of_range_position():
+    positions = torch.tensor([0, 5, 99, -1, 100])
+    with pytest.raises(ValueError, match=r"row 3 has position -1, outside cos_sin_cache \[0, 100\)"):
+        validation.debug_check_rows(torch.arange(5), 64, positions, 100)
+    validation.debug_check_rows(torch.arange(5), 64, positions.clamp(0, 99), 100)
+
+
+def test_debug_check_ratio_two_checks_the_rope_row_of_inserted_rows_only():
+    positions = torch.tensor([8, 9, 12])  # rope rows 8, 8, 12; row 2 is DP padding (no slot)
+    validation.debug_check_rows(torch.arange(2), 64, positions, 10, compress_ratio=2)
+    with pytest.raises(ValueError, match="row 1 has position 11"):
+        validation.debug_check_rows(torch.arange(2), 64, torch.tensor([8, 11]), 10, compress_ratio=2)
+
+
+def test_debug_check_names_a_repeated_valid_slot():
+    slots = torch.tensor([3, -1, 7, -1, 64, 64, 7], dtype=torch.int32)  # -1 and 64 are padding
+    with pytest.raises(ValueError, match="row 6 repeats slot 7 of row 2"):
+        validation.debug_check_rows(slots, 64)
+    validation.debug_check_rows(slots[:6], 64)
+
+
+def test_debug_checks_follow_the_environment_at_import():
+    import subprocess
+    import sys
+
+    code = "import nvfp4_mla.validation as v; print(v.DEBUG_CHECKS)"
+    for value, expected in (("1", "True"), ("0", "False"), ("", "False")):
+        env = {**__import__("os").environ, "NVFP4_MLA_CHECK": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected

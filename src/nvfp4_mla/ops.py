@@ -110,6 +110,8 @@ def _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, 
     geometry = validation.check_main(
         q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, q_inplace, need_cuda=True
     )
+    if validation.DEBUG_CHECKS:
+        validation.debug_check_rows(slot_mapping, geometry.num_pages * geometry.page_size, positions, cos_sin_cache.shape[0])
     num_tokens, num_heads = q.shape[0], q.shape[1]
     num_kv_rows = slot_mapping.shape[0]
     if q_inplace:
@@ -134,6 +136,9 @@ def _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, 
 
 def _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio):
     geometry = validation.check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda=True)
+    if validation.DEBUG_CHECKS:
+        capacity = geometry.num_pages * geometry.page_size
+        validation.debug_check_rows(slot_mapping, capacity, positions, cos_sin_cache.shape[0], compress_ratio)
     num_kv_rows = slot_mapping.shape[0]
     if num_kv_rows == 0:
         return None
@@ -147,6 +152,8 @@ def _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, 
 
 def _append(latent_kv, slot_mapping, cache):
     geometry = validation.check_append(latent_kv, slot_mapping, cache, need_cuda=True)
+    if validation.DEBUG_CHECKS:
+        validation.debug_check_rows(slot_mapping, geometry.num_pages * geometry.page_size)
     num_kv_rows = slot_mapping.shape[0]
     if num_kv_rows == 0:
         return None

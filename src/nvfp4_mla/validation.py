@@ -11,11 +11,16 @@ allocation, no device synchronisation.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 
 from . import abi
+
+# NVFP4_MLA_CHECK=1 (read at import): the kernel entries also run debug_check_rows, which
+# synchronises with the device. Tests and notebooks may flip this attribute directly.
+DEBUG_CHECKS = os.environ.get("NVFP4_MLA_CHECK", "0") not in ("", "0")
 
 _BF16 = torch.bfloat16
 _SLOT_DTYPES = (torch.int32, torch.int64)
@@ -221,3 +226,26 @@ def check_dequantize(cache, slots, dtype) -> CacheGeometry:
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         _fail(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     return geometry
+
+
+def debug_check_rows(slot_mapping, capacity: int, positions=None, max_position: int = 0, compress_ratio: int = 1) -> None:
+    """The NVFP4_MLA_CHECK=1 checks of the device's unchecked preconditions, naming the first bad
+    row: every RoPE row the call would read is inside cos_sin_cache, and no valid slot repeats.
+    Copies the index tensors to the host (a synchronisation): a debugging aid only."""
+    if positions is not None:
+        pos = positions.cpu()
+        used = pos[: slot_mapping.shape[0]] if compress_ratio > 1 else pos
+        rope_rows = torch.div(used, compress_ratio, rounding_mode="floor") * compress_ratio
+        bad = ((used < 0) | (rope_rows >= max_position)).nonzero()
+        if bad.numel():
+            row = int(bad[0])
+            _fail(
+                f"NVFP4_MLA_CHECK: row {row} has position {int(used[row])}, outside cos_sin_cache "
+                f"[0, {max_position}) (compress_ratio {compress_ratio})"
+            )
+    first_row = {}
+    for row, slot in enumerate(slot_mapping.tolist()):
+        if 0 <= slot < capacity:
+            if slot in first_row:
+                _fail(f"NVFP4_MLA_CHECK: row {row} repeats slot {slot} of row {first_row[slot]}; a valid slot may appear once per call")
+            first_row[slot] = row
