@@ -8,11 +8,13 @@
 //   Q_MODE          0: no query work, 1: write the head-padded q_out, 2: rotate q in place
 //   NUM_HEADS       live query heads; Q_HEADS: heads of q_out (the padded count)
 //   APPLY_Q_ROPE    rotate the live heads (else copy them bitwise)
+//   Q_ROWS_PER_UNIT 16-byte query loads in flight per thread (see jit.q_units)
 //
 // Work is cut into units of 64 threads, each thread one 16-byte chunk of a 512-dim BF16 row:
 // units [0, num_kv_rows) quantize and insert KV row `unit`; the units after them write the query
-// (one (token, head) row of q_out each, or in place 8 heads x 8 RoPE chunks each). A unit is two
-// whole warps, so early exits never split a warp before its shuffles.
+// (Q_ROWS_PER_UNIT (token, head) rows of q_out each, or in place Q_ROWS_PER_UNIT x 8 heads x 8
+// RoPE chunks each). A unit is two whole warps, so early exits never split a warp before its
+// shuffles.
 #include "nvfp4_numerics.cuh"
 
 #define THREADS 256
@@ -66,23 +68,24 @@ __device__ __forceinline__ void insert_kv_row(const Params& p, i64 row, int c) {
     u8* page = p.cache + (slot / PAGE_SIZE) * p.page_stride;
     const i64 entry = slot % PAGE_SIZE;
     u8* data = page + entry * DATA_BYTES;
-    u8* scale = page + PAGE_SIZE * DATA_BYTES + entry * SCALE_BYTES;
+    u8* scale_slot = page + PAGE_SIZE * DATA_BYTES + entry * SCALE_BYTES;
     const uint4 x = p.kv[row * CHUNKS + c];
-
-    // Every lane quantizes (RoPE lanes on data they discard) so the warp shuffles stay whole.
-    u32 scale_code;
-    const u32 codes = quantize_half(x, &scale_code);
+    // Every lane takes part in the shuffles (RoPE lanes on data they discard); only NoPE lanes
+    // compute codes.
+    const float amax = half_amax(x);
+    const u32 scale = scale_code(amax);
+    const u32 codes = c < NOPE_CHUNKS ? half_codes(x, amax, scale) : 0u;
     // Four lanes' code words make one 16-byte store; lanes 8w, 8w+2, 8w+4, 8w+6 hold the scales
     // of groups 4w..4w+3, one 4-byte store.
     const u32 c1 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 1);
     const u32 c2 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 2);
     const u32 c3 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 3);
-    const u32 s1 = __shfl_down_sync(NVFP4_FULL_MASK, scale_code, 2);
-    const u32 s2 = __shfl_down_sync(NVFP4_FULL_MASK, scale_code, 4);
-    const u32 s3 = __shfl_down_sync(NVFP4_FULL_MASK, scale_code, 6);
+    const u32 s1 = __shfl_down_sync(NVFP4_FULL_MASK, scale, 2);
+    const u32 s2 = __shfl_down_sync(NVFP4_FULL_MASK, scale, 4);
+    const u32 s3 = __shfl_down_sync(NVFP4_FULL_MASK, scale, 6);
     if (c < NOPE_CHUNKS) {
         if ((c & 3) == 0) *reinterpret_cast<uint4*>(data + 4 * c) = make_uint4(codes, c1, c2, c3);
-        if ((c & 7) == 0) *reinterpret_cast<u32*>(scale + c / 2) = scale_code | (s1 << 8) | (s2 << 16) | (s3 << 24);
+        if ((c & 7) == 0) *reinterpret_cast<u32*>(scale_slot + c / 2) = scale | (s1 << 8) | (s2 << 16) | (s3 << 24);
     } else {
         const int k = c - NOPE_CHUNKS;
 #if KV_ROPE
@@ -91,41 +94,64 @@ __device__ __forceinline__ void insert_kv_row(const Params& p, i64 row, int c) {
         const uint4 out = x;
 #endif
         *reinterpret_cast<uint4*>(data + NOPE_BYTES + 16 * k) = out;
-        if (k == 0) *reinterpret_cast<u32*>(scale + 28) = 0u;  // scale slot bytes 28..31
+        if (k == 0) *reinterpret_cast<u32*>(scale_slot + 28) = 0u;  // scale slot bytes 28..31
     }
 }
 
 #if Q_MODE == 1
-// One (token, head) row of q_out: live heads rotated or copied, padded heads zero, and a
-// whole live head of BF16 NaN when the position is outside cos_sin_cache.
-__device__ __forceinline__ void write_q_out_row(const Params& p, i64 qunit, int c) {
-    const i64 token = qunit / Q_HEADS;
-    const int head = static_cast<int>(qunit % Q_HEADS);
-    uint4 out = make_uint4(0u, 0u, 0u, 0u);
-    if (head < NUM_HEADS) {
-        out = p.q[(token * NUM_HEADS + head) * CHUNKS + c];
-#if APPLY_Q_ROPE
-        const i64 pos = p.positions[token];
-        if (pos < 0 || pos >= p.max_position) {
-            out = make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
-        } else if (c >= NOPE_CHUNKS) {
-            out = rope_row_chunk(p, out, pos, c - NOPE_CHUNKS);
-        }
-#endif
+// Q_ROWS_PER_UNIT consecutive (token, head) rows of q_out, one token's (Q_HEADS is a multiple
+// of 8): live heads rotated or copied, padded heads zero, and whole live heads of BF16 NaN when
+// the position is outside cos_sin_cache. All loads are issued before the first use.
+__device__ __forceinline__ void write_q_out_rows(const Params& p, i64 qunit, int c) {
+    const i64 first = qunit * Q_ROWS_PER_UNIT;
+    const i64 token = first / Q_HEADS;
+    const int head0 = static_cast<int>(first % Q_HEADS);
+    uint4 out[Q_ROWS_PER_UNIT];
+#pragma unroll
+    for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) {
+        out[r] = make_uint4(0u, 0u, 0u, 0u);
+        if (head0 + r < NUM_HEADS) out[r] = p.q[(token * NUM_HEADS + head0 + r) * CHUNKS + c];
     }
-    p.q_out[qunit * CHUNKS + c] = out;
+#if APPLY_Q_ROPE
+    const i64 pos = p.positions[token];
+    const bool in_range = pos >= 0 && pos < p.max_position;
+    if (c >= NOPE_CHUNKS && in_range) {
+        const int k = c - NOPE_CHUNKS;
+        const float4 cs = *reinterpret_cast<const float4*>(p.cos_sin + pos * 64 + 4 * k);
+        const float4 sn = *reinterpret_cast<const float4*>(p.cos_sin + pos * 64 + 32 + 4 * k);
+#pragma unroll
+        for (int r = 0; r < Q_ROWS_PER_UNIT; ++r)
+            if (head0 + r < NUM_HEADS) out[r] = rope_chunk(out[r], cs, sn);
+    }
+    if (!in_range) {
+#pragma unroll
+        for (int r = 0; r < Q_ROWS_PER_UNIT; ++r)
+            if (head0 + r < NUM_HEADS) out[r] = make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
+    }
+#endif
+#pragma unroll
+    for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) p.q_out[(first + r) * CHUNKS + c] = out[r];
 }
 #endif
 
 #if Q_MODE == 2
-// In place: 8 heads x the 8 RoPE chunks of one token; out-of-range positions leave q untouched.
+// In place: Q_ROWS_PER_UNIT groups of 8 heads x the 8 RoPE chunks of one token; out-of-range
+// positions leave q untouched.
 __device__ __forceinline__ void rotate_q_in_place(const Params& p, i64 qunit, int c) {
-    const i64 token = qunit / (NUM_HEADS / 8);
-    const i64 head = (qunit % (NUM_HEADS / 8)) * 8 + (c >> 3);
+    constexpr int heads_per_unit = 8 * Q_ROWS_PER_UNIT;
+    const i64 token = qunit / (NUM_HEADS / heads_per_unit);
+    const i64 head0 = (qunit % (NUM_HEADS / heads_per_unit)) * heads_per_unit + (c >> 3);
+    const int k = c & 7;
     const i64 pos = p.positions[token];
     if (pos < 0 || pos >= p.max_position) return;
-    const i64 chunk = (token * NUM_HEADS + head) * CHUNKS + NOPE_CHUNKS + (c & 7);
-    p.q_out[chunk] = rope_row_chunk(p, p.q_out[chunk], pos, c & 7);
+    uint4* rows = p.q_out + (token * NUM_HEADS + head0) * CHUNKS + NOPE_CHUNKS + k;  // heads head0 + 8r
+    uint4 x[Q_ROWS_PER_UNIT];
+#pragma unroll
+    for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) x[r] = rows[8 * r * CHUNKS];
+    const float4 cs = *reinterpret_cast<const float4*>(p.cos_sin + pos * 64 + 4 * k);
+    const float4 sn = *reinterpret_cast<const float4*>(p.cos_sin + pos * 64 + 32 + 4 * k);
+#pragma unroll
+    for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) rows[8 * r * CHUNKS] = rope_chunk(x[r], cs, sn);
 }
 #endif
 
@@ -138,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_write(const Para
         return;
     }
 #if Q_MODE == 1
-    write_q_out_row(p, unit - p.num_kv_rows, c);
+    write_q_out_rows(p, unit - p.num_kv_rows, c);
 #elif Q_MODE == 2
     rotate_q_in_place(p, unit - p.num_kv_rows, c);
 #endif

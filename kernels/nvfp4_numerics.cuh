@@ -53,11 +53,16 @@ __device__ __forceinline__ float e4m3_value(u32 code) {
 
 // E2M1 code: sign of y (also when the magnitude rounds to 0), magnitude to nearest even on
 // {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6; NaN -> +6 (0x7).
+// The grid has spacing 0.5 below 2, 1 in [2, 4), 2 in [4, 6]: scale |y| to unit spacing, round
+// to nearest even by adding 1.5 * 2^23 (the sum's low mantissa bits are the rounded integer),
+// then add the code of the interval's start.
 __device__ __forceinline__ u32 e2m1_code(float y) {
     if (y != y) return 7u;
-    const float a = fabsf(y);
-    const u32 mag = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-    return mag | ((__float_as_uint(y) >> 28) & 8u);
+    const float a = fminf(fabsf(y), 6.0f);
+    const float scale = a < 2.0f ? 2.0f : (a < 4.0f ? 1.0f : 0.5f);
+    const u32 base = a < 2.0f ? 0u : (a < 4.0f ? 2u : 4u);
+    const u32 rounded = __float_as_uint(__fadd_rn(__fmul_rn(a, scale), 12582912.0f)) & 0xffu;
+    return min(rounded + base, 7u) | ((__float_as_uint(y) >> 28) & 8u);
 }
 
 // a > b ? a : b -- the reference quantizer's max: a NaN in b survives, a NaN in a does not.
@@ -65,14 +70,13 @@ __device__ __forceinline__ float sel(float a, float b) { return a > b ? a : b; }
 
 __device__ __forceinline__ bool is_subnormal_or_zero(float v) { return fabsf(v) < 1.17549435e-38f; }
 
-// Quantizes one half (8 consecutive NoPE values, 16 bytes) of a 16-element group. The partner
-// half of the same group must be in lane ^ 1 of the same warp, and every lane of the warp must
-// call this (it shuffles). Returns the 8 E2M1 codes (element k in bits 4k..4k+3); *scale_code
-// receives this half's E4M3 code (the group's scale byte is half 0's).
-__device__ __forceinline__ u32 quantize_half(uint4 x, u32* scale_code) {
+// Steps 2-5 for one half (8 consecutive NoPE values, 16 bytes) of a 16-element group: the
+// half's amax after the reference quantizer's two-thread reduction, and its E4M3 code (the
+// group's scale byte is half 0's). The partner half must be in lane ^ 1 of the same warp, and
+// every lane of the warp must call this (it shuffles).
+__device__ __forceinline__ float half_amax(uint4 x) {
     const u32 w[4] = {x.x, x.y, x.z, x.w};
-    // Steps 2-3: per-lane folds (x = even elements, y = odd), then the partner half, then x vs y.
-    float mx = 0.0f, my = 0.0f;
+    float mx = 0.0f, my = 0.0f;  // per-lane folds: x = even elements, y = odd
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const float ax = fabsf(bf16_value(w[i] & 0xffffu)), ay = fabsf(bf16_value(w[i] >> 16));
@@ -81,12 +85,16 @@ __device__ __forceinline__ u32 quantize_half(uint4 x, u32* scale_code) {
         my = i ? sel(my, fy) : fy;
     }
     const float px = __shfl_xor_sync(NVFP4_FULL_MASK, mx, 1), py = __shfl_xor_sync(NVFP4_FULL_MASK, my, 1);
-    const float amax = sel(sel(px, mx), sel(py, my));
-    // Steps 4-5.
-    const u32 code = e4m3_code(__fmul_rn(amax, __uint_as_float(0x3E2AAAABu)));
+    return sel(sel(px, mx), sel(py, my));
+}
+
+__device__ __forceinline__ u32 scale_code(float amax) { return e4m3_code(__fmul_rn(amax, __uint_as_float(0x3E2AAAABu))); }
+
+// Steps 5-7: the 8 E2M1 codes of a half (element k in bits 4k..4k+3). A subnormal product
+// needs no flush: it rounds to a signed E2M1 zero either way.
+__device__ __forceinline__ u32 half_codes(uint4 x, float amax, u32 code) {
+    const u32 w[4] = {x.x, x.y, x.z, x.w};
     const float inv = amax != 0.0f ? __frcp_rn(e4m3_value(code)) : 0.0f;
-    *scale_code = code;
-    // Steps 6-7. A subnormal product needs no flush: it rounds to a signed E2M1 zero either way.
     u32 codes = 0;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {

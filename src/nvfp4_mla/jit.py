@@ -52,7 +52,25 @@ class Variant(NamedTuple):
     def options(self) -> list[str]:
         names = ("PAGE_SIZE", "SLOT_INT64", "IDENTITY_SLOTS", "KV_ROPE", "COMPRESS_RATIO",
                  "Q_MODE", "NUM_HEADS", "Q_HEADS", "APPLY_Q_ROPE")
-        return [f"-D{name}={int(value)}" for name, value in zip(names, self)]
+        rows = q_rows_per_unit(self.q_mode, self.num_heads)
+        return [f"-D{name}={int(value)}" for name, value in zip(names, self)] + [f"-DQ_ROWS_PER_UNIT={rows}"]
+
+
+def q_rows_per_unit(q_mode: int, num_heads: int) -> int:
+    """16-byte query loads in flight per thread: 4 rows of q_out (q_mode 1), or up to 4 groups
+    of 8 heads in place (q_mode 2)."""
+    return 4 if q_mode == 1 else min(4, num_heads // 8) if q_mode == 2 else 1
+
+
+def num_units(key: tuple, num_tokens: int, num_kv_rows: int) -> int:
+    """Work units of a launch (64 threads each): the KV rows, then the query's units.
+    ``key`` is a Variant's fields as a plain tuple."""
+    q_mode, num_heads, q_heads = key[5], key[6], key[7]
+    if q_mode == 1:
+        return num_kv_rows + num_tokens * q_heads // 4
+    if q_mode == 2:
+        return num_kv_rows + num_tokens * num_heads // (8 * q_rows_per_unit(2, num_heads))
+    return num_kv_rows
 
 
 class CompileResult(NamedTuple):

@@ -116,17 +116,14 @@ def _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, 
     num_kv_rows = slot_mapping.shape[0]
     if q_inplace:
         q_out = q
-        q_units = num_tokens * num_heads // 8 if apply_q_rope else 0  # 8 heads' RoPE chunks a unit
     elif q_head_padded:
         q_out = torch.empty((num_tokens, q_head_padded, abi.HEAD_DIM), dtype=torch.bfloat16, device=q.device)
-        q_units = num_tokens * q_head_padded
     else:
         q_out = q.new_empty((num_tokens, 0, abi.HEAD_DIM))
-        q_units = 0
-    num_units = num_kv_rows + q_units
-    if num_units == 0:
-        return q_out
     key = _main_variant(geometry.page_size, slot_mapping.dtype is torch.int64, num_heads, q_head_padded, apply_q_rope, q_inplace)
+    num_units = jit.num_units(key, num_tokens, num_kv_rows)
+    if num_units == 0:  # T == 0, or a cache-only call without slots
+        return q_out
     _launch(
         key, num_units, q.data_ptr(), q_out.data_ptr(), kv.data_ptr(), cache, slot_mapping.data_ptr(),
         positions.data_ptr(), cos_sin_cache.data_ptr(), geometry, cos_sin_cache.shape[0], num_kv_rows,
