@@ -23,8 +23,8 @@ MAX_POSITION = 97
 def inputs(num_tokens, num_heads, page_size, slot_dtype):
     num_pages = num_tokens // page_size + 2
     capacity = num_pages * page_size
-    slots = torch.randperm(capacity)[: max(num_tokens - 1, 0)]  # the last row is DP padding
-    if slots.numel() >= 3:
+    slots = torch.randperm(capacity - 1)[: max(num_tokens - 1, 0)]  # the last row is DP padding
+    if slots.numel() >= 3:  # capacity - 1 is not drawn above, so slots stay unique
         slots[0], slots[1], slots[2] = -1, capacity, capacity - 1  # skipped, skipped, last slot
     positions = torch.randint(0, MAX_POSITION, (num_tokens,))
     if num_tokens >= 5:

@@ -8,10 +8,12 @@
 //   Q_MODE          0: no query work, 1: write the head-padded q_out, 2: rotate q in place
 //   NUM_HEADS       live query heads; Q_HEADS: heads of q_out (the padded count)
 //   APPLY_Q_ROPE    rotate the live heads (else copy them bitwise)
-//   Q_ROWS_PER_UNIT 16-byte query loads in flight per thread (see jit.q_units)
+//   Q_ROWS_PER_UNIT 16-byte query loads in flight per thread (see jit.num_units)
+//   KV_ROWS_PER_UNIT KV rows a unit inserts, their loads in flight together
 //
 // Work is cut into units of 64 threads, each thread one 16-byte chunk of a 512-dim BF16 row:
-// units [0, num_kv_rows) quantize and insert KV row `unit`; the units after them write the query
+// the first ceil(num_kv_rows / KV_ROWS_PER_UNIT) units quantize and insert KV rows; the units
+// after them write the query
 // (Q_ROWS_PER_UNIT (token, head) rows of q_out each, or in place Q_ROWS_PER_UNIT x 8 heads x 8
 // RoPE chunks each). A unit is two whole warps, so early exits never split a warp before its
 // shuffles.
@@ -48,53 +50,69 @@ __device__ __forceinline__ uint4 rope_row_chunk(const Params& p, uint4 x, i64 r,
     return rope_chunk(x, c, s);
 }
 
-__device__ __forceinline__ void insert_kv_row(const Params& p, i64 row, int c) {
+// Quantizes and inserts KV_ROWS_PER_UNIT rows. All their loads (slots, positions, data) are
+// issued before the first is used: they are independent, and one round trip to memory instead
+// of a chain of them is what short calls wait for.
+__device__ __forceinline__ void insert_kv_rows(const Params& p, i64 unit, int c) {
+    i64 slot[KV_ROWS_PER_UNIT], pos[KV_ROWS_PER_UNIT];
+    uint4 x[KV_ROWS_PER_UNIT];
+#pragma unroll
+    for (int j = 0; j < KV_ROWS_PER_UNIT; ++j) {
+        const i64 row = unit * KV_ROWS_PER_UNIT + j;
+        const bool exists = row < p.num_kv_rows;
 #if IDENTITY_SLOTS
-    const i64 slot = row;
+        slot[j] = row;
+#elif SLOT_INT64
+        slot[j] = exists ? static_cast<const i64*>(p.slots)[row] : -1;
 #else
-#if SLOT_INT64
-    const i64 slot = static_cast<const i64*>(p.slots)[row];
-#else
-    const i64 slot = static_cast<const int*>(p.slots)[row];
-#endif
-    if (slot < 0 || slot >= p.capacity) return;
+        slot[j] = exists ? static_cast<const int*>(p.slots)[row] : -1;
 #endif
 #if KV_ROPE
-    const i64 pos = p.positions[row];
-    if (pos < 0 || (pos + 1) % COMPRESS_RATIO != 0) return;
-    const i64 rope_row = pos / COMPRESS_RATIO * COMPRESS_RATIO;
-    if (rope_row >= p.max_position) return;  // never read outside cos_sin_cache
-#endif
-    u8* page = p.cache + (slot / PAGE_SIZE) * p.page_stride;
-    const i64 entry = slot % PAGE_SIZE;
-    u8* data = page + entry * DATA_BYTES;
-    u8* scale_slot = page + PAGE_SIZE * DATA_BYTES + entry * SCALE_BYTES;
-    const uint4 x = p.kv[row * CHUNKS + c];
-    // Every lane takes part in the shuffles (RoPE lanes on data they discard); only NoPE lanes
-    // compute codes.
-    const float amax = half_amax(x);
-    const u32 scale = scale_code(amax);
-    const u32 codes = c < NOPE_CHUNKS ? half_codes(x, amax, scale) : 0u;
-    // Four lanes' code words make one 16-byte store; lanes 8w, 8w+2, 8w+4, 8w+6 hold the scales
-    // of groups 4w..4w+3, one 4-byte store.
-    const u32 c1 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 1);
-    const u32 c2 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 2);
-    const u32 c3 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 3);
-    const u32 s1 = __shfl_down_sync(NVFP4_FULL_MASK, scale, 2);
-    const u32 s2 = __shfl_down_sync(NVFP4_FULL_MASK, scale, 4);
-    const u32 s3 = __shfl_down_sync(NVFP4_FULL_MASK, scale, 6);
-    if (c < NOPE_CHUNKS) {
-        if ((c & 3) == 0) *reinterpret_cast<uint4*>(data + 4 * c) = make_uint4(codes, c1, c2, c3);
-        if ((c & 7) == 0) *reinterpret_cast<u32*>(scale_slot + c / 2) = scale | (s1 << 8) | (s2 << 16) | (s3 << 24);
-    } else {
-        const int k = c - NOPE_CHUNKS;
-#if KV_ROPE
-        const uint4 out = rope_row_chunk(p, x, rope_row, k);
+        pos[j] = exists ? p.positions[row] : -1;
 #else
-        const uint4 out = x;
+        pos[j] = 0;
 #endif
-        *reinterpret_cast<uint4*>(data + NOPE_BYTES + 16 * k) = out;
-        if (k == 0) *reinterpret_cast<u32*>(scale_slot + 28) = 0u;  // scale slot bytes 28..31
+        x[j] = exists ? p.kv[row * CHUNKS + c] : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int j = 0; j < KV_ROWS_PER_UNIT; ++j) {
+        // Uniform across the unit (one row), so skipping never splits a warp's shuffles.
+        if (slot[j] < 0 || slot[j] >= p.capacity) continue;
+#if KV_ROPE
+        if (pos[j] < 0 || (pos[j] + 1) % COMPRESS_RATIO != 0) continue;
+        const i64 rope_row = pos[j] / COMPRESS_RATIO * COMPRESS_RATIO;
+        if (rope_row >= p.max_position) continue;  // never read outside cos_sin_cache
+#endif
+        u8* page = p.cache + (slot[j] / PAGE_SIZE) * p.page_stride;
+        const i64 entry = slot[j] % PAGE_SIZE;
+        u8* data = page + entry * DATA_BYTES;
+        u8* scale_slot = page + PAGE_SIZE * DATA_BYTES + entry * SCALE_BYTES;
+        // Every lane takes part in the shuffles (RoPE lanes on data they discard); only NoPE
+        // lanes compute codes.
+        const float amax = half_amax(x[j]);
+        const u32 scale = scale_code(amax);
+        const u32 codes = c < NOPE_CHUNKS ? half_codes(x[j], amax, scale) : 0u;
+        // Four lanes' code words make one 16-byte store; lanes 8w, 8w+2, 8w+4, 8w+6 hold the
+        // scales of groups 4w..4w+3, one 4-byte store.
+        const u32 c1 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 1);
+        const u32 c2 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 2);
+        const u32 c3 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 3);
+        const u32 s1 = __shfl_down_sync(NVFP4_FULL_MASK, scale, 2);
+        const u32 s2 = __shfl_down_sync(NVFP4_FULL_MASK, scale, 4);
+        const u32 s3 = __shfl_down_sync(NVFP4_FULL_MASK, scale, 6);
+        if (c < NOPE_CHUNKS) {
+            if ((c & 3) == 0) *reinterpret_cast<uint4*>(data + 4 * c) = make_uint4(codes, c1, c2, c3);
+            if ((c & 7) == 0) *reinterpret_cast<u32*>(scale_slot + c / 2) = scale | (s1 << 8) | (s2 << 16) | (s3 << 24);
+        } else {
+            const int k = c - NOPE_CHUNKS;
+#if KV_ROPE
+            const uint4 out = rope_row_chunk(p, x[j], rope_row, k);
+#else
+            const uint4 out = x[j];
+#endif
+            *reinterpret_cast<uint4*>(data + NOPE_BYTES + 16 * k) = out;
+            if (k == 0) *reinterpret_cast<u32*>(scale_slot + 28) = 0u;  // scale slot bytes 28..31
+        }
     }
 }
 
@@ -142,12 +160,12 @@ __device__ __forceinline__ void rotate_q_in_place(const Params& p, i64 qunit, in
     const i64 token = qunit / (NUM_HEADS / heads_per_unit);
     const i64 head0 = (qunit % (NUM_HEADS / heads_per_unit)) * heads_per_unit + (c >> 3);
     const int k = c & 7;
-    const i64 pos = p.positions[token];
-    if (pos < 0 || pos >= p.max_position) return;
     uint4* rows = p.q_out + (token * NUM_HEADS + head0) * CHUNKS + NOPE_CHUNKS + k;  // heads head0 + 8r
     uint4 x[Q_ROWS_PER_UNIT];
 #pragma unroll
     for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) x[r] = rows[8 * r * CHUNKS];
+    const i64 pos = p.positions[token];
+    if (pos < 0 || pos >= p.max_position) return;
     const float4 cs = *reinterpret_cast<const float4*>(p.cos_sin + pos * 64 + 4 * k);
     const float4 sn = *reinterpret_cast<const float4*>(p.cos_sin + pos * 64 + 32 + 4 * k);
 #pragma unroll
@@ -158,14 +176,15 @@ __device__ __forceinline__ void rotate_q_in_place(const Params& p, i64 qunit, in
 extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_write(const Params p) {
     const i64 unit = static_cast<i64>(blockIdx.x) * UNITS_PER_BLOCK + (threadIdx.x / UNIT_THREADS);
     const int c = threadIdx.x % UNIT_THREADS;
+    const i64 kv_units = (p.num_kv_rows + KV_ROWS_PER_UNIT - 1) / KV_ROWS_PER_UNIT;
     if (unit >= p.num_units) return;
-    if (unit < p.num_kv_rows) {
-        insert_kv_row(p, unit, c);
+    if (unit < kv_units) {
+        insert_kv_rows(p, unit, c);
         return;
     }
 #if Q_MODE == 1
-    write_q_out_rows(p, unit - p.num_kv_rows, c);
+    write_q_out_rows(p, unit - kv_units, c);
 #elif Q_MODE == 2
-    rotate_q_in_place(p, unit - p.num_kv_rows, c);
+    rotate_q_in_place(p, unit - kv_units, c);
 #endif
 }

@@ -1,8 +1,8 @@
 // Bit-exact numerics of SPEC.md section 4, shared by every kernel.
 //
 // Self-contained (no CUDA headers) so NVRTC needs no include path. Every floating-point
-// operation is an explicit round-to-nearest intrinsic without flush-to-zero: the bytes must not
-// depend on compiler contraction or fast-math flags.
+// operation is an explicit round-to-nearest intrinsic (flush-to-zero only where SPEC.md says so,
+// in inline PTX): the bytes must not depend on compiler contraction or fast-math flags.
 #pragma once
 
 typedef unsigned char u8;
@@ -52,37 +52,48 @@ __device__ __forceinline__ float e4m3_value(u32 code) {
 }
 
 // E2M1 code: sign of y (also when the magnitude rounds to 0), magnitude to nearest even on
-// {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6; NaN -> +6 (0x7).
-// The grid has spacing 0.5 below 2, 1 in [2, 4), 2 in [4, 6]: scale |y| to unit spacing, round
-// to nearest even by adding 1.5 * 2^23 (the sum's low mantissa bits are the rounded integer),
-// then add the code of the interval's start.
+// {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6; NaN -> +6 (0x7). Integer arithmetic on the fp32
+// bits: in [1, 6] the format's one mantissa bit is fp32 bit 22 (round to nearest even there and
+// rebias the exponent); below 1 the spacing is 0.5, so 2|y| is rounded to an integer by adding
+// 1.5 * 2^23, whose sum keeps that integer in its low bits.
 __device__ __forceinline__ u32 e2m1_code(float y) {
-    if (y != y) return 7u;
     const float a = fminf(fabsf(y), 6.0f);
-    const float scale = a < 2.0f ? 2.0f : (a < 4.0f ? 1.0f : 0.5f);
-    const u32 base = a < 2.0f ? 0u : (a < 4.0f ? 2u : 4u);
-    const u32 rounded = __float_as_uint(__fadd_rn(__fmul_rn(a, scale), 12582912.0f)) & 0xffu;
-    return min(rounded + base, 7u) | ((__float_as_uint(y) >> 28) & 8u);
+    const u32 u = __float_as_uint(a);
+    const u32 high = (u + 0x1FFFFFu + ((u >> 22) & 1u) - 0x3F000000u) >> 22;
+    const u32 low = __float_as_uint(__fmaf_rn(a, 2.0f, 12582912.0f)) & 3u;
+    const u32 code = (a < 1.0f ? low : high) | ((__float_as_uint(y) >> 28) & 8u);
+    return y != y ? 7u : code;
+}
+
+// Flush-to-zero multiply (sign-preserving, inputs and result), as the reference quantizer's
+// fast-math product: a subnormal v times an infinite inverse scale is 0 * inf = NaN.
+__device__ __forceinline__ float mul_ftz(float a, float b) {
+    float r;
+    asm("mul.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// |v| with a subnormal v flushed to +0.
+__device__ __forceinline__ float abs_ftz(float v) {
+    float r;
+    asm("abs.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    return r;
 }
 
 // a > b ? a : b -- the reference quantizer's max: a NaN in b survives, a NaN in a does not.
 __device__ __forceinline__ float sel(float a, float b) { return a > b ? a : b; }
 
-__device__ __forceinline__ bool is_subnormal_or_zero(float v) { return fabsf(v) < 1.17549435e-38f; }
-
-// Steps 2-5 for one half (8 consecutive NoPE values, 16 bytes) of a 16-element group: the
-// half's amax after the reference quantizer's two-thread reduction, and its E4M3 code (the
-// group's scale byte is half 0's). The partner half must be in lane ^ 1 of the same warp, and
-// every lane of the warp must call this (it shuffles).
+// Steps 2-4 for one half (8 consecutive NoPE values, 16 bytes) of a 16-element group: the
+// half's amax after the reference quantizer's two-thread reduction. The partner half must be in
+// lane ^ 1 of the same warp, and every lane of the warp must call this (it shuffles).
 __device__ __forceinline__ float half_amax(uint4 x) {
     const u32 w[4] = {x.x, x.y, x.z, x.w};
     float mx = 0.0f, my = 0.0f;  // per-lane folds: x = even elements, y = odd
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float ax = fabsf(bf16_value(w[i] & 0xffffu)), ay = fabsf(bf16_value(w[i] >> 16));
-        const float fx = is_subnormal_or_zero(ax) ? 0.0f : ax, fy = is_subnormal_or_zero(ay) ? 0.0f : ay;
-        mx = i ? sel(mx, fx) : fx;
-        my = i ? sel(my, fy) : fy;
+        const float ax = abs_ftz(bf16_value(w[i] & 0xffffu)), ay = abs_ftz(bf16_value(w[i] >> 16));
+        mx = i ? sel(mx, ax) : ax;
+        my = i ? sel(my, ay) : ay;
     }
     const float px = __shfl_xor_sync(NVFP4_FULL_MASK, mx, 1), py = __shfl_xor_sync(NVFP4_FULL_MASK, my, 1);
     return sel(sel(px, mx), sel(py, my));
@@ -90,8 +101,7 @@ __device__ __forceinline__ float half_amax(uint4 x) {
 
 __device__ __forceinline__ u32 scale_code(float amax) { return e4m3_code(__fmul_rn(amax, __uint_as_float(0x3E2AAAABu))); }
 
-// Steps 5-7: the 8 E2M1 codes of a half (element k in bits 4k..4k+3). A subnormal product
-// needs no flush: it rounds to a signed E2M1 zero either way.
+// Steps 5-7: the 8 E2M1 codes of a half (element k in bits 4k..4k+3).
 __device__ __forceinline__ u32 half_codes(uint4 x, float amax, u32 code) {
     const u32 w[4] = {x.x, x.y, x.z, x.w};
     const float inv = amax != 0.0f ? __frcp_rn(e4m3_value(code)) : 0.0f;
@@ -99,8 +109,7 @@ __device__ __forceinline__ u32 half_codes(uint4 x, float amax, u32 code) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         const float v = bf16_value((w[k >> 1] >> ((k & 1) * 16)) & 0xffffu);
-        const float vf = is_subnormal_or_zero(v) ? __uint_as_float(__float_as_uint(v) & 0x80000000u) : v;
-        codes |= e2m1_code(__fmul_rn(vf, inv)) << (4 * k);
+        codes |= e2m1_code(mul_ftz(v, inv)) << (4 * k);
     }
     return codes;
 }

@@ -54,9 +54,22 @@ def test_every_variant_compiles_without_spills(arch):
         results = list(pool.map(lambda v: jit.compile_variant(v, arch), VARIANTS))
     for variant, result in zip(VARIANTS, results):
         assert result.cubin[:4] == b"\x7fELF", variant
+    if not results[0].log:  # seen with NVRTC 13.0: test_gpu_kernel_resources checks on the GPU
+        pytest.skip(f"NVRTC {jit._nvrtc().getVersion()} returned no ptxas report")
+    for variant, result in zip(VARIANTS, results):
         assert f"for '{arch}'" in result.log, result.log
         assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{variant} on {arch}:\n{result.log}"
         assert 0 < result.registers <= 64, f"{variant}: {result.registers} registers"
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_resources():
+    """Every variant loads on this GPU with no local memory (spills) and at most 64 registers."""
+    index = torch.cuda.current_device()
+    for variant in VARIANTS:
+        kernel = jit.launcher((index, *variant)).kernel
+        assert kernel.local_size_bytes == 0, f"{variant}: {kernel.local_size_bytes} bytes of local memory"
+        assert 0 < kernel.num_regs <= 64, f"{variant}: {kernel.num_regs} registers"
 
 
 def test_compile_error_names_the_variant(monkeypatch):

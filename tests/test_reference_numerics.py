@@ -700,3 +700,16 @@ def test_dequantize_round_trip(seed):
     reference.nvfp4_quantize_append_sparse_mla_cache(grid, torch.arange(4), small)
     back = reference.nvfp4_dequantize_sparse_mla_cache(small, torch.arange(4))
     assert torch.equal(back, grid.float())
+
+
+def test_bf16_nan_is_0x7fc0_whatever_the_path():
+    """torch gives 0xFFFF for NaN on its vectorized CPU path (and 0x7FFF on CUDA); SPEC says 0x7FC0."""
+    x = torch.full((4099,), float("nan"))
+    x[::2] = -x[::2]
+    x[1::3] = torch.nan_to_num(x[1::3], nan=1.0)
+    got = reference.to_bf16(x).view(torch.int16)
+    assert set(got[torch.isnan(x)].tolist()) == {0x7FC0}
+    assert torch.equal(got[~torch.isnan(x)], x[~torch.isnan(x)].to(torch.bfloat16).view(torch.int16))
+    rows = torch.full((64, 64), float("nan")).to(torch.bfloat16)
+    out = reference.rope(rows, torch.ones(64, 32), torch.zeros(64, 32)).view(torch.int16)
+    assert set(out.flatten().tolist()) == {0x7FC0}

@@ -53,7 +53,11 @@ class Variant(NamedTuple):
         names = ("PAGE_SIZE", "SLOT_INT64", "IDENTITY_SLOTS", "KV_ROPE", "COMPRESS_RATIO",
                  "Q_MODE", "NUM_HEADS", "Q_HEADS", "APPLY_Q_ROPE")
         rows = q_rows_per_unit(self.q_mode, self.num_heads)
-        return [f"-D{name}={int(value)}" for name, value in zip(names, self)] + [f"-DQ_ROWS_PER_UNIT={rows}"]
+        return [f"-D{name}={int(value)}" for name, value in zip(names, self)] + [
+            f"-DQ_ROWS_PER_UNIT={rows}", f"-DKV_ROWS_PER_UNIT={KV_ROWS_PER_UNIT}"]
+
+
+KV_ROWS_PER_UNIT = 2  # KV rows a 64-thread unit inserts, their loads in flight together
 
 
 def q_rows_per_unit(q_mode: int, num_heads: int) -> int:
@@ -66,11 +70,12 @@ def num_units(key: tuple, num_tokens: int, num_kv_rows: int) -> int:
     """Work units of a launch (64 threads each): the KV rows, then the query's units.
     ``key`` is a Variant's fields as a plain tuple."""
     q_mode, num_heads, q_heads = key[5], key[6], key[7]
+    kv_units = (num_kv_rows + KV_ROWS_PER_UNIT - 1) // KV_ROWS_PER_UNIT
     if q_mode == 1:
-        return num_kv_rows + num_tokens * q_heads // 4
+        return kv_units + num_tokens * q_heads // 4
     if q_mode == 2:
-        return num_kv_rows + num_tokens * num_heads // (8 * q_rows_per_unit(2, num_heads))
-    return num_kv_rows
+        return kv_units + num_tokens * num_heads // (8 * q_rows_per_unit(2, num_heads))
+    return kv_units
 
 
 class CompileResult(NamedTuple):
@@ -226,7 +231,7 @@ def device_arch(device_index: int) -> str:
 class Launcher:
     """A loaded kernel on one device: packs the parameters and launches, nothing else."""
 
-    __slots__ = ("function", "context", "device_index", "_module")
+    __slots__ = ("function", "context", "device_index", "kernel", "_module")
 
     def __init__(self, path: Path, device_index: int):
         import cupy
@@ -235,8 +240,8 @@ class Launcher:
 
         with cupy.cuda.Device(device_index):
             self._module = cupy.RawModule(path=str(path))
-            kernel = self._module.get_function(KERNEL_NAME)
-            self.function = kernel.kernel.ptr  # the CUfunction of this device's module
+            self.kernel = self._module.get_function(KERNEL_NAME)  # cupy.RawKernel: attributes
+            self.function = self.kernel.kernel.ptr  # the CUfunction of this device's module
             self.context = driver.ctxGetCurrent()
         self.device_index = device_index
 

@@ -25,9 +25,17 @@ _E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, 
 # ---------------------------------------------------------------- scalar formats
 
 
-def bf16_bits(x: torch.Tensor) -> torch.Tensor:
-    """bf16(x) of fp32 ``x`` as int16 bits: round to nearest even, NaN -> 0x7FC0 (torch's rule)."""
-    return x.to(torch.bfloat16).view(torch.int16)
+def to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """bf16(x) of fp32 ``x``: round to nearest even, NaN -> 0x7FC0.
+
+    torch's own conversion rounds the same way but its NaN bits depend on the device and code
+    path (0x7FC0 scalar, 0xFFFF vectorized on the CPU, 0x7FFF on CUDA), so NaN is set here.
+    """
+    return torch.where(torch.isnan(x), bf16_nan(x.device), x.to(torch.bfloat16))
+
+
+def bf16_nan(device) -> torch.Tensor:
+    return torch.tensor(abi.BF16_NAN_BITS, dtype=torch.int16, device=device).view(torch.bfloat16)
 
 
 def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -115,7 +123,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     xe, xo = x[..., 0::2].float(), x[..., 1::2].float()
     even = fma_f32(xe, cos, -mul_f32(xo, sin))
     odd = fma_f32(xe, sin, mul_f32(xo, cos))
-    return torch.stack((even, odd), dim=-1).flatten(-2).to(torch.bfloat16)
+    return to_bf16(torch.stack((even, odd), dim=-1).flatten(-2))
 
 
 def _sel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -237,8 +245,7 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
     if q_head_padded:
         live = q
         if apply_q_rope:
-            nan = torch.tensor(abi.BF16_NAN_BITS, dtype=torch.int16, device=q.device).view(torch.bfloat16)
-            live = torch.where(in_range[:, None, None], _roped(q, cos[:, None], sin[:, None]), nan)
+            live = torch.where(in_range[:, None, None], _roped(q, cos[:, None], sin[:, None]), bf16_nan(q.device))
         q_out[:, :num_heads] = live
     return q_out
 
