@@ -431,7 +431,7 @@ class RowResult:
 
 class Metrics(NamedTuple):
     floor_s: float | None  # bytes / copy bandwidth
-    gbps: float | None  # modelled bytes / fused eager time, GB/s
+    gbps: float | None  # modelled bytes / fused device time (graph-replayed, else eager), GB/s
     copy_fraction: float | None
     ratios: dict  # arm -> arm time / fused eager time
     host_ratio: float | None  # host time / torch add_ host time
@@ -439,7 +439,7 @@ class Metrics(NamedTuple):
 
 
 TARGET_TITLES = {
-    "bandwidth": f"T >= {BANDWIDTH_MIN_TOKENS}: fused eager >= {BANDWIDTH_TARGET:.0%} of the copy ceiling",
+    "bandwidth": f"T >= {BANDWIDTH_MIN_TOKENS}: fused device time (graph-replayed) >= {BANDWIDTH_TARGET:.0%} of the copy ceiling",
     "latency": "T = 1: graph-replayed fused call <= %.1f us up to %d padded heads, <= %.1f us at %d"
     % (LATENCY_TARGETS_US[0][1], LATENCY_TARGETS_US[0][0], LATENCY_TARGETS_US[1][1], LATENCY_TARGETS_US[1][0]),
     "host": f"host time of one eager call <= {HOST_RATIO_TARGET}x a torch add_ launch",
@@ -469,8 +469,11 @@ def row_metrics(result: RowResult, ceilings: Ceilings) -> Metrics:
     row, fused = result.row, result.seconds.get("fused")
     copy_bw = ceilings.copy_bytes_per_s
     floor = result.bytes / copy_bw if copy_bw else None
-    gbps = result.bytes / fused / 1e9 if fused else None
-    fraction = result.bytes / fused / copy_bw if fused and copy_bw else None
+    # Bandwidth from the graph-replayed time: back-to-back eager calls are bounded by the host's
+    # launch rate whenever one call's device time is shorter than its host time.
+    device = result.seconds.get("graph") or fused
+    gbps = result.bytes / device / 1e9 if device else None
+    fraction = result.bytes / device / copy_bw if device and copy_bw else None
     ratios = {arm: s / fused for arm, s in result.seconds.items() if arm != "fused" and s is not None and fused}
     host_ratio = result.host_s / ceilings.add_host_s if result.host_s and ceilings.add_host_s else None
 
