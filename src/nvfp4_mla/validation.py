@@ -38,17 +38,19 @@ def _fail(message: str) -> None:
 
 
 def _check_device(tensors: tuple, names: tuple, need_cuda: bool) -> None:
-    # get_device() is an int (-1 off CUDA): cheaper than building torch.device objects.
-    index = tensors[0].get_device()
+    # get_device() is an int (-1 off CUDA): cheaper than building torch.device objects; the
+    # devices are only looked at closely when something is off, or off CUDA (the reference).
+    indices = [t.get_device() for t in tensors]
+    if indices[0] >= 0 and indices.count(indices[0]) == len(indices):
+        return
     for t, name in zip(tensors, names):
-        if t.get_device() != index or index < 0:
-            if need_cuda and not t.is_cuda:
-                _fail(f"{name} must be a CUDA tensor, got one on {t.device}{_CUDA_FIX}")
-            if t.device != tensors[0].device:
-                _fail(
-                    f"all tensors must be on the same CUDA device (or all on the CPU for the "
-                    f"reference): {names[0]} is on {tensors[0].device}, {name} on {t.device}"
-                )
+        if need_cuda and not t.is_cuda:
+            _fail(f"{name} must be a CUDA tensor, got one on {t.device}{_CUDA_FIX}")
+        if t.device != tensors[0].device:
+            _fail(
+                f"all tensors must be on the same CUDA device (or all on the CPU for the "
+                f"reference): {names[0]} is on {tensors[0].device}, {name} on {t.device}"
+            )
 
 
 def _check_aligned(tensors: tuple, names: tuple) -> None:
@@ -64,7 +66,7 @@ def _check_aligned(tensors: tuple, names: tuple) -> None:
 
 def check_cache(cache: torch.Tensor) -> CacheGeometry:
     """Checks a cache view of SPEC section 3 and returns its geometry."""
-    if cache.dtype != torch.uint8:
+    if cache.dtype is not torch.uint8:
         _fail(f"cache must have dtype torch.uint8, got {cache.dtype}")
     shape, strides = cache.shape, cache.stride()
     ndim = len(shape)
@@ -101,38 +103,44 @@ def check_cache(cache: torch.Tensor) -> CacheGeometry:
 def _check_slots(slot_mapping: torch.Tensor, num_rows: int) -> None:
     if slot_mapping.dtype not in _SLOT_DTYPES:
         _fail(f"slot_mapping must have dtype torch.int32 or torch.int64, got {slot_mapping.dtype}")
-    if slot_mapping.dim() != 1 or not slot_mapping.is_contiguous():
-        _fail(f"slot_mapping must be a contiguous 1D tensor, got shape {list(slot_mapping.shape)}")
-    if slot_mapping.shape[0] > num_rows:
+    shape = slot_mapping.shape
+    if len(shape) != 1 or not slot_mapping.is_contiguous():
+        _fail(f"slot_mapping must be a contiguous 1D tensor, got shape {list(shape)}")
+    if shape[0] > num_rows:
         _fail(
             f"slot_mapping must hold at most one slot per token row (never longer than the rows): "
-            f"{slot_mapping.shape[0]} slots for {num_rows} rows"
+            f"{shape[0]} slots for {num_rows} rows"
         )
 
 
-def _check_kv_rows(kv: torch.Tensor, name: str) -> None:
-    if kv.dtype != _BF16:
+def _check_kv_rows(kv: torch.Tensor, name: str) -> int:
+    """Checks BF16 ``[rows, 512]`` and returns the number of rows."""
+    if kv.dtype is not _BF16:
         _fail(f"{name} must have dtype torch.bfloat16, got {kv.dtype}")
-    if kv.dim() != 2 or kv.shape[1] != abi.HEAD_DIM:
-        _fail(f"{name} must be [num_tokens, 512], got {list(kv.shape)}")
+    shape = kv.shape
+    if len(shape) != 2 or shape[1] != abi.HEAD_DIM:
+        _fail(f"{name} must be [num_tokens, 512], got {list(shape)}")
     if not kv.is_contiguous():
         _fail(f"{name} must be contiguous")
+    return shape[0]
 
 
 def _check_rope_inputs(positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_rows: int) -> None:
-    if positions.dtype != torch.int64:
+    if positions.dtype is not torch.int64:
         _fail(
             f"positions must have dtype torch.int64, got {positions.dtype} "
             "(int32 is rejected, never converted: a conversion would be a hidden launch)"
         )
-    if positions.dim() != 1 or not positions.is_contiguous():
-        _fail(f"positions must be a contiguous 1D tensor, got shape {list(positions.shape)}")
-    if positions.shape[0] != num_rows:
-        _fail(f"positions must hold one entry per token row: {positions.shape[0]} for {num_rows} rows")
-    if cos_sin_cache.dtype != torch.float32:
+    shape = positions.shape
+    if len(shape) != 1 or not positions.is_contiguous():
+        _fail(f"positions must be a contiguous 1D tensor, got shape {list(shape)}")
+    if shape[0] != num_rows:
+        _fail(f"positions must hold one entry per token row: {shape[0]} for {num_rows} rows")
+    if cos_sin_cache.dtype is not torch.float32:
         _fail(f"cos_sin_cache must have dtype torch.float32, got {cos_sin_cache.dtype}")
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != abi.ROPE_DIM:
-        _fail(f"cos_sin_cache must be [max_position, 64], got {list(cos_sin_cache.shape)}")
+    shape = cos_sin_cache.shape
+    if len(shape) != 2 or shape[1] != abi.ROPE_DIM:
+        _fail(f"cos_sin_cache must be [max_position, 64], got {list(shape)}")
     if not cos_sin_cache.is_contiguous():
         _fail("cos_sin_cache must be contiguous")
 
@@ -154,18 +162,19 @@ def check_q_options(num_heads: int, q_head_padded, q_inplace: bool) -> None:
 
 def check_main(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, q_inplace, need_cuda) -> CacheGeometry:
     """``cake_dsv4_nvfp4_rope_quantize_insert``."""
-    if q.dtype != _BF16:
+    if q.dtype is not _BF16:
         _fail(f"q must have dtype torch.bfloat16, got {q.dtype}")
-    if q.dim() != 3 or q.shape[2] != abi.HEAD_DIM:
-        _fail(f"q must be [num_tokens, num_heads, 512], got {list(q.shape)}")
+    shape = q.shape
+    if len(shape) != 3 or shape[2] != abi.HEAD_DIM:
+        _fail(f"q must be [num_tokens, num_heads, 512], got {list(shape)}")
     if not q.is_contiguous():
         _fail("q must be contiguous")
-    num_tokens, num_heads = q.shape[0], q.shape[1]
+    num_tokens, num_heads = shape[0], shape[1]
     if num_heads < 1:
         _fail("q must hold at least one head")
-    _check_kv_rows(kv, "kv")
-    if kv.shape[0] != num_tokens:
-        _fail(f"kv must hold one row per query token: {kv.shape[0]} rows for {num_tokens} tokens")
+    kv_rows = _check_kv_rows(kv, "kv")
+    if kv_rows != num_tokens:
+        _fail(f"kv must hold one row per query token: {kv_rows} rows for {num_tokens} tokens")
     geometry = check_cache(cache)
     _check_slots(slot_mapping, num_tokens)
     _check_rope_inputs(positions, cos_sin_cache, num_tokens)
@@ -178,10 +187,10 @@ def check_main(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padd
 
 def check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda) -> CacheGeometry:
     """``cake_dsv4_nvfp4_kv_rope_quantize_insert``."""
-    _check_kv_rows(kv, "kv")
+    num_rows = _check_kv_rows(kv, "kv")
     geometry = check_cache(cache)
-    _check_slots(slot_mapping, kv.shape[0])
-    _check_rope_inputs(positions, cos_sin_cache, kv.shape[0])
+    _check_slots(slot_mapping, num_rows)
+    _check_rope_inputs(positions, cos_sin_cache, num_rows)
     tensors = (kv, cache, slot_mapping, positions, cos_sin_cache)
     _check_device(tensors, ("kv", "cache", "slot_mapping", "positions", "cos_sin_cache"), need_cuda)
     _check_aligned((kv, cache, cos_sin_cache), ("kv", "cache", "cos_sin_cache"))
@@ -192,9 +201,9 @@ def check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, 
 
 def check_append(latent_kv, slot_mapping, cache, need_cuda) -> CacheGeometry:
     """``nvfp4_quantize_append_sparse_mla_cache``."""
-    _check_kv_rows(latent_kv, "latent_kv")
+    num_rows = _check_kv_rows(latent_kv, "latent_kv")
     geometry = check_cache(cache)
-    _check_slots(slot_mapping, latent_kv.shape[0])
+    _check_slots(slot_mapping, num_rows)
     _check_device((latent_kv, cache, slot_mapping), ("latent_kv", "cache", "slot_mapping"), need_cuda)
     _check_aligned((latent_kv, cache), ("latent_kv", "cache"))
     return geometry
