@@ -98,3 +98,14 @@ def test_precompile_rejects_bad_geometry(cache_dir):
         precompile([Geometry("main", 64, 8, 12)], arch="sm_90")
     with pytest.raises(ValueError, match="entry must be one of"):
         precompile([Geometry("decode", 64)], arch="sm_90")
+
+
+def test_missing_cupy_names_the_fix(monkeypatch):
+    modules = __import__("sys").modules
+    for name in [m for m in modules if m == "cupy" or m.startswith("cupy.")] + ["cupy"]:
+        monkeypatch.setitem(modules, name, None)  # importing CuPy now fails
+    monkeypatch.setattr(jit, "_driver", None)
+    with pytest.raises(RuntimeError, match=r"need CuPy: install CuPy .*nvfp4-mla\[cu12\]"):
+        jit.launcher((0, *VARIANT))
+    with pytest.raises(RuntimeError, match=r"NVRTC is not available: install"):
+        jit.compile_variant(VARIANT, "sm_90")

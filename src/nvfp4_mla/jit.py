@@ -103,6 +103,17 @@ def _sources() -> tuple[str, str]:
     return _SOURCES
 
 
+_CUPY_FIX = "install CuPy for your CUDA: pip install 'nvfp4-mla[cu12]' (or [cu13])"
+
+
+def _cupy_driver():
+    try:
+        from cupy.cuda import driver
+    except ImportError as exc:
+        raise RuntimeError(f"nvfp4_mla's GPU entries need CuPy: {_CUPY_FIX} ({exc})") from exc
+    return driver
+
+
 def _nvrtc():
     try:
         from cupy.cuda import nvrtc
@@ -289,9 +300,7 @@ def _build(key: tuple) -> Launcher:
         found = _launchers.get(key)
         if found is None:
             if _driver is None:
-                from cupy.cuda import driver
-
-                _driver = driver
+                _driver = _cupy_driver()
             device_index, variant = key[0], Variant(*key[1:])
             found = Launcher(cubin_path(variant, device_arch(device_index)), device_index)
             _launchers[key] = found
