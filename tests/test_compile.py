@@ -54,7 +54,9 @@ def test_every_variant_compiles_without_spills(arch):
         results = list(pool.map(lambda v: jit.compile_variant(v, arch), VARIANTS))
     for variant, result in zip(VARIANTS, results):
         assert result.cubin[:4] == b"\x7fELF", variant
-    if not results[0].log:  # seen with NVRTC 13.0: test_gpu_kernel_resources checks on the GPU
+    # NVRTC 13.0 drops the ptxas report of some compiles run in parallel: redo those serially.
+    results = [r if r.log else jit.compile_variant(v, arch) for v, r in zip(VARIANTS, results)]
+    if not all(r.log for r in results):  # test_gpu_kernel_resources still checks on the GPU
         pytest.skip(f"NVRTC {jit._nvrtc().getVersion()} returned no ptxas report")
     for variant, result in zip(VARIANTS, results):
         assert f"for '{arch}'" in result.log, result.log

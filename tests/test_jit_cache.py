@@ -105,6 +105,7 @@ def test_missing_cupy_names_the_fix(monkeypatch):
     for name in [m for m in modules if m == "cupy" or m.startswith("cupy.")] + ["cupy"]:
         monkeypatch.setitem(modules, name, None)  # importing CuPy now fails
     monkeypatch.setattr(jit, "_driver", None)
+    monkeypatch.setattr(jit, "_launchers", {})  # nothing loaded yet, as in a fresh process
     with pytest.raises(RuntimeError, match=r"need CuPy: install CuPy .*nvfp4-mla\[cu12\]"):
         jit.launcher((0, *VARIANT))
     with pytest.raises(RuntimeError, match=r"NVRTC is not available: install"):

@@ -117,7 +117,7 @@ def _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, 
     if q_inplace:
         q_out = q
     elif q_head_padded:
-        q_out = torch.empty((num_tokens, q_head_padded, abi.HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+        q_out = q.new_empty((num_tokens, q_head_padded, abi.HEAD_DIM))  # measured cheaper than torch.empty
     else:
         q_out = q.new_empty((num_tokens, 0, abi.HEAD_DIM))
     key = _main_variant(geometry.page_size, slot_mapping.dtype is torch.int64, num_heads, q_head_padded, apply_q_rope, q_inplace)
