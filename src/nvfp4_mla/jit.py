@@ -57,7 +57,7 @@ class Variant(NamedTuple):
             f"-DQ_ROWS_PER_UNIT={rows}", f"-DKV_ROWS_PER_UNIT={KV_ROWS_PER_UNIT}"]
 
 
-KV_ROWS_PER_UNIT = 2  # KV rows a 64-thread unit inserts, their loads in flight together
+KV_ROWS_PER_UNIT = 1  # KV rows a 64-thread unit inserts (1 measured fastest of 1, 2, 4 on the H200)
 
 
 def q_rows_per_unit(q_mode: int, num_heads: int) -> int:
