@@ -7,12 +7,13 @@ Results are compared byte for byte with the reference through the helpers of tes
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
-from nvfp4_mla import abi
+from nvfp4_mla import abi, jit, validation
 from test_gpu_entries import (
     ARG_NAMES,
     DEVICE,
@@ -36,7 +37,7 @@ SLEEP_S = 0.5  # GPU spin that a call must not wait for
 @pytest.fixture(autouse=True)
 def no_debug_check(monkeypatch):
     """NVFP4_MLA_CHECK=1 synchronises by design; these tests need the default path."""
-    monkeypatch.delenv("NVFP4_MLA_CHECK", raising=False)
+    monkeypatch.setattr(validation, "DEBUG_CHECKS", False)
 
 
 def call(case: Case, args):
@@ -303,3 +304,36 @@ def test_output_shapes_of_empty_batch():
         args = args_of("main", make_inputs(Case(tokens=0, heads=5, q_head_padded=padded)))
         out = gpu_entry(ENTRIES["main"])(*args, q_head_padded=padded)
         assert (tuple(out.shape), out.dtype, out.device) == ((0, padded, abi.HEAD_DIM), torch.bfloat16, args[0].device)
+
+
+def test_concurrent_first_calls_compile_once(seed, tmp_path, monkeypatch):
+    """16 threads make the first call of one new geometry at the same moment: the kernel is
+    compiled once and every thread's call writes the reference's bytes."""
+    monkeypatch.setenv("NVFP4_MLA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(jit, "_fallback_dir", None)
+    monkeypatch.setattr(jit, "_launchers", {})  # as in a fresh process
+    compiles, real_compile = [], jit.compile_variant
+    monkeypatch.setattr(jit, "compile_variant", lambda variant, arch: compiles.append(variant) or real_compile(variant, arch))
+    case = Case(tokens=29, heads=3, q_head_padded=8, page_size=7, slot_dtype=torch.int32)
+    inputs = [args_of("main", make_inputs(case)) for _ in range(16)]
+    gpu_args = [[clone(a) for a in args] for args in inputs]
+    results, errors, barrier = [None] * 16, [], threading.Barrier(16)
+
+    def worker(i):
+        try:
+            barrier.wait()
+            results[i] = call(case, gpu_args[i])
+            torch.cuda.current_stream().synchronize()
+        except Exception as exc:  # reported below, with the thread's number
+            errors.append((i, exc))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(compiles) == 1, compiles
+    for i in range(16):
+        want, ref_args = run_reference("main", inputs[i], case.kwargs(), "cpu")
+        assert_same("main", results[i], want, gpu_args[i], ref_args, f"thread {i}")
