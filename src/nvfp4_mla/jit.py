@@ -247,13 +247,17 @@ class Launcher:
     def __init__(self, path: Path, device_index: int):
         import cupy
 
-        from cupy.cuda import driver
-
-        with cupy.cuda.Device(device_index):
+        # Load under the device's primary context, made current explicitly: a thread that has
+        # not touched CUDA yet has no current context, and cupy.cuda.Device would not set one.
+        previous = _driver.ctxGetCurrent()
+        cupy.cuda.runtime.setDevice(device_index)
+        try:
             self._module = cupy.RawModule(path=str(path))
             self.kernel = self._module.get_function(KERNEL_NAME)  # cupy.RawKernel: attributes
             self.function = self.kernel.kernel.ptr  # the CUfunction of this device's module
-            self.context = driver.ctxGetCurrent()
+            self.context = _driver.ctxGetCurrent()
+        finally:
+            _driver.ctxSetCurrent(previous)
         self.device_index = device_index
 
     def launch(self, num_units: int, stream: int, *params: int) -> None:
@@ -261,13 +265,17 @@ class Launcher:
         storage = _storage
         PARAMS.pack_into(storage.buffer, 0, *params, num_units)
         blocks = (num_units + UNITS_PER_BLOCK - 1) // UNITS_PER_BLOCK
-        if _driver.ctxGetCurrent() == self.context:
+        current = _driver.ctxGetCurrent()
+        if current == self.context:
             _driver.launchKernel(self.function, blocks, 1, 1, THREADS, 1, 1, 0, stream, storage.argv, 0)
-        else:  # tensors on a GPU that is not the current one: launch under theirs
-            import cupy
-
-            with cupy.cuda.Device(self.device_index):
-                _driver.launchKernel(self.function, blocks, 1, 1, THREADS, 1, 1, 0, stream, storage.argv, 0)
+            return
+        # The tensors' GPU is not current here (another device, or a thread that has not used
+        # CUDA yet): launch under its context, then give the thread its own back.
+        _driver.ctxSetCurrent(self.context)
+        try:
+            _driver.launchKernel(self.function, blocks, 1, 1, THREADS, 1, 1, 0, stream, storage.argv, 0)
+        finally:
+            _driver.ctxSetCurrent(current)
 
 
 class _LaunchStorage(threading.local):
