@@ -19,14 +19,13 @@
 // shuffles.
 #include "nvfp4_numerics.cuh"
 
-#define THREADS 256
+// THREADS and the record ABI (HEAD_DIM, NOPE_DIM, ROPE_PAIRS, DATA_BYTES, NOPE_BYTES,
+// SCALE_BYTES, NUM_GROUPS) come from nvfp4_mla/abi.py and jit.py as -D options too.
 #define UNIT_THREADS 64
 #define UNITS_PER_BLOCK (THREADS / UNIT_THREADS)
-#define CHUNKS 64           // 16-byte chunks in a 512-dim BF16 row
-#define NOPE_CHUNKS 56      // 448 NoPE dims; a group of 16 is chunks 2g (half 0) and 2g+1 (half 1)
-#define DATA_BYTES 352
-#define NOPE_BYTES 224
-#define SCALE_BYTES 32
+#define CHUNKS (HEAD_DIM * 2 / 16)       // 16-byte chunks in a BF16 row: one a thread
+#define NOPE_CHUNKS (NOPE_DIM * 2 / 16)  // a group of 16 is chunks 2g (half 0) and 2g+1 (half 1)
+#define ROPE_DIM (2 * ROPE_PAIRS)        // a cos_sin_cache row: cos[ROPE_PAIRS] | sin[ROPE_PAIRS]
 
 struct Params {  // 8-byte fields only: packed on the host with one struct format
     const uint4* q;         // [num_tokens, NUM_HEADS, 64 chunks]
@@ -45,8 +44,8 @@ struct Params {  // 8-byte fields only: packed on the host with one struct forma
 
 // Loads the cos and sin of chunk k (pairs 4k..4k+3) of RoPE row r.
 __device__ __forceinline__ uint4 rope_row_chunk(const Params& p, uint4 x, i64 r, int k) {
-    const float4 c = *reinterpret_cast<const float4*>(p.cos_sin + r * 64 + 4 * k);
-    const float4 s = *reinterpret_cast<const float4*>(p.cos_sin + r * 64 + 32 + 4 * k);
+    const float4 c = *reinterpret_cast<const float4*>(p.cos_sin + r * ROPE_DIM + 4 * k);
+    const float4 s = *reinterpret_cast<const float4*>(p.cos_sin + r * ROPE_DIM + ROPE_PAIRS + 4 * k);
     return rope_chunk(x, c, s);
 }
 
@@ -111,7 +110,7 @@ __device__ __forceinline__ void insert_kv_rows(const Params& p, i64 unit, int c)
             const uint4 out = x[j];
 #endif
             *reinterpret_cast<uint4*>(data + NOPE_BYTES + 16 * k) = out;
-            if (k == 0) *reinterpret_cast<u32*>(scale_slot + 28) = 0u;  // scale slot bytes 28..31
+            if (k == 0) *reinterpret_cast<u32*>(scale_slot + NUM_GROUPS) = 0u;  // the slot's 4 zero bytes
         }
     }
 }
@@ -135,8 +134,8 @@ __device__ __forceinline__ void write_q_out_rows(const Params& p, i64 qunit, int
     const bool in_range = pos >= 0 && pos < p.max_position;
     if (c >= NOPE_CHUNKS && in_range) {
         const int k = c - NOPE_CHUNKS;
-        const float4 cs = *reinterpret_cast<const float4*>(p.cos_sin + pos * 64 + 4 * k);
-        const float4 sn = *reinterpret_cast<const float4*>(p.cos_sin + pos * 64 + 32 + 4 * k);
+        const float4 cs = *reinterpret_cast<const float4*>(p.cos_sin + pos * ROPE_DIM + 4 * k);
+        const float4 sn = *reinterpret_cast<const float4*>(p.cos_sin + pos * ROPE_DIM + ROPE_PAIRS + 4 * k);
 #pragma unroll
         for (int r = 0; r < Q_ROWS_PER_UNIT; ++r)
             if (head0 + r < NUM_HEADS) out[r] = rope_chunk(out[r], cs, sn);
@@ -166,8 +165,8 @@ __device__ __forceinline__ void rotate_q_in_place(const Params& p, i64 qunit, in
     for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) x[r] = rows[8 * r * CHUNKS];
     const i64 pos = p.positions[token];
     if (pos < 0 || pos >= p.max_position) return;
-    const float4 cs = *reinterpret_cast<const float4*>(p.cos_sin + pos * 64 + 4 * k);
-    const float4 sn = *reinterpret_cast<const float4*>(p.cos_sin + pos * 64 + 32 + 4 * k);
+    const float4 cs = *reinterpret_cast<const float4*>(p.cos_sin + pos * ROPE_DIM + 4 * k);
+    const float4 sn = *reinterpret_cast<const float4*>(p.cos_sin + pos * ROPE_DIM + ROPE_PAIRS + 4 * k);
 #pragma unroll
     for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) rows[8 * r * CHUNKS] = rope_chunk(x[r], cs, sn);
 }

@@ -25,6 +25,8 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
+from . import abi
+
 KERNEL_NAME = "nvfp4_mla_write"
 KERNEL_FILE = "nvfp4_mla_write.cu"
 HEADER_FILE = "nvfp4_numerics.cuh"
@@ -127,10 +129,21 @@ def _nvrtc():
     return nvrtc
 
 
+# The block size and the record ABI, defined in Python once and handed to the kernel.
+_ABI_OPTIONS = [
+    f"-D{name}={value}"
+    for name, value in (
+        ("THREADS", THREADS), ("HEAD_DIM", abi.HEAD_DIM), ("NOPE_DIM", abi.NOPE_DIM), ("ROPE_PAIRS", abi.ROPE_PAIRS),
+        ("DATA_BYTES", abi.DATA_BYTES), ("NOPE_BYTES", abi.NOPE_BYTES), ("SCALE_BYTES", abi.SCALE_BYTES),
+        ("NUM_GROUPS", abi.NUM_GROUPS),
+    )
+]
+
+
 def _compile_options(variant: Variant, arch: str) -> list[str]:
     # --fmad=false: no contraction anywhere (the numerics use explicit intrinsics anyway);
     # no fast math: denormals are kept; -Xptxas -v: the resource report the spill check reads.
-    return [f"--gpu-architecture={arch}", "-std=c++17", "--fmad=false", "-lineinfo", "-Xptxas=-v", *variant.options()]
+    return [f"--gpu-architecture={arch}", "-std=c++17", "--fmad=false", "-lineinfo", "-Xptxas=-v", *_ABI_OPTIONS, *variant.options()]
 
 
 def compile_variant(variant: Variant, arch: str) -> CompileResult:
