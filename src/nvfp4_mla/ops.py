@@ -141,7 +141,7 @@ def _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, 
         return None
     key = _kv_variant(geometry.page_size, slot_mapping.dtype is torch.int64, compress_ratio)
     _launch(
-        key, num_kv_rows, _NO_PTR, _NO_PTR, kv.data_ptr(), cache, slot_mapping.data_ptr(),
+        key, jit.num_units(key, 0, num_kv_rows), _NO_PTR, _NO_PTR, kv.data_ptr(), cache, slot_mapping.data_ptr(),
         positions.data_ptr(), cos_sin_cache.data_ptr(), geometry, cos_sin_cache.shape[0], num_kv_rows,
     )
     return None
@@ -156,7 +156,7 @@ def _append(latent_kv, slot_mapping, cache):
         return None
     key = _append_variant(geometry.page_size, slot_mapping.dtype is torch.int64)
     _launch(
-        key, num_kv_rows, _NO_PTR, _NO_PTR, latent_kv.data_ptr(), cache, slot_mapping.data_ptr(),
+        key, jit.num_units(key, 0, num_kv_rows), _NO_PTR, _NO_PTR, latent_kv.data_ptr(), cache, slot_mapping.data_ptr(),
         _NO_PTR, _NO_PTR, geometry, 0, num_kv_rows,
     )
     return None
@@ -169,7 +169,8 @@ def _pack(latent_kv, kv_layout):
     num_rows = num_pages * page_size
     if num_rows:
         geometry = validation.CacheGeometry(num_pages, page_size, page_size * abi.RECORD_BYTES)
-        _launch(_pack_variant(page_size), num_rows, _NO_PTR, _NO_PTR, latent_kv.data_ptr(), cache, _NO_PTR, _NO_PTR, _NO_PTR, geometry, 0, num_rows)
+        key = _pack_variant(page_size)
+        _launch(key, jit.num_units(key, 0, num_rows), _NO_PTR, _NO_PTR, latent_kv.data_ptr(), cache, _NO_PTR, _NO_PTR, _NO_PTR, geometry, 0, num_rows)
     return cache
 
 
