@@ -78,3 +78,19 @@ def test_compile_error_names_the_variant(monkeypatch):
     monkeypatch.setattr(jit, "_SOURCES", ("this is not CUDA", ""))
     with pytest.raises(RuntimeError, match="NVRTC failed"):
         jit.compile_variant(VARIANTS[0], "sm_90")
+
+
+@pytest.mark.parametrize("rows_per_unit", [1, 2, 4])
+def test_work_units_cover_every_row_once(monkeypatch, rows_per_unit):
+    """Units a launch needs: ceil(rows / KV_ROWS_PER_UNIT) for the KV rows, then the query's."""
+    monkeypatch.setattr(jit, "KV_ROWS_PER_UNIT", rows_per_unit)
+    kv_units = -(-37 // rows_per_unit)
+    padded = Geometry("main", 16, 5, 8).variant()
+    assert jit.num_units(padded, 40, 37) == kv_units + 40 * 8 // 4  # 4 q_out rows a unit
+    in_place = Geometry("main", 16, 64, 64, q_inplace=True).variant()
+    assert jit.num_units(in_place, 40, 37) == kv_units + 40 * 64 // (8 * 4)  # 4 x 8 heads a unit
+    small = Geometry("main", 16, 8, 8, q_inplace=True).variant()
+    assert jit.num_units(small, 40, 37) == kv_units + 40  # one group of 8 heads a unit
+    for entry in ("kv", "append", "pack"):
+        assert jit.num_units(Geometry(entry, 16).variant(), 0, 37) == kv_units
+    assert f"-DKV_ROWS_PER_UNIT={rows_per_unit}" in padded.options()
