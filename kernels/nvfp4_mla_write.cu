@@ -19,9 +19,8 @@
 // shuffles.
 #include "nvfp4_numerics.cuh"
 
-// THREADS and the record ABI (HEAD_DIM, NOPE_DIM, ROPE_PAIRS, DATA_BYTES, NOPE_BYTES,
-// SCALE_BYTES, NUM_GROUPS) come from nvfp4_mla/abi.py and jit.py as -D options too.
-#define UNIT_THREADS 64
+// THREADS, UNIT_THREADS and the record ABI (HEAD_DIM, NOPE_DIM, ROPE_PAIRS, DATA_BYTES,
+// NOPE_BYTES, SCALE_BYTES, NUM_GROUPS) come from nvfp4_mla/abi.py and jit.py as -D options too.
 #define UNITS_PER_BLOCK (THREADS / UNIT_THREADS)
 #define CHUNKS (HEAD_DIM * 2 / 16)       // 16-byte chunks in a BF16 row: one a thread
 #define NOPE_CHUNKS (NOPE_DIM * 2 / 16)  // a group of 16 is chunks 2g (half 0) and 2g+1 (half 1)
@@ -42,11 +41,14 @@ struct Params {  // 8-byte fields only: packed on the host with one struct forma
     i64 num_units;
 };
 
-// Loads the cos and sin of chunk k (pairs 4k..4k+3) of RoPE row r.
-__device__ __forceinline__ uint4 rope_row_chunk(const Params& p, uint4 x, i64 r, int k) {
-    const float4 c = *reinterpret_cast<const float4*>(p.cos_sin + r * ROPE_DIM + 4 * k);
-    const float4 s = *reinterpret_cast<const float4*>(p.cos_sin + r * ROPE_DIM + ROPE_PAIRS + 4 * k);
-    return rope_chunk(x, c, s);
+// The cos and sin of chunk k (pairs 4k..4k+3) of RoPE row r.
+struct CosSin {
+    float4 c, s;
+};
+
+__device__ __forceinline__ CosSin load_cos_sin(const Params& p, i64 r, int k) {
+    const float* row = p.cos_sin + r * ROPE_DIM + 4 * k;
+    return {*reinterpret_cast<const float4*>(row), *reinterpret_cast<const float4*>(row + ROPE_PAIRS)};
 }
 
 // Quantizes and inserts KV_ROWS_PER_UNIT rows. All their loads (slots, positions, data) are
@@ -105,7 +107,8 @@ __device__ __forceinline__ void insert_kv_rows(const Params& p, i64 unit, int c)
         } else {
             const int k = c - NOPE_CHUNKS;
 #if KV_ROPE
-            const uint4 out = rope_row_chunk(p, x[j], rope_row, k);
+            const CosSin t = load_cos_sin(p, rope_row, k);
+            const uint4 out = rope_chunk(x[j], t.c, t.s);
 #else
             const uint4 out = x[j];
 #endif
@@ -133,12 +136,10 @@ __device__ __forceinline__ void write_q_out_rows(const Params& p, i64 qunit, int
     const i64 pos = p.positions[token];
     const bool in_range = pos >= 0 && pos < p.max_position;
     if (c >= NOPE_CHUNKS && in_range) {
-        const int k = c - NOPE_CHUNKS;
-        const float4 cs = *reinterpret_cast<const float4*>(p.cos_sin + pos * ROPE_DIM + 4 * k);
-        const float4 sn = *reinterpret_cast<const float4*>(p.cos_sin + pos * ROPE_DIM + ROPE_PAIRS + 4 * k);
+        const CosSin t = load_cos_sin(p, pos, c - NOPE_CHUNKS);
 #pragma unroll
         for (int r = 0; r < Q_ROWS_PER_UNIT; ++r)
-            if (head0 + r < NUM_HEADS) out[r] = rope_chunk(out[r], cs, sn);
+            if (head0 + r < NUM_HEADS) out[r] = rope_chunk(out[r], t.c, t.s);
     }
     if (!in_range) {
 #pragma unroll
@@ -165,10 +166,9 @@ __device__ __forceinline__ void rotate_q_in_place(const Params& p, i64 qunit, in
     for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) x[r] = rows[8 * r * CHUNKS];
     const i64 pos = p.positions[token];
     if (pos < 0 || pos >= p.max_position) return;
-    const float4 cs = *reinterpret_cast<const float4*>(p.cos_sin + pos * ROPE_DIM + 4 * k);
-    const float4 sn = *reinterpret_cast<const float4*>(p.cos_sin + pos * ROPE_DIM + ROPE_PAIRS + 4 * k);
+    const CosSin t = load_cos_sin(p, pos, k);
 #pragma unroll
-    for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) rows[8 * r * CHUNKS] = rope_chunk(x[r], cs, sn);
+    for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) rows[8 * r * CHUNKS] = rope_chunk(x[r], t.c, t.s);
 }
 #endif
 

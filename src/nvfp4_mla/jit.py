@@ -30,8 +30,9 @@ from . import abi
 KERNEL_NAME = "nvfp4_mla_write"
 KERNEL_FILE = "nvfp4_mla_write.cu"
 HEADER_FILE = "nvfp4_numerics.cuh"
-THREADS = 256  # kernel block size (THREADS in the .cu)
-UNITS_PER_BLOCK = 4  # 64-thread work units per block
+THREADS = 256  # kernel block size
+UNIT_THREADS = 64  # a work unit: one thread per 16-byte chunk of a 512-dim BF16 row
+UNITS_PER_BLOCK = THREADS // UNIT_THREADS
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")  # the architectures CI compiles for
 
 # Params in nvfp4_mla_write.cu: 7 pointers then 5 int64.
@@ -73,11 +74,10 @@ def num_units(key: tuple, num_tokens: int, num_kv_rows: int) -> int:
     ``key`` is a Variant's fields as a plain tuple."""
     q_mode, num_heads, q_heads = key[5], key[6], key[7]
     kv_units = (num_kv_rows + KV_ROWS_PER_UNIT - 1) // KV_ROWS_PER_UNIT
-    if q_mode == 1:
-        return kv_units + num_tokens * q_heads // 4
-    if q_mode == 2:
-        return kv_units + num_tokens * num_heads // (8 * q_rows_per_unit(2, num_heads))
-    return kv_units
+    if q_mode == 0:
+        return kv_units
+    q_rows = num_tokens * (q_heads if q_mode == 1 else num_heads // 8)  # q_out rows, or groups of 8 heads
+    return kv_units + q_rows // q_rows_per_unit(q_mode, num_heads)
 
 
 class CompileResult(NamedTuple):
@@ -133,7 +133,7 @@ def _nvrtc():
 _ABI_OPTIONS = [
     f"-D{name}={value}"
     for name, value in (
-        ("THREADS", THREADS), ("HEAD_DIM", abi.HEAD_DIM), ("NOPE_DIM", abi.NOPE_DIM), ("ROPE_PAIRS", abi.ROPE_PAIRS),
+        ("THREADS", THREADS), ("UNIT_THREADS", UNIT_THREADS), ("HEAD_DIM", abi.HEAD_DIM), ("NOPE_DIM", abi.NOPE_DIM), ("ROPE_PAIRS", abi.ROPE_PAIRS),
         ("DATA_BYTES", abi.DATA_BYTES), ("NOPE_BYTES", abi.NOPE_BYTES), ("SCALE_BYTES", abi.SCALE_BYTES),
         ("NUM_GROUPS", abi.NUM_GROUPS),
     )
@@ -255,7 +255,7 @@ def device_arch(device_index: int) -> str:
 class Launcher:
     """A loaded kernel on one device: packs the parameters and launches, nothing else."""
 
-    __slots__ = ("function", "context", "device_index", "kernel", "_module")
+    __slots__ = ("function", "context", "kernel", "_module")
 
     def __init__(self, path: Path, device_index: int):
         import cupy
@@ -271,7 +271,6 @@ class Launcher:
             self.context = _driver.ctxGetCurrent()
         finally:
             _driver.ctxSetCurrent(previous)
-        self.device_index = device_index
 
     def launch(self, num_units: int, stream: int, *params: int) -> None:
         """Launches ``num_units`` work units; ``params`` are Params' fields but num_units."""

@@ -17,7 +17,7 @@ from .reference import new_cache, nvfp4_dequantize_sparse_mla_cache  # noqa: F40
 
 try:
     _raw_stream = torch._C._cuda_getCurrentRawStream  # the current stream's handle, no Stream object
-except AttributeError:  # pragma: no cover - older torch
+except AttributeError:  # CPU-only torch builds lack it (and never reach a launch)
     def _raw_stream(device_index):
         return torch.cuda.current_stream(device_index).cuda_stream
 
