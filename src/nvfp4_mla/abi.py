@@ -5,6 +5,10 @@ A token's record is 384 bytes: a 352-byte data row (448 NoPE values as packed E2
 group scales, 4 zero bytes) kept after all of the page's data rows.
 """
 
+from __future__ import annotations
+
+import torch
+
 HEAD_DIM = 512  # latent dims of a query head or KV row
 NOPE_DIM = 448  # quantized dims
 ROPE_DIM = 64  # rotated dims, stored as BF16
@@ -27,3 +31,23 @@ KV_LAYOUTS = ("HND", "NHD")
 E4M3_MAX_CODE = 0x7E  # 448, where scales saturate
 E4M3_NAN_CODE = 0x7F
 BF16_NAN_BITS = 0x7FC0  # torch's NaN; written to q_out heads whose RoPE row is out of range
+
+
+def data_offset(page_size: int, entry: int) -> int:
+    """Byte offset of entry ``entry``'s data row inside its page."""
+    return entry * DATA_BYTES
+
+
+def scale_offset(page_size: int, entry: int) -> int:
+    """Byte offset of entry ``entry``'s scale slot inside its page (after all data rows)."""
+    return page_size * DATA_BYTES + entry * SCALE_BYTES
+
+
+def record_views(cache: torch.Tensor, geometry: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[num_pages, page_size, 352]`` data-row and ``[num_pages, page_size, 32]`` scale-slot views
+    of a checked cache; ``geometry`` is its ``(num_pages, page_size, page_stride)``."""
+    num_pages, page_size, page_stride = geometry
+    base = cache.storage_offset()
+    data = cache.as_strided((num_pages, page_size, DATA_BYTES), (page_stride, DATA_BYTES, 1), base + data_offset(page_size, 0))
+    scales = cache.as_strided((num_pages, page_size, SCALE_BYTES), (page_stride, SCALE_BYTES, 1), base + scale_offset(page_size, 0))
+    return data, scales

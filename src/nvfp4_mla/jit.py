@@ -26,58 +26,17 @@ from pathlib import Path
 from typing import NamedTuple
 
 from . import abi
+from .variant import UNIT_THREADS, Variant
 
 KERNEL_NAME = "nvfp4_mla_write"
 KERNEL_FILE = "nvfp4_mla_write.cu"
 HEADER_FILE = "nvfp4_numerics.cuh"
 THREADS = 256  # kernel block size
-UNIT_THREADS = 64  # a work unit: one thread per 16-byte chunk of a 512-dim BF16 row
 UNITS_PER_BLOCK = THREADS // UNIT_THREADS
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")  # the architectures CI compiles for
 
 # Params in nvfp4_mla_write.cu: 7 pointers then 5 int64.
 PARAMS = struct.Struct("<7Q5q")
-
-
-class Variant(NamedTuple):
-    """The compile-time geometry of one kernel specialization. Fields a mode does not use are 0."""
-
-    page_size: int
-    slot_int64: int = 1
-    identity_slots: int = 0  # pack: row i -> slot i
-    kv_rope: int = 1
-    compress_ratio: int = 1
-    q_mode: int = 0  # 0 none, 1 padded q_out, 2 in place
-    num_heads: int = 0
-    q_heads: int = 0
-    apply_q_rope: int = 0
-
-    def options(self) -> list[str]:
-        names = ("PAGE_SIZE", "SLOT_INT64", "IDENTITY_SLOTS", "KV_ROPE", "COMPRESS_RATIO",
-                 "Q_MODE", "NUM_HEADS", "Q_HEADS", "APPLY_Q_ROPE")
-        rows = q_rows_per_unit(self.q_mode, self.num_heads)
-        return [f"-D{name}={int(value)}" for name, value in zip(names, self)] + [
-            f"-DQ_ROWS_PER_UNIT={rows}", f"-DKV_ROWS_PER_UNIT={KV_ROWS_PER_UNIT}"]
-
-
-KV_ROWS_PER_UNIT = 1  # KV rows a 64-thread unit inserts (1 measured fastest of 1, 2, 4 on the H200)
-
-
-def q_rows_per_unit(q_mode: int, num_heads: int) -> int:
-    """16-byte query loads in flight per thread: 4 rows of q_out (q_mode 1), or up to 4 groups
-    of 8 heads in place (q_mode 2)."""
-    return 4 if q_mode == 1 else min(4, num_heads // 8) if q_mode == 2 else 1
-
-
-def num_units(key: tuple, num_tokens: int, num_kv_rows: int) -> int:
-    """Work units of a launch (64 threads each): the KV rows, then the query's units.
-    ``key`` is a Variant's fields as a plain tuple."""
-    q_mode, num_heads, q_heads = key[5], key[6], key[7]
-    kv_units = (num_kv_rows + KV_ROWS_PER_UNIT - 1) // KV_ROWS_PER_UNIT
-    if q_mode == 0:
-        return kv_units
-    q_rows = num_tokens * (q_heads if q_mode == 1 else num_heads // 8)  # q_out rows, or groups of 8 heads
-    return kv_units + q_rows // q_rows_per_unit(q_mode, num_heads)
 
 
 class CompileResult(NamedTuple):
@@ -143,7 +102,7 @@ _ABI_OPTIONS = [
 def _compile_options(variant: Variant, arch: str) -> list[str]:
     # --fmad=false: no contraction anywhere (the numerics use explicit intrinsics anyway);
     # no fast math: denormals are kept; -Xptxas -v: the resource report the spill check reads.
-    return [f"--gpu-architecture={arch}", "-std=c++17", "--fmad=false", "-lineinfo", "-Xptxas=-v", *_ABI_OPTIONS, *variant.options()]
+    return [f"--gpu-architecture={arch}", "-std=c++17", "--fmad=false", "-lineinfo", "-Xptxas=-v", *_ABI_OPTIONS, *(f"-D{k}={v}" for k, v in variant.defines().items())]
 
 
 def compile_variant(variant: Variant, arch: str) -> CompileResult:
@@ -305,7 +264,7 @@ _launchers: dict = {}
 
 
 def launcher(key: tuple) -> Launcher:
-    """The loaded kernel for ``key = (device_index, *Variant fields)``; built on first use.
+    """The loaded kernel for ``key = (device_index, variant)``; built on first use.
 
     The hot path is this one dict lookup on a plain tuple. Safe under concurrent first calls:
     one thread builds, the others wait and share it.
@@ -321,7 +280,7 @@ def _build(key: tuple) -> Launcher:
         if found is None:
             if _driver is None:
                 _driver = _cupy_driver()
-            device_index, variant = key[0], Variant(*key[1:])
+            device_index, variant = key
             found = Launcher(cubin_path(variant, device_arch(device_index)), device_index)
             _launchers[key] = found
     return found

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from . import abi, jit, validation
+from .variant import Variant
 from .reference import new_cache, nvfp4_dequantize_sparse_mla_cache  # noqa: F401  (pure torch, any device)
 
 try:
@@ -22,29 +23,6 @@ except AttributeError:  # CPU-only torch builds lack it (and never reach a launc
         return torch.cuda.current_stream(device_index).cuda_stream
 
 _NO_PTR = 0
-
-
-# Variant keys as plain tuples in jit.Variant's field order (page_size, slot_int64,
-# identity_slots, kv_rope, compress_ratio, q_mode, num_heads, q_heads, apply_q_rope): the hot
-# path builds one and looks it up; jit.Variant(*key) only on the first call.
-def _kv_variant(page_size: int, slot_int64: bool, compress_ratio: int) -> tuple:
-    return (page_size, slot_int64, 0, 1, compress_ratio, 0, 0, 0, 0)
-
-
-def _main_variant(page_size, slot_int64, num_heads, q_head_padded, apply_q_rope, q_inplace) -> tuple:
-    if q_inplace and apply_q_rope:
-        return (page_size, slot_int64, 0, 1, 1, 2, num_heads, num_heads, 1)
-    if q_inplace or not q_head_padded:  # cache only: the KV entry with ratio 1
-        return _kv_variant(page_size, slot_int64, 1)
-    return (page_size, slot_int64, 0, 1, 1, 1, num_heads, q_head_padded, int(bool(apply_q_rope)))
-
-
-def _append_variant(page_size: int, slot_int64: bool) -> tuple:
-    return (page_size, slot_int64, 0, 0, 1, 0, 0, 0, 0)
-
-
-def _pack_variant(page_size: int) -> tuple:
-    return (page_size, 0, 1, 0, 1, 0, 0, 0, 0)
 
 
 class Geometry(NamedTuple):
@@ -60,20 +38,17 @@ class Geometry(NamedTuple):
     compress_ratio: int = 1
     slot_dtype: torch.dtype = torch.int64
 
-    def variant(self) -> jit.Variant:
-        slot_int64 = self.slot_dtype is torch.int64
+    def variant(self) -> Variant:
         if self.entry == "main":
             validation.check_q_options(self.num_heads, self.q_head_padded, self.q_inplace)
-            key = _main_variant(self.page_size, slot_int64, self.num_heads, self.q_head_padded, self.apply_q_rope, self.q_inplace)
-        elif self.entry == "kv":
-            key = _kv_variant(self.page_size, slot_int64, self.compress_ratio)
-        elif self.entry == "append":
-            key = _append_variant(self.page_size, slot_int64)
-        elif self.entry == "pack":
-            key = _pack_variant(self.page_size)
-        else:
-            raise ValueError(f"entry must be one of 'main', 'kv', 'append', 'pack', got {self.entry!r}")
-        return jit.Variant(*key)
+            return Variant.main(self.page_size, self.slot_dtype, self.num_heads, self.q_head_padded, self.apply_q_rope, self.q_inplace)
+        if self.entry == "kv":
+            return Variant.kv(self.page_size, self.slot_dtype, self.compress_ratio)
+        if self.entry == "append":
+            return Variant.append(self.page_size, self.slot_dtype)
+        if self.entry == "pack":
+            return Variant.pack(self.page_size)
+        raise ValueError(f"entry must be one of 'main', 'kv', 'append', 'pack', got {self.entry!r}")
 
 
 def precompile(geometries, *, device=None, arch=None) -> list:
@@ -89,13 +64,13 @@ def precompile(geometries, *, device=None, arch=None) -> list:
         return [jit.cubin_path(v, arch) for v in variants]
     index = torch.device("cuda" if device is None else device).index
     index = torch.cuda.current_device() if index is None else index
-    return [jit.launcher((index, *v)) for v in variants]
+    return [jit.launcher((index, v)) for v in variants]
 
 
 def _launch(key, num_units, q, q_out, kv, cache, slots, positions, cos_sin, geometry, max_position, num_kv_rows):
     num_pages, page_size, page_stride = geometry
     device_index = cache.get_device()
-    jit.launcher((device_index, *key)).launch(
+    jit.launcher((device_index, key)).launch(
         num_units,
         _raw_stream(device_index),
         q, q_out, kv, cache.data_ptr(), slots, positions, cos_sin,
@@ -120,8 +95,8 @@ def _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, 
         q_out = q.new_empty((num_tokens, q_head_padded, abi.HEAD_DIM))  # measured cheaper than torch.empty
     else:
         q_out = q.new_empty((num_tokens, 0, abi.HEAD_DIM))
-    key = _main_variant(geometry.page_size, slot_mapping.dtype is torch.int64, num_heads, q_head_padded, apply_q_rope, q_inplace)
-    num_units = jit.num_units(key, num_tokens, num_kv_rows)
+    key = Variant.main(geometry.page_size, slot_mapping.dtype, num_heads, q_head_padded, apply_q_rope, q_inplace)
+    num_units = key.num_units(num_tokens, num_kv_rows)
     if num_units == 0:  # T == 0, or a cache-only call without slots
         return q_out
     _launch(
@@ -139,9 +114,9 @@ def _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, 
     num_kv_rows = slot_mapping.shape[0]
     if num_kv_rows == 0:
         return None
-    key = _kv_variant(geometry.page_size, slot_mapping.dtype is torch.int64, compress_ratio)
+    key = Variant.kv(geometry.page_size, slot_mapping.dtype, compress_ratio)
     _launch(
-        key, jit.num_units(key, 0, num_kv_rows), _NO_PTR, _NO_PTR, kv.data_ptr(), cache, slot_mapping.data_ptr(),
+        key, key.num_units(0, num_kv_rows), _NO_PTR, _NO_PTR, kv.data_ptr(), cache, slot_mapping.data_ptr(),
         positions.data_ptr(), cos_sin_cache.data_ptr(), geometry, cos_sin_cache.shape[0], num_kv_rows,
     )
     return None
@@ -154,9 +129,9 @@ def _append(latent_kv, slot_mapping, cache):
     num_kv_rows = slot_mapping.shape[0]
     if num_kv_rows == 0:
         return None
-    key = _append_variant(geometry.page_size, slot_mapping.dtype is torch.int64)
+    key = Variant.append(geometry.page_size, slot_mapping.dtype)
     _launch(
-        key, jit.num_units(key, 0, num_kv_rows), _NO_PTR, _NO_PTR, latent_kv.data_ptr(), cache, slot_mapping.data_ptr(),
+        key, key.num_units(0, num_kv_rows), _NO_PTR, _NO_PTR, latent_kv.data_ptr(), cache, slot_mapping.data_ptr(),
         _NO_PTR, _NO_PTR, geometry, 0, num_kv_rows,
     )
     return None
@@ -169,8 +144,8 @@ def _pack(latent_kv, kv_layout):
     num_rows = num_pages * page_size
     if num_rows:
         geometry = validation.CacheGeometry(num_pages, page_size, page_size * abi.RECORD_BYTES)
-        key = _pack_variant(page_size)
-        _launch(key, jit.num_units(key, 0, num_rows), _NO_PTR, _NO_PTR, latent_kv.data_ptr(), cache, _NO_PTR, _NO_PTR, _NO_PTR, geometry, 0, num_rows)
+        key = Variant.pack(page_size)
+        _launch(key, key.num_units(0, num_rows), _NO_PTR, _NO_PTR, latent_kv.data_ptr(), cache, _NO_PTR, _NO_PTR, _NO_PTR, geometry, 0, num_rows)
     return cache
 
 

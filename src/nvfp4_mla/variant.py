@@ -1,0 +1,143 @@
+"""The compile-time geometry of the writer kernel: one vocabulary, one named constructor per entry.
+
+A :class:`Variant` is everything that specializes ``kernels/nvfp4_mla_write.cu`` (its ``-D``
+constants). Field names are the entries' argument names. The constructors are memoized, so the
+hot path gets the same Variant object back for the same arguments.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import NamedTuple
+
+import torch
+
+from . import abi
+
+
+class QMode(enum.IntEnum):
+    """What the kernel does with the query."""
+
+    NONE = 0  # cache only
+    PADDED = 1  # write the head-padded q_out
+    IN_PLACE = 2  # rotate q's RoPE dims in place
+
+
+UNIT_THREADS = 64  # a work unit: one thread per 16-byte chunk of a 512-dim BF16 row
+KV_ROWS_PER_UNIT = (1, 2, 4)  # the sweepable values of Variant.kv_rows_per_unit; 1 is the default
+
+
+class Variant(NamedTuple):
+    """One specialization of the writer kernel. Fields an entry does not use are 0 / False."""
+
+    page_size: int
+    slot_int64: bool = True  # slot_mapping is int64 (else int32)
+    identity_slots: bool = False  # row i goes to slot i (pack)
+    kv_rope: bool = True  # rotate the KV row (else it is already roped: append, pack)
+    compress_ratio: int = 1
+    q_mode: QMode = QMode.NONE
+    num_heads: int = 0
+    q_head_padded: int = 0  # heads of q_out (q_mode PADDED), num_heads in place
+    apply_q_rope: bool = False
+    kv_rows_per_unit: int = 1  # KV rows one unit inserts, their loads in flight together
+
+    # ------------------------------------------------------------ named constructors
+
+    @staticmethod
+    @functools.cache
+    def main(
+        page_size: int,
+        slot_dtype: torch.dtype,
+        num_heads: int,
+        q_head_padded: int,
+        apply_q_rope: bool,
+        q_inplace: bool,
+    ) -> Variant:
+        """``cake_dsv4_nvfp4_rope_quantize_insert`` (arguments already validated)."""
+        if q_inplace and apply_q_rope:
+            return Variant(
+                page_size, slot_dtype is torch.int64, q_mode=QMode.IN_PLACE, num_heads=num_heads,
+                q_head_padded=num_heads, apply_q_rope=True,
+            )
+        if q_inplace or not q_head_padded:  # cache only: the KV entry with ratio 1
+            return Variant.kv(page_size, slot_dtype, 1)
+        return Variant(
+            page_size, slot_dtype is torch.int64, q_mode=QMode.PADDED, num_heads=num_heads,
+            q_head_padded=q_head_padded, apply_q_rope=bool(apply_q_rope),
+        )
+
+    @staticmethod
+    @functools.cache
+    def kv(page_size: int, slot_dtype: torch.dtype, compress_ratio: int) -> Variant:
+        """``cake_dsv4_nvfp4_kv_rope_quantize_insert``."""
+        return Variant(page_size, slot_dtype is torch.int64, compress_ratio=compress_ratio)
+
+    @staticmethod
+    @functools.cache
+    def append(page_size: int, slot_dtype: torch.dtype) -> Variant:
+        """``nvfp4_quantize_append_sparse_mla_cache``."""
+        return Variant(page_size, slot_dtype is torch.int64, kv_rope=False)
+
+    @staticmethod
+    @functools.cache
+    def pack(page_size: int) -> Variant:
+        """``nvfp4_quantize_pack_sparse_mla_cache``: row i goes to slot i."""
+        return Variant(page_size, False, identity_slots=True, kv_rope=False)
+
+    # ------------------------------------------------------------ what the kernel needs
+
+    @property
+    def q_rows_per_unit(self) -> int:
+        """16-byte query loads in flight per thread: 4 rows of q_out, or up to 4 groups of 8
+        heads in place."""
+        if self.q_mode == QMode.PADDED:
+            return 4
+        if self.q_mode == QMode.IN_PLACE:
+            return min(4, self.num_heads // 8)
+        return 1
+
+    def num_units(self, num_tokens: int, num_kv_rows: int) -> int:
+        """Work units of a launch (64 threads each): the KV rows, then the query's units."""
+        kv_units = -(-num_kv_rows // self.kv_rows_per_unit)
+        if self.q_mode == QMode.NONE:
+            return kv_units
+        # q_out rows, or groups of 8 heads in place
+        q_rows = num_tokens * (self.q_head_padded if self.q_mode == QMode.PADDED else self.num_heads // 8)
+        return kv_units + q_rows // self.q_rows_per_unit
+
+    def defines(self) -> dict[str, int]:
+        """The kernel's ``-D`` constants of this variant."""
+        return {
+            "PAGE_SIZE": self.page_size,
+            "SLOT_INT64": int(self.slot_int64),
+            "IDENTITY_SLOTS": int(self.identity_slots),
+            "KV_ROPE": int(self.kv_rope),
+            "COMPRESS_RATIO": self.compress_ratio,
+            "Q_MODE": int(self.q_mode),
+            "NUM_HEADS": self.num_heads,
+            "Q_HEADS": self.q_head_padded,
+            "APPLY_Q_ROPE": int(self.apply_q_rope),
+            "Q_ROWS_PER_UNIT": self.q_rows_per_unit,
+            "KV_ROWS_PER_UNIT": self.kv_rows_per_unit,
+        }
+
+    def describe(self) -> str:
+        """A short human-readable name, e.g. ``main page_size=64 heads 8->16 int64``."""
+        slots = "identity" if self.identity_slots else "int64" if self.slot_int64 else "int32"
+        if self.q_mode == QMode.PADDED:
+            rope = "" if self.apply_q_rope else " no-rope"
+            what = f"main heads {self.num_heads}->{self.q_head_padded}{rope}"
+        elif self.q_mode == QMode.IN_PLACE:
+            what = f"main heads {self.num_heads} in place"
+        elif self.identity_slots:
+            what = "pack"
+        elif not self.kv_rope:
+            what = "append"
+        else:
+            what = f"kv ratio {self.compress_ratio}"
+        extra = f" kv_rows_per_unit={self.kv_rows_per_unit}" if self.kv_rows_per_unit != 1 else ""
+        return f"{what} page_size={self.page_size} {slots}{extra}"
+
+
+assert abi.HEAD_DIM * 2 // 16 == UNIT_THREADS  # one thread per 16-byte chunk of a BF16 row
