@@ -200,6 +200,38 @@ def cubin_path(variant: Variant, arch: str) -> Path:
 
 # ---------------------------------------------------------------- loading and launching
 
+try:
+    import torch as _torch
+
+    current_raw_stream = _torch._C._cuda_getCurrentRawStream  # the stream handle, no Stream object
+except AttributeError:  # CPU-only torch builds lack it (and never reach a launch)
+
+    def current_raw_stream(device_index: int) -> int:
+        import torch
+
+        return torch.cuda.current_stream(device_index).cuda_stream
+
+
+
+def gpu_unavailable_reason(device_index: int | None = None) -> str | None:
+    """Why the GPU entries cannot run here (no CUDA device, one older than sm_80, or CuPy unable to
+    reach it), or None when they can. The one such check: tests, the CLI and the benchmark use it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
+    index = torch.cuda.current_device() if device_index is None else device_index
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 8:
+        return f"GPU {index} is sm_{major}{minor}; the kernels need sm_80 or newer"
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CuPy missing, or its CUDA runtime unusable
+        return f"CuPy cannot reach the GPU: {exc}"
+    return None
+
 
 def device_arch(device_index: int) -> str:
     import torch

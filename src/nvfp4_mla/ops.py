@@ -16,12 +16,6 @@ from . import abi, jit, validation
 from .variant import Variant
 from .reference import new_cache, nvfp4_dequantize_sparse_mla_cache  # noqa: F401  (pure torch, any device)
 
-try:
-    _raw_stream = torch._C._cuda_getCurrentRawStream  # the current stream's handle, no Stream object
-except AttributeError:  # CPU-only torch builds lack it (and never reach a launch)
-    def _raw_stream(device_index):
-        return torch.cuda.current_stream(device_index).cuda_stream
-
 _NO_PTR = 0
 
 
@@ -72,7 +66,7 @@ def _launch(key, num_units, q, q_out, kv, cache, slots, positions, cos_sin, geom
     device_index = cache.get_device()
     jit.launcher((device_index, key)).launch(
         num_units,
-        _raw_stream(device_index),
+        jit.current_raw_stream(device_index),
         q, q_out, kv, cache.data_ptr(), slots, positions, cos_sin,
         page_stride, num_pages * page_size, max_position, num_kv_rows,
     )
