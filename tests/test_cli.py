@@ -1,19 +1,41 @@
 """The command line, on the CPU: info, demo (reference path), inspect, precompile (NVRTC, no GPU)."""
 
+import io
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, reference
-from nvfp4_mla.__main__ import gpu_status, main
-from util import cos_sin_table, make_cache, random_rows
+from nvfp4_mla import abi, jit, reference
+from nvfp4_mla.cli import SIGPIPE_EXIT, format_record, main
+from nvfp4_mla.testing import CANARY, make_cache, random_rows, rope_table
 
 SRC = str(Path(nvfp4_mla.__file__).resolve().parents[1])  # so a subprocess imports this checkout
+
+
+def run_module(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    """``python -m nvfp4_mla ARGS`` in a fresh interpreter on this checkout."""
+    env = {**os.environ, "PYTHONPATH": SRC, **kwargs.pop("env", {})}
+    return subprocess.run([sys.executable, "-m", "nvfp4_mla", *args], env=env, text=True, timeout=300, **kwargs)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"nvfp4-mla {nvfp4_mla.__version__}\n"
+
+
+def test_help_texts(capsys):
+    for command, text in [("demo", "--seed SEED  seed of the random"), ("inspect", "path         a cache tensor")]:
+        with pytest.raises(SystemExit):
+            main([command, "-h"])
+        assert text in capsys.readouterr().out
 
 
 def test_info(capsys, monkeypatch, tmp_path):
@@ -23,23 +45,24 @@ def test_info(capsys, monkeypatch, tmp_path):
     out = capsys.readouterr().out
     for word in ("GPU:", "torch:", "CuPy:", "NVRTC:", f"kernel cache: {tmp_path}", "sm_90: 1 kernel, 100 B"):
         assert word in out
-    if gpu_status().name is None:
-        assert "no GPU" in out
+    if not torch.cuda.is_available():
+        assert "GPU:   no GPU" in out
+    why_not = jit.gpu_unavailable_reason()
+    assert (f"GPU entries unavailable: {why_not}." in out) if why_not else ("unavailable" not in out)
 
 
 def test_info_subprocess(tmp_path):
-    env = {**os.environ, "PYTHONPATH": SRC, "NVFP4_MLA_CACHE_DIR": str(tmp_path / "none")}
-    done = subprocess.run([sys.executable, "-m", "nvfp4_mla", "info"], env=env, capture_output=True, text=True, timeout=120)
+    done = run_module("info", env={"NVFP4_MLA_CACHE_DIR": str(tmp_path / "none")}, capture_output=True)
     assert done.returncode == 0, done.stderr
-    assert "nvfp4-mla" in done.stdout and "empty (not created yet)" in done.stdout
+    assert f"nvfp4-mla {nvfp4_mla.__version__}" in done.stdout and "empty (not created yet)" in done.stdout
 
 
-@pytest.mark.parametrize("force_cpu", [True, False])
+@pytest.mark.parametrize("force_cpu", [True, False], ids=["cpu", "gpu-if-usable"])
 def test_demo(capsys, tmp_path, force_cpu):
     saved = tmp_path / "demo.pt"
     assert main(["demo", "--save", str(saved)] + (["--cpu"] if force_cpu else [])) == 0
     out = capsys.readouterr().out
-    if force_cpu or gpu_status().why_not:
+    if force_cpu or jit.gpu_unavailable_reason():
         assert "Ran nvfp4_mla.reference on the CPU, not the GPU kernels: " in out
     else:
         assert "Ran the fused GPU entry" in out and "reference on the CPU: yes" in out
@@ -47,10 +70,24 @@ def test_demo(capsys, tmp_path, force_cpu):
     assert torch.load(saved, weights_only=True).shape == (2, 16, abi.RECORD_BYTES)
 
 
+def test_demo_into_closed_pipe():
+    """``nvfp4-mla demo | head``: the reader is gone before the first write; no traceback, the
+    SIGPIPE exit status."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # no reader at all: the demo's first flush fails, deterministically
+    try:
+        done = run_module("demo", "--cpu", stdout=write_end, stderr=subprocess.PIPE)
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == SIGPIPE_EXIT
+
+
 def test_inspect(capsys, tmp_path):
     cache = make_cache(3, 4, "HND", pad=32)  # padded pool in HND layout: inspect must follow the strides
     row = torch.zeros(1, abi.HEAD_DIM)
-    row[0, :16] = torch.tensor([0, -0.0, 0.5, -0.5, 1, -1, 1.5, -1.5, 2, -2, 3, -3, 4, -4, 6, -6])  # SPEC's known answer
+    # the E2M1 known answer of docs/format.md section 4: codes 0..F in order, scale 1
+    row[0, :16] = torch.tensor([0, -0.0, 0.5, -0.5, 1, -1, 1.5, -1.5, 2, -2, 3, -3, 4, -4, 6, -6])
     row[0, abi.NOPE_DIM] = 1.25
     reference.nvfp4_quantize_append_sparse_mla_cache(row.to(torch.bfloat16), torch.tensor([6]), cache)
     path = tmp_path / "cache.pt"
@@ -59,47 +96,136 @@ def test_inspect(capsys, tmp_path):
     assert main(["inspect", str(path), "--slot", "6"]) == 0
     out = capsys.readouterr().out
     assert "slot 6 = page 1, entry 2" in out
+    assert "data row at page byte 704, scale slot at page byte 1472 (padding bytes 00 00 00 00)" in out
     assert "group  0  scale 0x38 = 1 " in out
     assert "  code      0    8    1    9    2    A    3    B    4    C    5    D    6    E    7    F" in out
     assert "  e2m1      0   -0  0.5 -0.5    1   -1  1.5 -1.5    2   -2    3   -3    4   -4    6   -6" in out
     assert "group 27  scale 0x00 = 0" in out
-    assert "padding bytes 00 00 00 00" in out
     assert "1.25" in out.split("RoPE")[1]
-
-    with pytest.raises(SystemExit, match="outside the cache's 12 slots"):
-        main(["inspect", str(path), "--slot", "12"])
+    assert "empty" not in out
 
 
-def test_inspect_matches_dequantize(capsys, tmp_path):
+def test_inspect_matches_dequantize(capsys, tmp_path, seed):
     cache = make_cache(2, 8)
     rows = random_rows((3, abi.HEAD_DIM))
     slots = torch.tensor([1, 9, 14])
-    reference.cake_dsv4_nvfp4_kv_rope_quantize_insert(rows, cache, slots, torch.tensor([0, 5, 9]), cos_sin_table(16))
+    reference.cake_dsv4_nvfp4_kv_rope_quantize_insert(rows, cache, slots, torch.tensor([0, 5, 9]), rope_table(16))
     torch.save(cache, tmp_path / "c.pt")
-    main(["inspect", str(tmp_path / "c.pt"), "--slot", "9"])
+    assert main(["inspect", str(tmp_path / "c.pt"), "--slot", "9"]) == 0
     out = capsys.readouterr().out
     values = reference.nvfp4_dequantize_sparse_mla_cache(cache, torch.tensor([9]))[0]
     scale_lines = [line for line in out.splitlines() if line.startswith("group")]
     assert len(scale_lines) == abi.NUM_GROUPS
     for g, line in enumerate(scale_lines):  # the printed max |value| is the dequantized group's
-        assert f"(max |value| {values[16 * g : 16 * g + 16].abs().max().item():g})" in line
+        amax = values[g * abi.GROUP_SIZE : (g + 1) * abi.GROUP_SIZE].abs().max().item()
+        assert f"(max |value| {amax:g})" in line
+
+
+@pytest.mark.parametrize("fill", [CANARY, 0], ids=["canary", "zeros"])
+def test_format_record_empty(fill, seed):
+    cache = make_cache(2, 4).fill_(fill)
+    written = 5
+    reference.nvfp4_quantize_append_sparse_mla_cache(random_rows((1, abi.HEAD_DIM)), torch.tensor([written]), cache)
+    text = format_record(cache, 2)
+    assert text.splitlines()[0].startswith("slot 2 = page 0, entry 2")
+    assert len(text.splitlines()) == 2
+    assert f"empty record: all 384 bytes are 0x{fill:02X}" in text
+    assert ("a written row of 512 zeros" in text) == (fill == 0)
+    assert "empty" not in format_record(cache, written)  # a written slot of the same cache prints in full
+    assert "group 27" in format_record(cache, written)
+
+
+def test_format_record_zero_row_written():
+    """A written row of zeros is 384 zero bytes: inspect cannot tell it from an unwritten zero
+    slot, and says so instead of calling it never written."""
+    cache = make_cache(1, 4)
+    reference.nvfp4_quantize_append_sparse_mla_cache(
+        torch.zeros(1, abi.HEAD_DIM, dtype=torch.bfloat16), torch.tensor([1]), cache
+    )
+    assert "0x00 (never written, or a written row of 512 zeros)" in format_record(cache, 1)
+    assert "0xA5 (never written)" in format_record(cache, 0)
+
+
+def _bad_inputs(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """name -> (path, expected message) of files inspect refuses."""
+    (tmp_path / "text.pt").write_text("not a tensor\n")
+    torch.save({"cache": 1}, tmp_path / "dict.pt")
+    torch.save(make_cache(1, 4), tmp_path / "cache.pt")
+    return {
+        "missing": (str(tmp_path / "missing.pt"), "missing.pt: no such file"),
+        "directory": (str(tmp_path), "cannot read it"),
+        "text": (str(tmp_path / "text.pt"), "not a tensor saved with torch.save"),
+        "dict": (str(tmp_path / "dict.pt"), "holds a dict, not a cache tensor"),
+        "slot": (str(tmp_path / "cache.pt"), "slot 4 is outside the cache's 4 slots"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "directory", "text", "dict", "slot"])
+def test_inspect_bad_input(capsys, tmp_path, case):
+    path, message = _bad_inputs(tmp_path)[case]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", path, "--slot", "4"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nvfp4-mla inspect: error: ") and message in err
+    assert err.count("\n") == 1  # one line, no traceback
+
+
+def test_inspect_missing_file_subprocess(tmp_path):
+    done = run_module("inspect", str(tmp_path / "missing.pt"), capture_output=True)
+    assert done.returncode == 2
+    assert done.stderr == f"nvfp4-mla inspect: error: {tmp_path / 'missing.pt'}: no such file\n"
+
+
+PRECOMPILE_ARGV = [
+    "precompile", "--heads", "8", "--q-head-padded", "16", "--page-size", "64", "--kv-ratio", "1", "2",
+    "--append", "--slot-dtype", "int32", "--arch", "sm_80", "sm_90",
+]  # fmt: skip
 
 
 def test_precompile(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("NVFP4_MLA_CACHE_DIR", str(tmp_path))
-    argv = ["precompile", "--heads", "8", "--q-head-padded", "16", "--page-size", "64", "--kv-ratio", "1", "2",
-            "--append", "--slot-dtype", "int32", "--arch", "sm_80", "sm_90"]
-    assert main(argv) == 0
+    assert main(PRECOMPILE_ARGV) == 0
     captured = capsys.readouterr()
-    assert "8/8 done" in captured.err
+    # stderr is not a terminal here: one plain line per kernel, no carriage returns
+    assert "\r" not in captured.err
+    assert captured.err.splitlines()[-1] == "[8/8] sm_90 append page_size=64 int32"
     assert "8 kernels ready" in captured.out
     cubins = sorted(tmp_path.glob("*.cubin"))
     assert len(cubins) == 8 and {p.name.split("-")[0] for p in cubins} == {"sm_80", "sm_90"}
+    assert sorted(captured.out.splitlines()[:-1]) == [str(p) for p in cubins]
 
-    assert main(argv) == 0  # already cached: same files, nothing new
+    assert main(PRECOMPILE_ARGV) == 0  # already cached: same files, nothing new
     assert sorted(tmp_path.glob("*.cubin")) == cubins
     main(["info"])
     assert "sm_80: 4 kernels" in capsys.readouterr().out
+
+
+def test_precompile_counts_unique_kernels(capsys, monkeypatch, tmp_path):
+    """The main entry without q_out (q_head_padded 0) is the KV entry with ratio 1: one kernel."""
+    monkeypatch.setenv("NVFP4_MLA_CACHE_DIR", str(tmp_path))
+    assert main(["precompile", "--heads", "8", "--kv-ratio", "1", "--page-size", "16", "--arch", "sm_90"]) == 0
+    captured = capsys.readouterr()
+    cubins = list(tmp_path.glob("*.cubin"))
+    assert len(cubins) == 1
+    assert captured.out.splitlines() == [str(cubins[0]), f"1 kernel ready in {tmp_path}"]
+    assert captured.err.splitlines() == ["[1/1] sm_90 kv ratio 1 page_size=16 int64"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_precompile_progress_bar_on_terminal(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("NVFP4_MLA_CACHE_DIR", str(tmp_path))
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["precompile", "--kv-ratio", "1", "2", "--page-size", "16", "--arch", "sm_90"]) == 0
+    bar = terminal.getvalue()
+    assert "\r" in bar and "2/2" in bar  # tqdm redraws its line in place
+    assert "[1/2]" not in bar  # not the plain lines of a log
+    assert "2 kernels ready" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -112,12 +238,13 @@ def test_precompile(capsys, monkeypatch, tmp_path):
     ],
 )
 def test_precompile_errors(capsys, argv, message):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         main(["precompile", *argv])
+    assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(gpu_status().arch is not None, reason="checks the message given without a GPU")
+@pytest.mark.skipif(jit.gpu_unavailable_reason() is None, reason="checks the message given without a usable GPU")
 def test_precompile_needs_arch_without_gpu(capsys):
     with pytest.raises(SystemExit):
         main(["precompile", "--heads", "8"])
@@ -125,12 +252,17 @@ def test_precompile_needs_arch_without_gpu(capsys):
 
 
 def test_bench_is_forwarded(monkeypatch):
-    import types
-
     seen = []
     fake = types.ModuleType("nvfp4_mla.bench")
-    fake.main = lambda argv: seen.append(argv) or 0
+    fake.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "nvfp4_mla.bench", fake)
     monkeypatch.setattr(nvfp4_mla, "bench", fake, raising=False)
     assert main(["bench", "--quick", "--help"]) == 0
     assert seen == [["--quick", "--help"]]
+
+
+def test_bench_help_names_the_command(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "-h"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: nvfp4-mla bench")

@@ -1,4 +1,5 @@
-"""examples/quickstart.ipynb runs top to bottom (on the CPU here: it falls back to the reference)."""
+"""examples/quickstart.ipynb: it runs top to bottom (on the CPU here: it falls back to the reference),
+and the committed file carries its outputs, plot included, for readers browsing the repository."""
 
 from pathlib import Path
 
@@ -9,10 +10,15 @@ import nvfp4_mla
 nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (pip install -e '.[test]')")
 nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (pip install -e '.[test]')")
 pytest.importorskip("ipykernel", reason="ipykernel is not installed (pip install -e '.[test]')")
-pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install -e '.[test]')")
+pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install -e '.[plot]')")
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "quickstart.ipynb"
 SRC = str(Path(nvfp4_mla.__file__).resolve().parents[1])
+MAX_NOTEBOOK_BYTES = 200_000  # one PNG and some text; more means an output that should not be kept
+
+
+def outputs(nb) -> list:
+    return [output for cell in nb.cells if cell.cell_type == "code" for output in cell.outputs]
 
 
 def test_quickstart_notebook(tmp_path, monkeypatch):
@@ -20,13 +26,26 @@ def test_quickstart_notebook(tmp_path, monkeypatch):
     # sys.executable); it inherits the environment, so it imports this checkout.
     monkeypatch.setenv("PYTHONPATH", SRC)
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()
 
-    text = "\n".join(
-        output.get("text", "") for cell in nb.cells if cell.cell_type == "code" for output in cell.outputs
-    )
+    text = "\n".join(output.get("text", "") for output in outputs(nb))
     assert "RoPE dims exact: True" in text
     assert "group  0  scale 0x" in text
+    assert "empty record: all 384 bytes are 0x00" in text
     assert "cache bytes equal: True" in text or "used nvfp4_mla.reference on the CPU" in text
     assert "q_out bits equal: False" not in text
+    assert any("image/png" in output.get("data", {}) for output in outputs(nb))
+
+
+def test_quickstart_notebook_is_saved_with_outputs():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert all(cell.outputs for cell in code_cells), (
+        "save it executed: jupyter nbconvert --to notebook --execute --inplace examples/quickstart.ipynb"
+    )
+    assert not [output for output in outputs(nb) if output.output_type == "error" or output.get("name") == "stderr"]
+    assert sum("image/png" in output.get("data", {}) for output in outputs(nb)) == 1
+    assert NOTEBOOK.stat().st_size < MAX_NOTEBOOK_BYTES

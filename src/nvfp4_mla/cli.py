@@ -1,0 +1,411 @@
+"""The ``nvfp4-mla`` command line (also ``python -m nvfp4_mla``).
+
+Subcommands: ``info`` (GPU, versions, kernel cache), ``precompile`` (build kernels for serving
+start-up, no GPU needed with ``--arch``), ``bench`` (the benchmark), ``demo`` (one small call,
+fused on a GPU or the reference on the CPU) and ``inspect`` (pretty-print one record of a saved
+cache). :func:`format_record` is the record printer of ``inspect``, also used by the notebook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+from . import __version__, abi, jit, reference, validation
+
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
+
+# ---------------------------------------------------------------- info
+
+
+def _gpu_name() -> str | None:
+    """The current GPU as "name (sm_XY)", or None when torch sees none."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+
+
+def _versions() -> dict[str, str]:
+    cuda = f" (CUDA {torch.version.cuda})" if torch.version.cuda else " (CPU build)"
+    versions = {"torch": torch.__version__ + cuda}
+    try:
+        import cupy
+
+        versions["CuPy"] = cupy.__version__
+    except Exception as exc:  # not installed, or its CUDA libraries missing
+        versions["CuPy"] = f"not available ({exc})"
+    try:
+        from cupy.cuda import nvrtc
+
+        major, minor = nvrtc.getVersion()
+        versions["NVRTC"] = f"{major}.{minor}"
+    except Exception as exc:
+        versions["NVRTC"] = f"not available ({exc})"
+    return versions
+
+
+def _size(num_bytes: float) -> str:
+    if num_bytes < 1024:
+        return f"{num_bytes:.0f} B"
+    for unit in ("KiB", "MiB"):
+        num_bytes /= 1024
+        if num_bytes < 1024:
+            return f"{num_bytes:.1f} {unit}"
+    return f"{num_bytes / 1024:.1f} GiB"
+
+
+def _kernels(n: int) -> str:
+    return f"{n} kernel" + ("s" if n != 1 else "")
+
+
+def cache_summary(directory: Path) -> list[str]:
+    """Lines describing the cubins in ``directory`` (named ``<arch>-<key>-<hash>.cubin``), by arch.
+
+    Parameters
+    ----------
+    directory : Path
+        A kernel cache directory; it need not exist.
+
+    Returns
+    -------
+    list of str
+        Indented lines: the total, then one line per architecture.
+    """
+    files = sorted(directory.glob("*.cubin")) if directory.is_dir() else []
+    if not files:
+        return ["  empty" + ("" if directory.is_dir() else " (not created yet)")]
+    by_arch: dict[str, list[int]] = {}
+    for f in files:
+        by_arch.setdefault(f.name.split("-", 1)[0], []).append(f.stat().st_size)
+    total = sum(sum(sizes) for sizes in by_arch.values())
+    lines = [f"  {_kernels(len(files))}, {_size(total)}"]
+    lines += [f"  {arch}: {_kernels(len(sizes))}, {_size(sum(sizes))}" for arch, sizes in sorted(by_arch.items())]
+    return lines
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    name, why_not = _gpu_name(), jit.gpu_unavailable_reason()
+    print(f"nvfp4-mla {__version__}")
+    print(f"GPU:   {name or 'no GPU'}")
+    if why_not:
+        print(f"       GPU entries unavailable: {why_not}.")
+    for package, version in _versions().items():
+        print(f"{package + ':':6} {version}")
+    directory = jit.cache_dir()
+    moved = "NVFP4_MLA_CACHE_DIR" in os.environ
+    print(f"kernel cache: {directory}" + ("" if moved else " (set NVFP4_MLA_CACHE_DIR to move it)"))
+    print("\n".join(cache_summary(directory)))
+    return 0
+
+
+# ---------------------------------------------------------------- precompile
+
+
+def _geometries(args: argparse.Namespace) -> list:
+    from .ops import Geometry
+
+    slot_dtype = getattr(torch, args.slot_dtype)
+    geometries = []
+    if args.heads:
+        geometries.append(
+            Geometry(
+                "main",
+                args.page_size,
+                num_heads=args.heads,
+                q_head_padded=args.q_head_padded,
+                q_inplace=args.inplace,
+                slot_dtype=slot_dtype,
+            )
+        )
+    geometries += [Geometry("kv", args.page_size, compress_ratio=r, slot_dtype=slot_dtype) for r in args.kv_ratio]
+    if args.append:
+        geometries.append(Geometry("append", args.page_size, slot_dtype=slot_dtype))
+    return geometries
+
+
+def _progress(jobs: list, labels: list[str]) -> Iterator:
+    """Yields ``jobs``. On a terminal a tqdm bar on stderr shows the current label; otherwise
+    (a log file, CI) one plain line per job, so no carriage returns end up in logs."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        with tqdm(total=len(jobs), file=sys.stderr, unit="kernel") as bar:
+            for job, label in zip(jobs, labels):
+                bar.set_description_str(label)
+                yield job
+                bar.update()
+    else:
+        for i, (job, label) in enumerate(zip(jobs, labels), 1):
+            print(f"[{i}/{len(jobs)}] {label}", file=sys.stderr, flush=True)
+            yield job
+
+
+def cmd_precompile(args: argparse.Namespace) -> int:
+    from .ops import precompile
+
+    parser = args.parser
+    if args.page_size < 1:
+        parser.error(f"--page-size must be positive, got {args.page_size}")
+    if (args.q_head_padded or args.inplace) and not args.heads:
+        parser.error("--q-head-padded and --inplace describe the main entry: give --heads too")
+    geometries = _geometries(args)
+    if not geometries:
+        parser.error("nothing to build: give --heads (main entry), --kv-ratio and/or --append")
+    try:
+        # Different geometries can share a kernel (the main entry without q_out is the KV entry
+        # with ratio 1): build and count each kernel once.
+        geometries = list({g.variant(): g for g in geometries}.values())  # argument errors before any compile
+    except ValueError as exc:
+        parser.error(str(exc))
+    archs = args.arch
+    if not archs:
+        why_not = jit.gpu_unavailable_reason()
+        if why_not:
+            parser.error(f"give --arch (e.g. --arch sm_90); no usable GPU to take it from: {why_not}")
+        archs = [jit.device_arch(torch.cuda.current_device())]
+
+    jobs = [(arch, g) for arch in archs for g in geometries]
+    labels = [f"{arch} {g.variant().describe()}" for arch, g in jobs]
+    paths = []
+    for arch, g in _progress(jobs, labels):
+        try:
+            paths += precompile([g], arch=arch)
+        except RuntimeError as exc:  # NVRTC missing or an unknown arch
+            raise SystemExit(str(exc)) from None
+    for path in paths:
+        print(path)
+    print(f"{_kernels(len(paths))} ready in {paths[0].parent}")
+    return 0
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def _row(label: str, items: Iterable[str], width: int) -> str:
+    return f"  {label:<6}" + "".join(f"{x:>{width}}" for x in items)
+
+
+def format_record(cache: torch.Tensor, slot: int) -> str:
+    """One record of a cache as text, as ``nvfp4-mla inspect`` prints it.
+
+    The 28 group scales (code and value), each group's E2M1 codes and their values, and the 64
+    RoPE values; or one line saying the record is empty when all its 384 bytes are one value
+    (a canary, or zeros), as before any write.
+
+    Parameters
+    ----------
+    cache : torch.Tensor
+        A uint8 cache in any accepted layout (``[num_pages, page_size, 384]``, HND or NHD,
+        padded pools included), on any device.
+    slot : int
+        ``page * page_size + entry``.
+
+    Returns
+    -------
+    str
+        The record, several lines.
+
+    Raises
+    ------
+    ValueError
+        If ``cache`` is not a cache or ``slot`` is outside it.
+    """
+    cache = cache.detach().cpu()
+    geometry = validation.check_cache(cache)
+    num_pages, page_size, page_stride = geometry
+    if not 0 <= slot < num_pages * page_size:
+        raise ValueError(f"slot {slot} is outside the cache's {num_pages * page_size} slots")
+    page, entry = divmod(slot, page_size)
+    data_rows, scale_slots = abi.record_views(cache, geometry)
+    data, scale_slot = data_rows[page, entry], scale_slots[page, entry]
+    data_at, scale_at = abi.data_offset(page_size, entry), abi.scale_offset(page_size, entry)
+    lines = [
+        f"slot {slot} = page {page}, entry {entry}  (cache: {num_pages} pages of {page_size}, "
+        f"page stride {page_stride} B)",
+    ]
+    record = torch.cat((data, scale_slot))
+    if torch.all(record == record[0]):
+        byte = int(record[0])
+        # A written record has zero scale padding, so only all-zero bytes can also be a written row.
+        what = "never written, or a written row of 512 zeros" if byte == 0 else "never written"
+        lines.append(f"empty record: all {abi.RECORD_BYTES} bytes are 0x{byte:02X} ({what})")
+        return "\n".join(lines)
+
+    packed = data[: abi.NOPE_BYTES]
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten()  # element 2j: low nibble
+    code_values = reference.e2m1_value(codes).tolist()
+    scales = scale_slot[: abi.NUM_GROUPS]
+    scale_values = reference.e4m3_value(scales).tolist()
+    values = reference.nvfp4_dequantize_sparse_mla_cache(cache, torch.tensor([slot]))[0]
+    padding = " ".join(f"{b:02X}" for b in scale_slot[abi.NUM_GROUPS :].tolist())
+    lines += [
+        f"data row at page byte {data_at}, scale slot at page byte {scale_at} (padding bytes {padding})",
+        f"NoPE, {abi.NUM_GROUPS} groups of {abi.GROUP_SIZE}: value = E2M1 code value x E4M3 group scale",
+    ]
+    for g, scale in enumerate(scales.tolist()):
+        group = slice(g * abi.GROUP_SIZE, (g + 1) * abi.GROUP_SIZE)
+        amax = values[group].abs().max().item()
+        lines.append(f"group {g:2}  scale 0x{scale:02X} = {scale_values[g]:g}  (max |value| {amax:g})")
+        lines.append(_row("code", (f"{c:X}" for c in codes[group].tolist()), 5))
+        lines.append(_row("e2m1", (f"{v:g}" for v in code_values[group]), 5))
+    lines.append(f"RoPE, {abi.ROPE_DIM} BF16 values:")
+    rope = values[abi.NOPE_DIM :].tolist()
+    lines += [_row(f"{i:3}", (f"{v:.4g}" for v in rope[i : i + 8]), 10) for i in range(0, abi.ROPE_DIM, 8)]
+    return "\n".join(lines)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.parser
+
+    def fail(message: str) -> NoReturn:  # one line and exit status 2, like argparse's own errors
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+    try:
+        cache = torch.load(args.path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        fail(f"{args.path}: no such file")
+    except OSError as exc:
+        fail(f"{args.path}: cannot read it ({exc.strerror or exc})")
+    except (RuntimeError, EOFError, pickle.UnpicklingError):  # torch.load's errors on foreign bytes
+        fail(f"{args.path}: not a tensor saved with torch.save")
+    if not isinstance(cache, torch.Tensor):
+        fail(f"{args.path} holds a {type(cache).__name__}, not a cache tensor")
+    try:
+        print(format_record(cache, args.slot))
+    except ValueError as exc:
+        fail(f"{args.path}: {exc}")
+    return 0
+
+
+# ---------------------------------------------------------------- demo
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import nvfp4_mla
+
+    from .testing import rope_table
+
+    num_tokens, num_heads, q_head_padded, page_size, num_pages = 4, 8, 16, 16, 2
+    gen = torch.Generator().manual_seed(args.seed)
+    q = torch.randn(num_tokens, num_heads, abi.HEAD_DIM, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(num_tokens, abi.HEAD_DIM, generator=gen).to(torch.bfloat16)
+    cache = torch.zeros(num_pages, page_size, abi.RECORD_BYTES, dtype=torch.uint8)
+    slots = torch.tensor([5, 17, 30, 2])
+    positions = torch.tensor([0, 1, 7, 63])
+    inputs = (q, kv, cache, slots, positions, rope_table(64, "cpu"))
+
+    why_not = "--cpu was given" if args.cpu else jit.gpu_unavailable_reason()
+    if why_not:
+        print(f"Ran nvfp4_mla.reference on the CPU, not the GPU kernels: {why_not}.")
+        q_out = reference.cake_dsv4_nvfp4_rope_quantize_insert(*inputs, q_head_padded=q_head_padded)
+    else:
+        gpu_inputs = tuple(t.cuda() for t in inputs)
+        q_out = nvfp4_mla.cake_dsv4_nvfp4_rope_quantize_insert(*gpu_inputs, q_head_padded=q_head_padded)
+        print(f"Ran the fused GPU entry cake_dsv4_nvfp4_rope_quantize_insert on {_gpu_name()}.")
+        q_ref = reference.cake_dsv4_nvfp4_rope_quantize_insert(*inputs, q_head_padded=q_head_padded)
+        same = torch.equal(gpu_inputs[2].cpu(), cache) and torch.equal(
+            q_out.cpu().view(torch.int16), q_ref.view(torch.int16)
+        )
+        print(f"Cache and q_out bytes equal to nvfp4_mla.reference on the CPU: {'yes' if same else 'NO'}")
+        cache, q_out = gpu_inputs[2].cpu(), q_out.cpu()
+    print(
+        f"{num_tokens} tokens, {num_heads} heads padded to {q_out.shape[1]}, written into a "
+        f"[{num_pages}, {page_size}, {abi.RECORD_BYTES}] cache at slots {slots.tolist()}\n"
+    )
+
+    row, slot = 0, int(slots[0])
+    print(format_record(cache, slot))
+    decoded = reference.nvfp4_dequantize_sparse_mla_cache(cache, slots[row : row + 1])[0]
+    nope_in = kv[row, : abi.NOPE_DIM].float()
+    error = (decoded[: abi.NOPE_DIM] - nope_in).abs().max().item()
+    print(
+        f"\nmax |quantization error| of row {row} (slot {slot}) over its {abi.NOPE_DIM} NoPE values: {error:.4g} "
+        f"(max |input| {nope_in.abs().max().item():.4g}); the {abi.ROPE_DIM} RoPE values are stored as BF16."
+    )
+    if args.save:
+        torch.save(cache, args.save)
+        print(f"cache saved to {args.save}; try: nvfp4-mla inspect {args.save} --slot {slot}")
+    return 0
+
+
+# ---------------------------------------------------------------- bench and main
+
+
+def cmd_bench(argv: list[str]) -> int:
+    from .bench import main as bench_main  # imported only when asked for
+
+    return bench_main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``nvfp4-mla`` argument parser (``bench`` is listed here, parsed by the benchmark)."""
+    parser = argparse.ArgumentParser(prog="nvfp4-mla", description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="GPU, torch/CuPy/NVRTC versions and the kernel cache")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser(
+        "precompile",
+        help="compile kernels into the disk cache (serving start-up)",
+        description="Compile the kernels of one serving geometry into the disk cache; with --arch no GPU is needed.",
+    )
+    p.add_argument("--arch", nargs="+", metavar="SM", help="e.g. sm_80 sm_90 (default: this machine's GPU)")
+    p.add_argument("--page-size", type=int, default=256, help="tokens per cache page (default 256)")
+    p.add_argument("--heads", type=int, default=0, help="query heads per GPU: builds the main entry")
+    p.add_argument("--q-head-padded", type=int, default=0, help="padded head count of q_out (0: cache only)")
+    p.add_argument("--inplace", action="store_true", help="the q_inplace variant of the main entry")
+    p.add_argument(
+        "--slot-dtype", choices=("int32", "int64"), default="int64", help="slot_mapping dtype (default int64)"
+    )
+    p.add_argument(
+        "--kv-ratio",
+        type=int,
+        nargs="+",
+        default=[],
+        choices=abi.COMPRESS_RATIOS,
+        help="also build the KV entry for these compress ratios",
+    )
+    p.add_argument("--append", action="store_true", help="also build the unfused append entry")
+    p.set_defaults(func=cmd_precompile, parser=p)
+
+    sub.add_parser("bench", help="the benchmark on this GPU (nvfp4-mla bench -h for its options)", add_help=False)
+
+    p = sub.add_parser("demo", help="one small call: fused on a GPU, else the reference on the CPU")
+    p.add_argument("--cpu", action="store_true", help="use the reference even when a GPU is usable")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random query and KV rows (default 0)")
+    p.add_argument("--save", metavar="PATH", help="torch.save the cache (for inspect)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("inspect", help="pretty-print one record of a torch.save'd cache")
+    p.add_argument("path", help="a cache tensor saved with torch.save (e.g. by demo --save)")
+    p.add_argument("--slot", type=int, default=0, help="slot = page * page_size + entry (default 0)")
+    p.set_defaults(func=cmd_inspect, parser=p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line on ``argv`` (default ``sys.argv[1:]``) and returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["bench"]:  # forwarded untouched, --help included
+            status = cmd_bench(argv[1:])
+        else:
+            args = build_parser().parse_args(argv)
+            status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows up here rather than at interpreter exit
+    except BrokenPipeError:
+        # The reader went away (``nvfp4-mla demo | head``): stop quietly. Point stdout at devnull
+        # so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_EXIT
+    return status
