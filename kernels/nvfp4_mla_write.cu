@@ -40,6 +40,7 @@ struct Params {  // 8-byte fields only: packed on the host with one struct forma
     i64 num_kv_rows;        // rows that may be inserted (slot_mapping.numel())
     i64 num_units;
 };
+static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's struct format (variant.WRITE_TEMPLATE)");
 
 // The cos and sin of chunk k (pairs 4k..4k+3) of RoPE row r.
 struct CosSin {

@@ -12,6 +12,10 @@ typedef long long i64;
 
 #define NVFP4_FULL_MASK 0xffffffffu
 
+// The kernel cache's proof of identity (jit.py passes the full key): the loader finds this string
+// in a cubin's bytes before it runs the file, so a kernel saved under another key's name is refused.
+extern "C" __device__ const char nvfp4_mla_key[] = NVFP4_MLA_KEY;
+
 // bf16(x): round to nearest even, NaN -> 0x7FC0 (torch's conversion).
 __device__ __forceinline__ u32 bf16_bits(float x) {
     const u32 u = __float_as_uint(x);

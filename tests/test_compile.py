@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nvfp4_mla import Geometry, abi, jit
+from nvfp4_mla.variant import QMode, Variant
 
 pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install 'nvfp4-mla[cu12]')")
 
@@ -39,25 +40,24 @@ VARIANTS = sorted({g.variant() for g in representative_geometries()})
 
 
 def test_variant_set_covers_every_mode():
-    fields = jit.Variant._fields
-    seen = {name: {getattr(v, name) for v in VARIANTS} for name in fields}
-    assert seen["q_mode"] == {0, 1, 2}
-    assert seen["identity_slots"] == {0, 1} and seen["kv_rope"] == {0, 1}
-    assert seen["compress_ratio"] == {1, 2} and seen["apply_q_rope"] == {0, 1}
-    assert seen["q_heads"] >= {0, *abi.Q_HEAD_PADDINGS}
+    seen = {name: {getattr(v, name) for v in VARIANTS} for name in Variant._fields}
+    assert seen["q_mode"] == set(QMode)
+    assert seen["identity_slots"] == {False, True} and seen["kv_rope"] == {False, True}
+    assert seen["compress_ratio"] == {1, 2} and seen["apply_q_rope"] == {False, True}
+    assert seen["q_head_padded"] >= {0, *abi.Q_HEAD_PADDINGS}
     assert len(VARIANTS) > 60
 
 
 @pytest.mark.parametrize("arch", jit.ARCHS)
 def test_every_variant_compiles_without_spills(arch):
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # NVRTC releases the GIL
-        results = list(pool.map(lambda v: jit.compile_variant(v, arch), VARIANTS))
+        results = list(pool.map(lambda v: jit.compile_kernel(v, arch), VARIANTS))
     for variant, result in zip(VARIANTS, results):
         assert result.cubin[:4] == b"\x7fELF", variant
     # NVRTC 13.0 drops the ptxas report of some compiles run in parallel: redo those serially.
-    results = [r if r.log else jit.compile_variant(v, arch) for v, r in zip(VARIANTS, results)]
+    results = [r if r.log else jit.compile_kernel(v, arch) for v, r in zip(VARIANTS, results)]
     if not all(r.log for r in results):  # test_gpu_kernel_resources still checks on the GPU
-        pytest.skip(f"NVRTC {jit._nvrtc().getVersion()} returned no ptxas report")
+        pytest.skip(f"NVRTC {jit.nvrtc_identity()} returned no ptxas report")
     for variant, result in zip(VARIANTS, results):
         assert f"for '{arch}'" in result.log, result.log
         assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{variant} on {arch}:\n{result.log}"
@@ -66,31 +66,43 @@ def test_every_variant_compiles_without_spills(arch):
 
 @pytest.mark.gpu
 def test_gpu_kernel_resources():
-    """Every variant loads on this GPU with no local memory (spills) and at most 64 registers."""
+    """Every variant loads on this GPU with no local memory (spills)."""
     index = torch.cuda.current_device()
     for variant in VARIANTS:
-        kernel = jit.launcher((index, *variant)).kernel
+        kernel = jit.kernel_cache().launcher(index, variant)
         assert kernel.local_size_bytes == 0, f"{variant}: {kernel.local_size_bytes} bytes of local memory"
-        assert 0 < kernel.num_regs <= 64, f"{variant}: {kernel.num_regs} registers"
 
 
 def test_compile_error_names_the_variant(monkeypatch):
-    monkeypatch.setattr(jit, "_SOURCES", ("this is not CUDA", ""))
+    monkeypatch.setitem(jit._sources, VARIANTS[0].template.file, "this is not CUDA")
     with pytest.raises(RuntimeError, match="NVRTC failed"):
-        jit.compile_variant(VARIANTS[0], "sm_90")
+        jit.compile_kernel(VARIANTS[0], "sm_90")
 
 
 @pytest.mark.parametrize("rows_per_unit", [1, 2, 4])
-def test_work_units_cover_every_row_once(monkeypatch, rows_per_unit):
-    """Units a launch needs: ceil(rows / KV_ROWS_PER_UNIT) for the KV rows, then the query's."""
-    monkeypatch.setattr(jit, "KV_ROWS_PER_UNIT", rows_per_unit)
+def test_work_units_cover_every_row_once(rows_per_unit):
+    """Units a launch needs: ceil(rows / kv_rows_per_unit) for the KV rows, then the query's."""
     kv_units = -(-37 // rows_per_unit)
-    padded = Geometry("main", 16, 5, 8).variant()
-    assert jit.num_units(padded, 40, 37) == kv_units + 40 * 8 // 4  # 4 q_out rows a unit
-    in_place = Geometry("main", 16, 64, 64, q_inplace=True).variant()
-    assert jit.num_units(in_place, 40, 37) == kv_units + 40 * 64 // (8 * 4)  # 4 x 8 heads a unit
-    small = Geometry("main", 16, 8, 8, q_inplace=True).variant()
-    assert jit.num_units(small, 40, 37) == kv_units + 40  # one group of 8 heads a unit
+
+    def tuned(geometry):
+        return geometry.variant()._replace(kv_rows_per_unit=rows_per_unit)
+
+    padded = tuned(Geometry("main", 16, 5, 8))
+    assert padded.num_units(40, 37) == kv_units + 40 * 8 // 4  # 4 q_out rows a unit
+    in_place = tuned(Geometry("main", 16, 64, 64, q_inplace=True))
+    assert in_place.num_units(40, 37) == kv_units + 40 * 64 // (8 * 4)  # 4 x 8 heads a unit
+    small = tuned(Geometry("main", 16, 8, 8, q_inplace=True))
+    assert small.num_units(40, 37) == kv_units + 40  # one group of 8 heads a unit
     for entry in ("kv", "append", "pack"):
-        assert jit.num_units(Geometry(entry, 16).variant(), 0, 37) == kv_units
-    assert f"-DKV_ROWS_PER_UNIT={rows_per_unit}" in padded.options()
+        assert tuned(Geometry(entry, 16)).num_units(0, 37) == kv_units
+    assert padded.defines()["KV_ROWS_PER_UNIT"] == rows_per_unit
+
+
+def test_params_size_is_checked_by_the_compiler(monkeypatch):
+    """The host's struct format and the kernel's Params agree, or NVRTC refuses to compile."""
+    variant = Geometry("kv", 16).variant()
+    assert jit.compile_kernel(variant, "sm_80").cubin[:4] == b"\x7fELF"
+    wrong = variant.template._replace(params=__import__("struct").Struct("<7Q4q"))
+    monkeypatch.setattr(Variant, "template", wrong)
+    with pytest.raises(RuntimeError, match="Params must match"):
+        jit.compile_kernel(variant, "sm_80")

@@ -1,112 +1,388 @@
-"""The on-disk kernel cache (no GPU): reuse, corruption, unwritable directory, concurrent first use."""
+"""The on-disk kernel cache (no GPU): it runs only what it built for the key, and every fault is a miss.
 
+Damage is done in each way docs/format.md section 11 names: a valid kernel of another geometry
+under this key's name, a truncated file, a file of another owner, an unreadable file (as another
+user: root reads everything), a directory others can write. Cross-user and multi-process cases
+run real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
 import threading
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from nvfp4_mla import Geometry, jit, precompile
 
-pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install 'nvfp4-mla[cu12]')")
+pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install -e '.[cu12]')")
 
 VARIANT = Geometry("main", 16, 8, 16, slot_dtype=torch.int32).variant()
+OTHER = Geometry("main", 64, 8, 16, slot_dtype=torch.int32).variant()  # another page size
+ARCH = "sm_90"
+NOBODY = 65534
 
 
 @pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("NVFP4_MLA_CACHE_DIR", str(tmp_path / "kernels"))
-    monkeypatch.setattr(jit, "_fallback_dir", None)
-    return tmp_path / "kernels"
+def compiles(monkeypatch):
+    """The specs compiled in this process, in order."""
+    calls: list = []
+    real = jit.compile_kernel
 
+    def counting(spec, arch, key=None):
+        calls.append(spec)
+        return real(spec, arch, key)
 
-@pytest.fixture
-def compile_count(monkeypatch):
-    calls = []
-    real = jit.compile_variant
-
-    def counting(variant, arch):
-        calls.append((variant, arch))
-        return real(variant, arch)
-
-    monkeypatch.setattr(jit, "compile_variant", counting)
+    monkeypatch.setattr(jit, "compile_kernel", counting)
     return calls
 
 
-def test_cache_dir_follows_environment(cache_dir):
-    assert jit.cache_dir() == cache_dir
+@pytest.fixture
+def kdir(tmp_path):
+    directory = tmp_path / "kernels"
+    directory.mkdir(mode=0o700)
+    return directory
 
 
-def test_second_lookup_reuses_the_file(cache_dir, compile_count):
-    first = jit.cubin_path(VARIANT, "sm_90")
-    assert first.parent == cache_dir and first.read_bytes()[:4] == b"\x7fELF"
-    assert jit.cubin_path(VARIANT, "sm_90") == first
-    assert len(compile_count) == 1
-    jit.cubin_path(VARIANT, "sm_80")  # another architecture is another file
-    assert len(compile_count) == 2 and len(list(cache_dir.glob("*.cubin"))) == 2
+def build(layers, spec=VARIANT):
+    """Builds in a fresh cache of ``layers``, returning (bytes, path, warnings' texts)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data, path = jit.KernelCache(layers).build(spec, ARCH)
+    return data, path, [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_damaged_file_is_rebuilt(cache_dir, compile_count, damage):
-    path = jit.cubin_path(VARIANT, "sm_90")
+def proves(data: bytes, spec) -> bool:
+    return f"nvfp4_mla-key:{jit.kernel_key(spec, ARCH)}".encode() in data
+
+
+def test_second_lookup_reuses_the_file(kdir, compiles):
+    data, path, _ = build([kdir])
+    assert path == kdir / jit.KernelCache.file_name(jit.kernel_key(VARIANT, ARCH), ARCH)
+    assert data[:4] == b"\x7fELF" and proves(data, VARIANT)
+    again, same, caught = build([kdir])
+    assert (again, same, caught, len(compiles)) == (data, path, [], 1)
+    build([kdir], OTHER)
+    assert len(compiles) == 2 and len(list(kdir.glob("*.cubin"))) == 2
+
+
+def test_kernel_of_another_geometry_under_this_name_is_refused(kdir, compiles):
+    """The planted file is a valid kernel with the right name (no hash in the name to match)."""
+    _, path, _ = build([kdir])
+    other, _, _ = build([kdir], OTHER)
+    path.write_bytes(other)
+    data, rebuilt, caught = build([kdir])
+    assert any("not this key's kernel" in w for w in caught), caught
+    assert proves(data, VARIANT) and not proves(data, OTHER) and rebuilt == path
+    assert proves(path.read_bytes(), VARIANT) and len(compiles) == 3
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip-key", "empty"])
+def test_damaged_file_is_refused_and_rebuilt(kdir, compiles, damage):
+    _, path, _ = build([kdir])
     data = bytearray(path.read_bytes())
     if damage == "truncate":
         del data[len(data) // 2 :]
+    elif damage == "flip-key":
+        at = bytes(data).index(b"nvfp4_mla-key:") + 20
+        data[at] ^= 0x01
     else:
-        data[len(data) // 2] ^= 0xFF
+        data.clear()
     path.write_bytes(bytes(data))
-    rebuilt = jit.cubin_path(VARIANT, "sm_90")
-    assert len(compile_count) == 2
-    assert rebuilt.read_bytes()[:4] == b"\x7fELF" and len(rebuilt.read_bytes()) > len(data) // 2
+    rebuilt, _, caught = build([kdir])
+    assert any("refused" in w for w in caught) and proves(rebuilt, VARIANT) and len(compiles) == 2
 
 
-def test_unwritable_directory_falls_back_with_one_warning(tmp_path, monkeypatch):
+def test_symlink_and_directory_with_a_cubins_name_are_misses(kdir, tmp_path, compiles):
+    name = jit.KernelCache.file_name(jit.kernel_key(VARIANT, ARCH), ARCH)
+    good, _, _ = build([tmp_path / "elsewhere"])
+    (kdir / name).symlink_to(tmp_path / "elsewhere" / name)  # a link to a good kernel: still refused
+    data, path, caught = build([kdir])
+    assert any("refused" in w for w in caught) and data == good and path == kdir / name
+    assert not (kdir / name).is_symlink()  # replaced by a real file
+    shutil.rmtree(tmp_path / "elsewhere")
+    (kdir / name).unlink()
+    (kdir / name).mkdir()
+    data, path, caught = build([kdir])  # cannot publish over a directory: kept in memory, no crash
+    assert proves(data, VARIANT) and path is None and any("kept in memory" in w for w in caught)
+
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files of another user")
+
+
+@root_only
+def test_file_of_another_owner_is_refused(kdir, compiles):
+    _, path, _ = build([kdir])
+    os.chown(path, NOBODY, NOBODY)
+    data, _, caught = build([kdir])
+    assert any(f"owned by uid {NOBODY}" in w for w in caught), caught
+    assert proves(data, VARIANT) and len(compiles) == 2 and path.stat().st_uid == os.geteuid()
+
+
+@pytest.mark.parametrize("mode, who", [(0o777, "others"), (0o770, "its group")])
+def test_directory_others_can_write_is_ignored(tmp_path, compiles, mode, who):
+    shared, private = tmp_path / "shared", tmp_path / "private"
+    build([shared])  # a valid kernel in it
+    shared.chmod(mode)
+    data, path, caught = build([shared, private])
+    assert any(f"writable by {who}" in w for w in caught), caught
+    assert path is not None and path.parent == private and proves(data, VARIANT) and len(compiles) == 2
+
+
+def test_group_opt_in_accepts_a_group_writable_directory(tmp_path, compiles, monkeypatch):
+    shared = tmp_path / "shared"
+    build([shared])
+    shared.chmod(0o770)
+    monkeypatch.setenv("NVFP4_MLA_CACHE_TRUST_GROUP", "1")
+    _, path, caught = build([shared])
+    assert path is not None and path.parent == shared and caught == [] and len(compiles) == 1
+
+
+def test_glob_characters_in_the_path(tmp_path, compiles):
+    directory = tmp_path / "c3_glob[1]*?"
+    first = build([directory])
+    assert build([directory]) == first and len(compiles) == 1
+
+
+def test_layers_hit_in_order_and_miss_into_the_first_writable(tmp_path, compiles, monkeypatch):
+    image, user = tmp_path / "image", tmp_path / "user"
+    _, in_image, _ = build([image])
+    real_access = os.access  # the image is read-only (root could write a 0555 directory anyway)
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != image and real_access(path, mode))
+    _, hit, _ = build([image, user])
+    _, miss, _ = build([image, user], OTHER)
+    assert hit == in_image and miss is not None and miss.parent == user and len(compiles) == 2
+
+
+def test_default_directory_is_private_and_persistent(tmp_path, monkeypatch, compiles):
+    monkeypatch.delenv("NVFP4_MLA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    _, path, _ = build(None)
+    assert path is not None and path.parent == tmp_path / "xdg" / "nvfp4_mla"
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    build(None)
+    assert len(compiles) == 1
+
+
+def test_no_writable_directory_compiles_in_memory_with_one_warning(tmp_path, compiles):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    monkeypatch.setenv("NVFP4_MLA_CACHE_DIR", str(blocker / "kernels"))
-    monkeypatch.setattr(jit, "_fallback_dir", None)
+    before = set(Path(tempfile.gettempdir()).glob("nvfp4_mla-[!t]*"))
+    cache = jit.KernelCache([blocker / "kernels"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = jit.cubin_path(VARIANT, "sm_90")
-        jit.cubin_path(VARIANT, "sm_80")
-    assert [str(w.message) for w in caught if "not writable" in str(w.message)].__len__() == 1
-    assert first.exists() and blocker.as_posix() not in first.as_posix()
+        first = cache.build(VARIANT, ARCH)
+        cache.build(VARIANT, "sm_80")
+    assert first[1] is None and proves(first[0], VARIANT)
+    assert len([w for w in caught if "no writable kernel cache" in str(w.message)]) == 1
+    assert set(Path(tempfile.gettempdir()).glob("nvfp4_mla-[!t]*")) == before  # no temp dirs
 
 
-def test_concurrent_first_use_compiles_once(cache_dir, compile_count):
-    paths, barrier = [], threading.Barrier(16)
+def test_stale_temp_files_are_removed(kdir, compiles):
+    stale, fresh = kdir / "tmpold.tmp", kdir / "tmpnew.tmp"
+    stale.write_bytes(b"half")
+    fresh.write_bytes(b"in flight")
+    old = time.time() - 2 * jit.STALE_TEMP_SECONDS
+    os.utime(stale, (old, old))
+    build([kdir])
+    assert not stale.exists() and fresh.exists()
+
+
+def test_precompile_into_an_unusable_directory_raises_naming_it(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(jit.CacheError, match="a-file"):
+        precompile([Geometry("kv", 16)], arch=ARCH, directory=blocker / "kernels")
+
+
+def test_precompile_counts_unique_kernels(kdir):
+    """The main entry without q is the KV entry's kernel: one file, listed once."""
+    paths = precompile(
+        [Geometry("main", 16, 8, 0), Geometry("kv", 16), {"entry": "append", "page_size": 1}],
+        arch="sm_100",
+        directory=kdir,
+    )
+    assert len(paths) == 2 and all(p.parent == kdir for p in paths)
+
+
+@pytest.mark.parametrize(
+    "geometry, match",
+    [
+        (Geometry("main", 64, 8, 12), "q_head_padded must be"),
+        (Geometry("decode", 64), "entry must be one of"),
+        (Geometry("kv", 0), "page_size must be a positive int"),
+        (Geometry("kv", -3), "page_size must be a positive int"),
+        (Geometry("kv", 16, compress_ratio=3), "compress_ratio must be one of"),
+        (Geometry("kv", 16, slot_dtype="int64"), "slot_dtype must be torch.int32 or torch.int64"),  # type: ignore[arg-type]
+        (Geometry("main", 16, 8, 16, apply_q_rope="False"), "apply_q_rope must be a bool"),  # type: ignore[arg-type]
+        (Geometry("main", 16, 0, 16), "num_heads must be a positive int"),
+    ],
+    ids=str,
+)
+def test_precompile_validates_like_the_entries(kdir, geometry, match):
+    with pytest.raises(ValueError, match=match):
+        precompile([geometry], arch=ARCH, directory=kdir)
+
+
+@pytest.mark.parametrize(
+    "arch, match", [("sm_75", "older than sm_80"), ("90", "must look like"), (90, "must look like")]
+)
+def test_arch_is_validated(kdir, arch, match):
+    with pytest.raises(ValueError, match=match):
+        precompile([Geometry("kv", 16)], arch=arch, directory=kdir)
+
+
+def test_key_holds_the_full_nvrtc_identity():
+    """A patch upgrade of NVRTC replaces the library file, which is part of the key."""
+    identity = jit.nvrtc_identity()
+    major, minor = __import__("cupy").cuda.nvrtc.getVersion()
+    assert identity.startswith(f"{major}.{minor}")
+    if sys.platform == "linux":
+        assert "libnvrtc" in identity and identity.count(":") >= 2
+
+
+def test_concurrent_threads_compile_once(kdir, compiles):
+    cache, results, barrier = jit.KernelCache([kdir]), [], threading.Barrier(8)
 
     def worker():
         barrier.wait()
-        paths.append(jit.cubin_path(VARIANT, "sm_90"))
+        results.append(cache.build(VARIANT, ARCH))
 
-    threads = [threading.Thread(target=worker) for _ in range(16)]
+    threads = [threading.Thread(target=worker) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(compile_count) == 1 and len(set(paths)) == 1 and len(paths) == 16
+    assert len(compiles) == 1 and len(set(results)) == 1 and len(results) == 8
 
 
-def test_precompile_for_a_named_arch_needs_no_gpu(cache_dir):
-    paths = precompile([Geometry("kv", 128, compress_ratio=2), {"entry": "append", "page_size": 1}], arch="sm_100")
-    assert len(paths) == 2 and all(p.exists() for p in paths)
+# ---------------------------------------------------------------- real processes
+
+_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, time, warnings
+    import torch
+    from nvfp4_mla import Geometry, jit
+    compiled = []
+    real = jit.compile_kernel
+    jit.compile_kernel = lambda spec, arch, key=None: compiled.append(1) or real(spec, arch, key)
+    go = sys.argv[1]
+    while go and not os.path.exists(go):
+        time.sleep(0.001)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data, path = jit.kernel_cache().build(Geometry("main", 16, 8, 16, slot_dtype=torch.int32).variant(), "sm_90")
+    print(json.dumps({"compiles": len(compiled), "path": str(path), "warnings": [str(w.message) for w in caught]}))
+    """
+)
 
 
-def test_precompile_rejects_bad_geometry(cache_dir):
-    with pytest.raises(ValueError, match="q_head_padded must be"):
-        precompile([Geometry("main", 64, 8, 12)], arch="sm_90")
-    with pytest.raises(ValueError, match="entry must be one of"):
-        precompile([Geometry("decode", 64)], arch="sm_90")
+def child(env: dict, go: str = "", user: int | None = None) -> subprocess.Popen:
+    prefix = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user is not None else []
+    return subprocess.Popen(
+        [*prefix, sys.executable, "-c", _CHILD, go],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
+
+
+def result(process: subprocess.Popen) -> dict:
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_eight_processes_compile_a_new_key_once(kdir):
+    go = kdir.parent / "go"
+    processes = [child({"NVFP4_MLA_CACHE_DIR": str(kdir)}, str(go)) for _ in range(8)]
+    time.sleep(1.0)  # let them import; they start together on the go file
+    go.touch()
+    results = [result(p) for p in processes]
+    assert sum(r["compiles"] for r in results) == 1, results
+    assert len({r["path"] for r in results}) == 1
+
+
+def _nobody_can_run_python() -> str | None:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        return "needs root and setpriv to run a process as another user"
+    probe = subprocess.run(
+        [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            "import nvfp4_mla",
+        ],
+        capture_output=True,
+        cwd="/",
+    )
+    return None if probe.returncode == 0 else f"user {NOBODY} cannot import nvfp4_mla from this checkout"
+
+
+@pytest.fixture
+def shared_tmp():
+    """A directory another user can reach (pytest's tmp_path sits under a private 0700 parent),
+    holding that user's home."""
+    reason = _nobody_can_run_python()
+    if reason:
+        pytest.skip(reason)
+    base = Path(tempfile.mkdtemp(prefix="nvfp4_mla-test-"))
+    base.chmod(0o755)
+    home = base / "home"
+    home.mkdir()
+    os.chown(home, NOBODY, NOBODY)
+    yield base, home
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_read_only_precompiled_set_serves_another_user_with_zero_compiles(shared_tmp):
+    base, nobody_home = shared_tmp
+    image = base / "image"
+    precompile([Geometry("main", 16, 8, 16, slot_dtype=torch.int32)], arch=ARCH, directory=image)
+    image.chmod(0o555)
+    tmp = base / "tmp"
+    tmp.mkdir()
+    os.chown(tmp, NOBODY, NOBODY)
+    env = {"NVFP4_MLA_CACHE_DIR": str(image), "HOME": str(nobody_home), "XDG_CACHE_HOME": "", "TMPDIR": str(tmp)}
+    got = result(child(env, user=NOBODY))
+    assert got["compiles"] == 0 and got["path"].startswith(str(image)) and got["warnings"] == [], got
+    ours = [p for p in nobody_home.rglob("*") if "nvfp4_mla" in p.name]  # (CuPy makes its own ~/.cupy)
+    assert ours == [] and list(tmp.iterdir()) == []
+
+
+def test_file_unreadable_to_the_user_is_a_miss(shared_tmp):
+    base, nobody_home = shared_tmp
+    own = base / "theirs"
+    precompile([Geometry("main", 16, 8, 16, slot_dtype=torch.int32)], arch=ARCH, directory=own)
+    for path in (own, *own.iterdir()):
+        os.chown(path, NOBODY, NOBODY)
+    for cubin in own.glob("*.cubin"):
+        cubin.chmod(0)
+    got = result(child({"NVFP4_MLA_CACHE_DIR": str(own), "HOME": str(nobody_home), "XDG_CACHE_HOME": ""}, user=NOBODY))
+    assert got["compiles"] == 1 and any("refused" in w for w in got["warnings"]), got
 
 
 def test_missing_cupy_names_the_fix(monkeypatch):
-    modules = __import__("sys").modules
+    modules = sys.modules
     for name in [m for m in modules if m == "cupy" or m.startswith("cupy.")] + ["cupy"]:
         monkeypatch.setitem(modules, name, None)  # importing CuPy now fails
-    monkeypatch.setattr(jit, "_driver", None)
-    monkeypatch.setattr(jit, "_launchers", {})  # nothing loaded yet, as in a fresh process
-    with pytest.raises(RuntimeError, match=r"need CuPy: install CuPy .*nvfp4-mla\[cu12\]"):
-        jit.launcher((0, *VARIANT))
+    monkeypatch.setattr(jit, "_nvrtc_identity", None)
+    with pytest.raises(RuntimeError, match=r"need CuPy: install CuPy .*\.\[cu12\]"):
+        jit.Launcher(b"", VARIANT.template, 0)
     with pytest.raises(RuntimeError, match=r"NVRTC is not available: install"):
-        jit.compile_variant(VARIANT, "sm_90")
+        jit.compile_kernel(VARIANT, ARCH)

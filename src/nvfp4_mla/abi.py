@@ -48,6 +48,10 @@ def record_views(cache: torch.Tensor, geometry: tuple[int, int, int]) -> tuple[t
     of a checked cache; ``geometry`` is its ``(num_pages, page_size, page_stride)``."""
     num_pages, page_size, page_stride = geometry
     base = cache.storage_offset()
-    data = cache.as_strided((num_pages, page_size, DATA_BYTES), (page_stride, DATA_BYTES, 1), base + data_offset(page_size, 0))
-    scales = cache.as_strided((num_pages, page_size, SCALE_BYTES), (page_stride, SCALE_BYTES, 1), base + scale_offset(page_size, 0))
+    data = cache.as_strided(
+        (num_pages, page_size, DATA_BYTES), (page_stride, DATA_BYTES, 1), base + data_offset(page_size, 0)
+    )
+    scales = cache.as_strided(
+        (num_pages, page_size, SCALE_BYTES), (page_stride, SCALE_BYTES, 1), base + scale_offset(page_size, 0)
+    )
     return data, scales

@@ -1,27 +1,33 @@
-"""The GPU entries: validate, look up the compiled variant, launch once on torch's current stream.
+"""The GPU writer entries: validate, look up the compiled kernel, launch once on torch's current stream.
 
-Signatures and semantics are SPEC.md sections 2-5 (and ``nvfp4_mla.reference``, which defines
-the bytes). Each call does: the checks of :mod:`validation`, at most one output allocation, one
-dict lookup of the kernel keyed on (device, geometry), and one kernel launch with raw pointers.
-No host synchronisation, so calls can be captured in CUDA graphs.
+Signatures and semantics are docs/format.md sections 2-7 (and ``nvfp4_mla.reference``, which
+defines the bytes). Each call does: the checks of :mod:`validation`, at most one output
+allocation, one dict lookup of the kernel keyed on (device, arguments that fix the geometry), and
+one kernel launch with raw pointers. No host synchronisation, so calls can be captured in CUDA
+graphs.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
+from torch.autograd.graph import increment_version
 
 from . import abi, jit, validation
+from .reference import new_cache
 from .variant import Variant
-from .reference import new_cache, nvfp4_dequantize_sparse_mla_cache  # noqa: F401  (pure torch, any device)
 
 _NO_PTR = 0
+ENTRIES = ("main", "kv", "append", "pack")
 
 
 class Geometry(NamedTuple):
     """What fixes a compiled kernel, for :func:`precompile`. ``entry`` is "main", "kv", "append"
-    or "pack"; the other fields are the entries' arguments of the same names."""
+    or "pack"; the other fields are the entries' arguments of the same names (``slot_dtype`` is
+    the dtype of ``slot_mapping``)."""
 
     entry: str
     page_size: int
@@ -33,43 +39,92 @@ class Geometry(NamedTuple):
     slot_dtype: torch.dtype = torch.int64
 
     def variant(self) -> Variant:
-        if self.entry == "main":
-            validation.check_q_options(self.num_heads, self.q_head_padded, self.q_inplace)
-            return Variant.main(self.page_size, self.slot_dtype, self.num_heads, self.q_head_padded, self.apply_q_rope, self.q_inplace)
-        if self.entry == "kv":
-            return Variant.kv(self.page_size, self.slot_dtype, self.compress_ratio)
-        if self.entry == "append":
-            return Variant.append(self.page_size, self.slot_dtype)
+        """The kernel this geometry needs; ValueError for what the entry itself would refuse."""
+        if self.entry not in ENTRIES:
+            raise ValueError(f"entry must be one of {ENTRIES}, got {self.entry!r}")
+        validation.check_page_size(self.page_size)
         if self.entry == "pack":
             return Variant.pack(self.page_size)
-        raise ValueError(f"entry must be one of 'main', 'kv', 'append', 'pack', got {self.entry!r}")
+        validation.check_slot_dtype(self.slot_dtype)
+        if self.entry == "main":
+            if type(self.num_heads) is not int or self.num_heads < 1:
+                raise ValueError(f"num_heads must be a positive int for the main entry, got {self.num_heads!r}")
+            validation.check_flag(self.apply_q_rope, "apply_q_rope")
+            validation.check_flag(self.q_inplace, "q_inplace")
+            validation.check_q_options(self.num_heads, self.q_head_padded, self.q_inplace)
+            return Variant.main(
+                self.page_size, self.slot_dtype, self.num_heads, self.q_head_padded, self.apply_q_rope, self.q_inplace
+            )
+        if self.entry == "kv":
+            validation.check_compress_ratio(self.compress_ratio)
+            return Variant.kv(self.page_size, self.slot_dtype, self.compress_ratio)
+        return Variant.append(self.page_size, self.slot_dtype)
 
 
-def precompile(geometries, *, device=None, arch=None) -> list:
-    """Builds kernels ahead of time (serving start-up), e.g.
+def precompile(
+    geometries: Iterable[Geometry | dict[str, Any]],
+    *,
+    device: torch.device | str | int | None = None,
+    arch: str | None = None,
+    directory: str | Path | None = None,
+) -> list:
+    """Builds kernels ahead of time (serving start-up, container images), e.g.
     ``precompile([Geometry("main", 256, num_heads=8, q_head_padded=16)])``.
 
-    With ``arch`` ("sm_90", ...) the cubins are only compiled into the disk cache (no GPU needed)
-    and their paths returned; otherwise they are also loaded on ``device`` (default: current), so
-    the first real call does no compile and no file I/O.
+    With ``arch`` ("sm_90", ...) the cubins are only compiled (no GPU needed) and their paths
+    returned, one per unique kernel; otherwise they are also loaded on ``device`` (default:
+    current), so the first real call does no compile and no file I/O. With ``directory`` they are
+    written into exactly that directory (``jit.CacheError`` when it cannot hold them); else into
+    the kernel cache's writable layer (docs/format.md section 11).
     """
-    variants = [(g if isinstance(g, Geometry) else Geometry(**g)).variant() for g in geometries]
+    variants = list(dict.fromkeys((g if isinstance(g, Geometry) else Geometry(**g)).variant() for g in geometries))
+    cache = jit.kernel_cache()
+    target = None if directory is None else Path(directory)
     if arch is not None:
-        return [jit.cubin_path(v, arch) for v in variants]
+        jit.check_arch(arch)
+        return [cache.build(v, arch, target)[1] for v in variants]
     index = torch.device("cuda" if device is None else device).index
     index = torch.cuda.current_device() if index is None else index
-    return [jit.launcher((index, v)) for v in variants]
+    if target is not None:
+        for v in variants:
+            cache.build(v, jit.device_arch(index), target)
+    return [cache.launcher(index, v) for v in variants]
 
 
-def _launch(key, num_units, q, q_out, kv, cache, slots, positions, cos_sin, geometry, max_position, num_kv_rows):
+# One dict per entry, keyed on the call's device and the arguments that fix the kernel: the only
+# lookup a warm call does. A miss builds the Variant and loads (or compiles) its kernel.
+_main_kernels: dict[tuple, tuple[jit.Launcher, Variant]] = {}
+_kv_kernels: dict[tuple, tuple[jit.Launcher, Variant]] = {}
+_append_kernels: dict[tuple, tuple[jit.Launcher, Variant]] = {}
+_pack_kernels: dict[tuple, tuple[jit.Launcher, Variant]] = {}
+
+
+def _bind(table: dict, key: tuple, variant: Variant) -> tuple[jit.Launcher, Variant]:
+    found = table[key] = (jit.kernel_cache().launcher(key[0], variant), variant)
+    return found
+
+
+def _launch(
+    launcher, variant, num_units, q, q_out, kv, cache, slots, positions, cos_sin, geometry, max_position, num_kv_rows
+):
     num_pages, page_size, page_stride = geometry
-    device_index = cache.get_device()
-    jit.launcher((device_index, key)).launch(
+    launcher.launch(
+        variant.blocks(num_units),
+        jit.current_raw_stream(cache.get_device()),
+        q,
+        q_out,
+        kv,
+        cache.data_ptr(),
+        slots,
+        positions,
+        cos_sin,
+        page_stride,
+        num_pages * page_size,
+        max_position,
+        num_kv_rows,
         num_units,
-        jit.current_raw_stream(device_index),
-        q, q_out, kv, cache.data_ptr(), slots, positions, cos_sin,
-        page_stride, num_pages * page_size, max_position, num_kv_rows,
     )
+    increment_version(cache)  # the kernel wrote it: autograd and views must see a new version
 
 
 # ---------------------------------------------------------------- eager implementations
@@ -77,56 +132,102 @@ def _launch(key, num_units, q, q_out, kv, cache, slots, positions, cos_sin, geom
 
 def _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace):
     geometry = validation.check_main(
-        q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, q_inplace, need_cuda=True
+        q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace, need_cuda=True
     )
-    if validation.DEBUG_CHECKS:
-        validation.debug_check_rows(slot_mapping, geometry.num_pages * geometry.page_size, positions, cos_sin_cache.shape[0])
     num_tokens, num_heads = q.shape[0], q.shape[1]
     num_kv_rows = slot_mapping.shape[0]
     if q_inplace:
         q_out = q
-    elif q_head_padded:
-        q_out = q.new_empty((num_tokens, q_head_padded, abi.HEAD_DIM))  # measured cheaper than torch.empty
-    else:
-        q_out = q.new_empty((num_tokens, 0, abi.HEAD_DIM))
-    key = Variant.main(geometry.page_size, slot_mapping.dtype, num_heads, q_head_padded, apply_q_rope, q_inplace)
-    num_units = key.num_units(num_tokens, num_kv_rows)
+    else:  # new_empty: measured cheaper than torch.empty
+        q_out = q.new_empty((num_tokens, q_head_padded, abi.HEAD_DIM))
+    key = (
+        cache.get_device(),
+        geometry.page_size,
+        slot_mapping.dtype,
+        num_heads,
+        q_head_padded,
+        apply_q_rope,
+        q_inplace,
+    )
+    found = _main_kernels.get(key)
+    if found is None:
+        found = _bind(_main_kernels, key, Variant.main(*key[1:]))
+    launcher, variant = found
+    num_units = variant.num_units(num_tokens, num_kv_rows)
     if num_units == 0:  # T == 0, or a cache-only call without slots
         return q_out
     _launch(
-        key, num_units, q.data_ptr(), q_out.data_ptr(), kv.data_ptr(), cache, slot_mapping.data_ptr(),
-        positions.data_ptr(), cos_sin_cache.data_ptr(), geometry, cos_sin_cache.shape[0], num_kv_rows,
+        launcher,
+        variant,
+        num_units,
+        q.data_ptr(),
+        q_out.data_ptr(),
+        kv.data_ptr(),
+        cache,
+        slot_mapping.data_ptr(),
+        positions.data_ptr(),
+        cos_sin_cache.data_ptr(),
+        geometry,
+        cos_sin_cache.shape[0],
+        num_kv_rows,
     )
+    if q_inplace and apply_q_rope:
+        increment_version(q)
     return q_out
 
 
 def _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio):
     geometry = validation.check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda=True)
-    if validation.DEBUG_CHECKS:
-        capacity = geometry.num_pages * geometry.page_size
-        validation.debug_check_rows(slot_mapping, capacity, positions, cos_sin_cache.shape[0], compress_ratio)
     num_kv_rows = slot_mapping.shape[0]
     if num_kv_rows == 0:
         return None
-    key = Variant.kv(geometry.page_size, slot_mapping.dtype, compress_ratio)
+    key = (cache.get_device(), geometry.page_size, slot_mapping.dtype, compress_ratio)
+    found = _kv_kernels.get(key)
+    if found is None:
+        found = _bind(_kv_kernels, key, Variant.kv(*key[1:]))
+    launcher, variant = found
     _launch(
-        key, key.num_units(0, num_kv_rows), _NO_PTR, _NO_PTR, kv.data_ptr(), cache, slot_mapping.data_ptr(),
-        positions.data_ptr(), cos_sin_cache.data_ptr(), geometry, cos_sin_cache.shape[0], num_kv_rows,
+        launcher,
+        variant,
+        variant.num_units(0, num_kv_rows),
+        _NO_PTR,
+        _NO_PTR,
+        kv.data_ptr(),
+        cache,
+        slot_mapping.data_ptr(),
+        positions.data_ptr(),
+        cos_sin_cache.data_ptr(),
+        geometry,
+        cos_sin_cache.shape[0],
+        num_kv_rows,
     )
     return None
 
 
 def _append(latent_kv, slot_mapping, cache):
     geometry = validation.check_append(latent_kv, slot_mapping, cache, need_cuda=True)
-    if validation.DEBUG_CHECKS:
-        validation.debug_check_rows(slot_mapping, geometry.num_pages * geometry.page_size)
     num_kv_rows = slot_mapping.shape[0]
     if num_kv_rows == 0:
         return None
-    key = Variant.append(geometry.page_size, slot_mapping.dtype)
+    key = (cache.get_device(), geometry.page_size, slot_mapping.dtype)
+    found = _append_kernels.get(key)
+    if found is None:
+        found = _bind(_append_kernels, key, Variant.append(*key[1:]))
+    launcher, variant = found
     _launch(
-        key, key.num_units(0, num_kv_rows), _NO_PTR, _NO_PTR, latent_kv.data_ptr(), cache, slot_mapping.data_ptr(),
-        _NO_PTR, _NO_PTR, geometry, 0, num_kv_rows,
+        launcher,
+        variant,
+        variant.num_units(0, num_kv_rows),
+        _NO_PTR,
+        _NO_PTR,
+        latent_kv.data_ptr(),
+        cache,
+        slot_mapping.data_ptr(),
+        _NO_PTR,
+        _NO_PTR,
+        geometry,
+        0,
+        num_kv_rows,
     )
     return None
 
@@ -138,8 +239,26 @@ def _pack(latent_kv, kv_layout):
     num_rows = num_pages * page_size
     if num_rows:
         geometry = validation.CacheGeometry(num_pages, page_size, page_size * abi.RECORD_BYTES)
-        key = Variant.pack(page_size)
-        _launch(key, key.num_units(0, num_rows), _NO_PTR, _NO_PTR, latent_kv.data_ptr(), cache, _NO_PTR, _NO_PTR, _NO_PTR, geometry, 0, num_rows)
+        key = (cache.get_device(), page_size)
+        found = _pack_kernels.get(key)
+        if found is None:
+            found = _bind(_pack_kernels, key, Variant.pack(page_size))
+        launcher, variant = found
+        _launch(
+            launcher,
+            variant,
+            variant.num_units(0, num_rows),
+            _NO_PTR,
+            _NO_PTR,
+            latent_kv.data_ptr(),
+            cache,
+            _NO_PTR,
+            _NO_PTR,
+            _NO_PTR,
+            geometry,
+            0,
+            num_rows,
+        )
     return cache
 
 
@@ -153,10 +272,18 @@ _Tensor = torch.Tensor
 
 @torch.library.custom_op("nvfp4_mla::rope_quantize_insert", mutates_args=("cache",))
 def _rope_quantize_insert_op(
-    q: _Tensor, kv: _Tensor, cache: _Tensor, slot_mapping: _Tensor, positions: _Tensor, cos_sin_cache: _Tensor,
-    q_head_padded: int, apply_q_rope: bool,
+    q: _Tensor,
+    kv: _Tensor,
+    cache: _Tensor,
+    slot_mapping: _Tensor,
+    positions: _Tensor,
+    cos_sin_cache: _Tensor,
+    q_head_padded: int,
+    apply_q_rope: bool,
 ) -> _Tensor:
-    return _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, False)
+    return _rope_quantize_insert(
+        q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, False
+    )
 
 
 @_rope_quantize_insert_op.register_fake
@@ -166,7 +293,12 @@ def _(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply
 
 @torch.library.custom_op("nvfp4_mla::rope_quantize_insert_inplace", mutates_args=("q", "cache"))
 def _rope_quantize_insert_inplace_op(
-    q: _Tensor, kv: _Tensor, cache: _Tensor, slot_mapping: _Tensor, positions: _Tensor, cos_sin_cache: _Tensor,
+    q: _Tensor,
+    kv: _Tensor,
+    cache: _Tensor,
+    slot_mapping: _Tensor,
+    positions: _Tensor,
+    cos_sin_cache: _Tensor,
     apply_q_rope: bool,
 ) -> None:
     _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, 0, apply_q_rope, True)
@@ -260,14 +392,26 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
     Raises
     ------
     ValueError
-        On any argument outside the contract (SPEC.md section 6), before anything is written.
+        On any argument outside the contract (docs/format.md section 6), before anything is written.
     """
     if _is_compiling():
+        # Traced with fake tensors: check what eager would refuse and is known while tracing; the
+        # op checks the rest when it runs.
+        validation.check_flag(apply_q_rope, "apply_q_rope")
+        validation.check_flag(q_inplace, "q_inplace")
+        validation.check_q_options(q.shape[1], q_head_padded, q_inplace)
         if q_inplace:
-            torch.ops.nvfp4_mla.rope_quantize_insert_inplace(q, kv, cache, slot_mapping, positions, cos_sin_cache, apply_q_rope)
+            validation.check_mutable(q, "q")
+            torch.ops.nvfp4_mla.rope_quantize_insert_inplace(
+                q, kv, cache, slot_mapping, positions, cos_sin_cache, apply_q_rope
+            )
             return q
-        return torch.ops.nvfp4_mla.rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope)
-    return _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace)
+        return torch.ops.nvfp4_mla.rope_quantize_insert(
+            q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope
+        )
+    return _rope_quantize_insert(
+        q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace
+    )
 
 
 def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, *, compress_ratio=1):
@@ -292,7 +436,10 @@ def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, 
         The cache is updated in place.
     """
     if _is_compiling():
-        return torch.ops.nvfp4_mla.kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
+        validation.check_compress_ratio(compress_ratio)
+        return torch.ops.nvfp4_mla.kv_rope_quantize_insert(
+            kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio
+        )
     return _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
 
 

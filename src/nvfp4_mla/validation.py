@@ -11,6 +11,7 @@ allocation, no device synchronisation.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import NamedTuple
 
@@ -18,12 +19,13 @@ import torch
 
 from . import abi
 
-# NVFP4_MLA_CHECK=1 (read at import): the kernel entries also run debug_check_rows, which
-# synchronises with the device. Tests and notebooks may flip this attribute directly.
+# NVFP4_MLA_CHECK=1 (read at import): every writer entry, kernel and reference, also runs
+# debug_check_rows, which synchronises with the device. Tests and notebooks may flip this attribute.
 DEBUG_CHECKS = os.environ.get("NVFP4_MLA_CHECK", "0") not in ("", "0")
 
 _BF16 = torch.bfloat16
 _SLOT_DTYPES = (torch.int32, torch.int64)
+_READ_DTYPES = (torch.float32, torch.bfloat16)  # what the reader and the decode reference return
 _CUDA_FIX = " (move it with .cuda(), or use nvfp4_mla.reference for CPU tensors)"
 
 
@@ -35,6 +37,59 @@ class CacheGeometry(NamedTuple):
 
 def _fail(message: str) -> None:
     raise ValueError(message)
+
+
+def check_tensors(tensors: tuple, names: tuple) -> None:
+    """Every argument is a torch tensor (a numpy array or a list gets a message naming it)."""
+    for t, name in zip(tensors, names):
+        if not isinstance(t, torch.Tensor):
+            kind = type(t)
+            _fail(f"{name} must be a torch.Tensor, got {kind.__module__}.{kind.__qualname__}")
+
+
+def check_flag(value: object, name: str) -> None:
+    """A real bool: a string like 'False' would be truthy."""
+    if type(value) is not bool:
+        _fail(f"{name} must be a bool, got {value!r}")
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """First and one-past-last byte of a contiguous tensor."""
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _check_disjoint(written: tuple[int, int], written_name: str, tensors: tuple, names: tuple) -> None:
+    """No input shares a byte with a tensor the call writes (on the GPU that would be a race)."""
+    lo, hi = written
+    if lo == hi:
+        return
+    for t, name in zip(tensors, names):
+        t_lo, t_hi = _extent(t)
+        if t_lo < hi and lo < t_hi:
+            _fail(f"{name} overlaps {written_name} in memory: the call writes {written_name}; pass separate tensors")
+
+
+def cache_extent(cache: torch.Tensor, geometry: CacheGeometry) -> tuple[int, int]:
+    """First and one-past-last byte of a checked cache view."""
+    num_pages, page_size, page_stride = geometry
+    start = cache.data_ptr()
+    return start, start + (num_pages and (num_pages - 1) * page_stride + page_size * abi.RECORD_BYTES)
+
+
+def check_mutable(t: torch.Tensor, name: str) -> None:
+    """A tensor the call writes in place must not be tracked by autograd or be an inference tensor
+    outside inference mode: the kernel's write would be invisible to either."""
+    if t.requires_grad:
+        _fail(
+            f"{name} is written in place but requires grad: autograd cannot see the kernel's write; "
+            f"pass {name}.detach()"
+        )
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        _fail(
+            f"{name} is an inference tensor written in place outside inference mode; "
+            "call inside torch.inference_mode()"
+        )
 
 
 def _check_device(tensors: tuple, names: tuple, need_cuda: bool) -> None:
@@ -66,6 +121,8 @@ def _check_aligned(tensors: tuple, names: tuple) -> None:
 
 def check_cache(cache: torch.Tensor) -> CacheGeometry:
     """Checks a cache view of SPEC section 3 and returns its geometry."""
+    if not isinstance(cache, torch.Tensor):
+        check_tensors((cache,), ("cache",))
     if cache.dtype is not torch.uint8:
         _fail(f"cache must have dtype torch.uint8, got {cache.dtype}")
     shape, strides = cache.shape, cache.stride()
@@ -146,6 +203,7 @@ def _check_rope_inputs(positions: torch.Tensor, cos_sin_cache: torch.Tensor, num
 
 
 def check_q_options(num_heads: int, q_head_padded, q_inplace: bool) -> None:
+    """The query options against ``num_heads`` (also what precompile's Geometry checks)."""
     if type(q_head_padded) is not int or (q_head_padded != 0 and q_head_padded not in abi.Q_HEAD_PADDINGS):
         _fail(f"q_head_padded must be 0 or one of {abi.Q_HEAD_PADDINGS}, got {q_head_padded!r}")
     if q_head_padded and q_head_padded < num_heads:
@@ -160,8 +218,15 @@ def check_q_options(num_heads: int, q_head_padded, q_inplace: bool) -> None:
             )
 
 
-def check_main(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, q_inplace, need_cuda) -> CacheGeometry:
+def check_main(
+    q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace, need_cuda
+) -> CacheGeometry:
     """``cake_dsv4_nvfp4_rope_quantize_insert``."""
+    tensors = (q, kv, cache, slot_mapping, positions, cos_sin_cache)
+    names = ("q", "kv", "cache", "slot_mapping", "positions", "cos_sin_cache")
+    check_tensors(tensors, names)
+    check_flag(apply_q_rope, "apply_q_rope")
+    check_flag(q_inplace, "q_inplace")
     if q.dtype is not _BF16:
         _fail(f"q must have dtype torch.bfloat16, got {q.dtype}")
     shape = q.shape
@@ -178,39 +243,72 @@ def check_main(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padd
     geometry = check_cache(cache)
     _check_slots(slot_mapping, num_tokens)
     _check_rope_inputs(positions, cos_sin_cache, num_tokens)
-    tensors = (q, kv, cache, slot_mapping, positions, cos_sin_cache)
-    _check_device(tensors, ("q", "kv", "cache", "slot_mapping", "positions", "cos_sin_cache"), need_cuda)
+    _check_device(tensors, names, need_cuda)
     _check_aligned((q, kv, cache, cos_sin_cache), ("q", "kv", "cache", "cos_sin_cache"))
     check_q_options(num_heads, q_head_padded, q_inplace)
+    check_mutable(cache, "cache")
+    _check_disjoint(cache_extent(cache, geometry), "cache", tensors[:2] + tensors[3:], names[:2] + names[3:])
+    if q_inplace:
+        check_mutable(q, "q")
+        _check_disjoint(_extent(q), "q", tensors[1:], names[1:])
+    if DEBUG_CHECKS:
+        debug_check_rows(slot_mapping, geometry.num_pages * geometry.page_size, positions, cos_sin_cache.shape[0])
     return geometry
 
 
 def check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda) -> CacheGeometry:
     """``cake_dsv4_nvfp4_kv_rope_quantize_insert``."""
+    tensors = (kv, cache, slot_mapping, positions, cos_sin_cache)
+    names = ("kv", "cache", "slot_mapping", "positions", "cos_sin_cache")
+    check_tensors(tensors, names)
     num_rows = _check_kv_rows(kv, "kv")
     geometry = check_cache(cache)
     _check_slots(slot_mapping, num_rows)
     _check_rope_inputs(positions, cos_sin_cache, num_rows)
-    tensors = (kv, cache, slot_mapping, positions, cos_sin_cache)
-    _check_device(tensors, ("kv", "cache", "slot_mapping", "positions", "cos_sin_cache"), need_cuda)
+    _check_device(tensors, names, need_cuda)
     _check_aligned((kv, cache, cos_sin_cache), ("kv", "cache", "cos_sin_cache"))
+    check_compress_ratio(compress_ratio)
+    check_mutable(cache, "cache")
+    _check_disjoint(cache_extent(cache, geometry), "cache", tensors[:1] + tensors[2:], names[:1] + names[2:])
+    if DEBUG_CHECKS:
+        capacity = geometry.num_pages * geometry.page_size
+        debug_check_rows(slot_mapping, capacity, positions, cos_sin_cache.shape[0], compress_ratio)
+    return geometry
+
+
+def check_compress_ratio(compress_ratio: object) -> None:
     if type(compress_ratio) is not int or compress_ratio not in abi.COMPRESS_RATIOS:
         _fail(f"compress_ratio must be one of {abi.COMPRESS_RATIOS}, got {compress_ratio!r}")
-    return geometry
+
+
+def check_page_size(page_size: object) -> None:
+    if type(page_size) is not int or page_size < 1:
+        _fail(f"page_size must be a positive int, got {page_size!r}")
+
+
+def check_slot_dtype(slot_dtype: object) -> None:
+    if slot_dtype not in _SLOT_DTYPES:
+        _fail(f"slot_dtype must be torch.int32 or torch.int64, got {slot_dtype!r}")
 
 
 def check_append(latent_kv, slot_mapping, cache, need_cuda) -> CacheGeometry:
     """``nvfp4_quantize_append_sparse_mla_cache``."""
+    check_tensors((latent_kv, slot_mapping, cache), ("latent_kv", "slot_mapping", "cache"))
     num_rows = _check_kv_rows(latent_kv, "latent_kv")
     geometry = check_cache(cache)
     _check_slots(slot_mapping, num_rows)
     _check_device((latent_kv, cache, slot_mapping), ("latent_kv", "cache", "slot_mapping"), need_cuda)
     _check_aligned((latent_kv, cache), ("latent_kv", "cache"))
+    check_mutable(cache, "cache")
+    _check_disjoint(cache_extent(cache, geometry), "cache", (latent_kv, slot_mapping), ("latent_kv", "slot_mapping"))
+    if DEBUG_CHECKS:
+        debug_check_rows(slot_mapping, geometry.num_pages * geometry.page_size)
     return geometry
 
 
 def check_pack(latent_kv, kv_layout, need_cuda) -> None:
     """``nvfp4_quantize_pack_sparse_mla_cache``."""
+    check_tensors((latent_kv,), ("latent_kv",))
     if latent_kv.dtype != _BF16:
         _fail(f"latent_kv must have dtype torch.bfloat16, got {latent_kv.dtype}")
     if latent_kv.dim() != 3 or latent_kv.shape[2] != abi.HEAD_DIM or latent_kv.shape[1] < 1:
@@ -219,25 +317,63 @@ def check_pack(latent_kv, kv_layout, need_cuda) -> None:
         _fail("latent_kv must be contiguous")
     _check_device((latent_kv,), ("latent_kv",), need_cuda)
     _check_aligned((latent_kv,), ("latent_kv",))
-    if kv_layout not in abi.KV_LAYOUTS:
+    if type(kv_layout) is not str or kv_layout not in abi.KV_LAYOUTS:
         _fail(f"kv_layout must be one of {abi.KV_LAYOUTS}, got {kv_layout!r}")
 
 
-def check_dequantize(cache, slots, dtype) -> CacheGeometry:
-    """``nvfp4_dequantize_sparse_mla_cache``."""
+def check_dequantize(
+    cache: torch.Tensor,
+    slots: torch.Tensor | None,
+    dtype: object,
+    invalid: object,
+    out: torch.Tensor | None,
+    need_cuda: bool,
+) -> CacheGeometry:
+    """``nvfp4_dequantize_sparse_mla_cache``. Its output is ``slots.shape + (512,)``, or
+    ``[num_pages * page_size, 512]`` for ``slots=None``."""
+    check_tensors((cache,), ("cache",))
     geometry = check_cache(cache)
-    if slots is not None:
+    tensors, names = [cache], ["cache"]
+    if slots is None:
+        out_shape: tuple[int, ...] = (geometry.num_pages * geometry.page_size, abi.HEAD_DIM)
+    else:
+        check_tensors((slots,), ("slots",))
         if slots.dtype not in _SLOT_DTYPES:
             _fail(f"slots must have dtype torch.int32 or torch.int64, got {slots.dtype}")
-        if slots.dim() != 1:
-            _fail(f"slots must be a 1D tensor, got shape {list(slots.shape)}")
-        _check_device((cache, slots), ("cache", "slots"), False)
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        _fail(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        if not slots.is_contiguous():
+            _fail("slots must be contiguous (pass slots.contiguous())")
+        tensors.append(slots)
+        names.append("slots")
+        out_shape = (*slots.shape, abi.HEAD_DIM)
+    if dtype not in _READ_DTYPES:
+        _fail(f"dtype must be torch.float32 or torch.bfloat16 (both hold every value exactly), got {dtype!r}")
+    if type(invalid) not in (float, int):
+        _fail(f"invalid must be a Python float (the value of the rows of invalid slots), got {invalid!r}")
+    if out is not None:
+        check_tensors((out,), ("out",))
+        if out.dtype != dtype:
+            _fail(f"out must have the dtype asked for ({dtype}), got {out.dtype}")
+        if tuple(out.shape) != out_shape:
+            _fail(f"out must be slots.shape + (512,) = {list(out_shape)}, got {list(out.shape)}")
+        if not out.is_contiguous():
+            _fail("out must be contiguous")
+        check_mutable(out, "out")
+        tensors.append(out)
+        names.append("out")
+    _check_device(tuple(tensors), tuple(names), need_cuda)
+    _check_aligned((cache,) if out is None else (cache, out), ("cache", "out"))
+    if out is not None:
+        written = _extent(out)
+        _check_disjoint(written, "out", tuple(tensors[1:-1]), tuple(names[1:-1]))
+        cache_lo, cache_hi = cache_extent(cache, geometry)
+        if written[0] < written[1] and cache_lo < written[1] and written[0] < cache_hi:
+            _fail("cache overlaps out in memory: the call writes out; pass separate tensors")
     return geometry
 
 
-def debug_check_rows(slot_mapping, capacity: int, positions=None, max_position: int = 0, compress_ratio: int = 1) -> None:
+def debug_check_rows(
+    slot_mapping, capacity: int, positions=None, max_position: int = 0, compress_ratio: int = 1
+) -> None:
     """The NVFP4_MLA_CHECK=1 checks of the device's unchecked preconditions, naming the first bad
     row: every RoPE row the call would read is inside cos_sin_cache, and no valid slot repeats.
     Copies the index tensors to the host (a synchronisation): a debugging aid only."""
@@ -252,9 +388,101 @@ def debug_check_rows(slot_mapping, capacity: int, positions=None, max_position: 
                 f"NVFP4_MLA_CHECK: row {row} has position {int(used[row])}, outside cos_sin_cache "
                 f"[0, {max_position}) (compress_ratio {compress_ratio})"
             )
-    first_row = {}
+    first_row: dict[int, int] = {}
     for row, slot in enumerate(slot_mapping.tolist()):
         if 0 <= slot < capacity:
             if slot in first_row:
-                _fail(f"NVFP4_MLA_CHECK: row {row} repeats slot {slot} of row {first_row[slot]}; a valid slot may appear once per call")
+                _fail(
+                    f"NVFP4_MLA_CHECK: row {row} repeats slot {slot} of row {first_row[slot]}; "
+                    "a valid slot may appear once per call"
+                )
             first_row[slot] = row
+
+
+def _check_pool(
+    pool: str, cache: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor | None, batch: int, q_len: int
+) -> CacheGeometry:
+    """One pool of ``sparse_mla_decode``: its cache, its ``[batch, q_len, k]`` slot table and
+    optional int32 ``[batch, q_len]`` valid lengths."""
+    check_tensors((cache, slots), (f"{pool}_cache", f"{pool}_slots"))
+    try:
+        geometry = check_cache(cache)
+    except ValueError as exc:
+        raise ValueError(f"{pool}_cache: {exc}") from None
+    if slots.dtype not in _SLOT_DTYPES:
+        _fail(f"{pool}_slots must have dtype torch.int32 or torch.int64, got {slots.dtype}")
+    shape = slots.shape
+    if len(shape) != 3 or shape[0] != batch or shape[1] != q_len:
+        _fail(f"{pool}_slots must be [batch, q_len, k] = [{batch}, {q_len}, k] like q, got {list(shape)}")
+    if shape[2] < 1:
+        _fail(f"{pool}_slots must hold at least one slot per query row (k >= 1); mask entries with -1 or {pool}_lens")
+    if not slots.is_contiguous():
+        _fail(f"{pool}_slots must be contiguous (pass {pool}_slots.contiguous())")
+    if lens is not None:
+        check_tensors((lens,), (f"{pool}_lens",))
+        if lens.dtype is not torch.int32:
+            _fail(f"{pool}_lens must have dtype torch.int32, got {lens.dtype}")
+        if tuple(lens.shape) != (batch, q_len):
+            _fail(f"{pool}_lens must be [batch, q_len] = [{batch}, {q_len}], got {list(lens.shape)}")
+        if not lens.is_contiguous():
+            _fail(f"{pool}_lens must be contiguous")
+    return geometry
+
+
+def check_decode(
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa_slots: torch.Tensor,
+    swa_lens: torch.Tensor | None,
+    extra_cache: torch.Tensor | None,
+    extra_slots: torch.Tensor | None,
+    extra_lens: torch.Tensor | None,
+    sm_scale: object,
+    sinks: torch.Tensor | None,
+    need_cuda: bool,
+) -> tuple[CacheGeometry, CacheGeometry | None]:
+    """``sparse_mla_decode``: returns the geometry of the sliding-window pool and of the extra
+    pool (None without one)."""
+    check_tensors((q,), ("q",))
+    if q.dtype is not _BF16:
+        _fail(f"q must have dtype torch.bfloat16, got {q.dtype}")
+    shape = q.shape
+    if len(shape) != 4 or shape[3] != abi.HEAD_DIM:
+        _fail(f"q must be [batch, q_len, num_heads, 512], got {list(shape)}")
+    if not q.is_contiguous():
+        _fail("q must be contiguous")
+    batch, q_len, num_heads = shape[0], shape[1], shape[2]
+    if num_heads < 1:
+        _fail("q must hold at least one head")
+    swa = _check_pool("swa", swa_cache, swa_slots, swa_lens, batch, q_len)
+    tensors, names = [q, swa_cache, swa_slots], ["q", "swa_cache", "swa_slots"]
+    if swa_lens is not None:
+        tensors.append(swa_lens)
+        names.append("swa_lens")
+    extra = None
+    if extra_cache is None and extra_slots is None:
+        if extra_lens is not None:
+            _fail("extra_lens needs extra_cache and extra_slots")
+    elif extra_cache is None or extra_slots is None:
+        _fail("extra_cache and extra_slots come together: pass both, or neither")
+    else:
+        extra = _check_pool("extra", extra_cache, extra_slots, extra_lens, batch, q_len)
+        tensors += [extra_cache, extra_slots]
+        names += ["extra_cache", "extra_slots"]
+        if extra_lens is not None:
+            tensors.append(extra_lens)
+            names.append("extra_lens")
+    if not isinstance(sm_scale, (float, int)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
+        _fail(f"sm_scale must be a finite Python float, got {sm_scale!r}")
+    if sinks is not None:
+        check_tensors((sinks,), ("sinks",))
+        if sinks.dtype is not torch.float32:
+            _fail(f"sinks must have dtype torch.float32, got {sinks.dtype}")
+        if tuple(sinks.shape) != (num_heads,) or not sinks.is_contiguous():
+            _fail(f"sinks must be a contiguous [num_heads] = [{num_heads}] tensor, got {list(sinks.shape)}")
+        tensors.append(sinks)
+        names.append("sinks")
+    _check_device(tuple(tensors), tuple(names), need_cuda)
+    caches = (q, swa_cache) if extra_cache is None else (q, swa_cache, extra_cache)
+    _check_aligned(caches, ("q", "swa_cache", "extra_cache"))
+    return swa, extra

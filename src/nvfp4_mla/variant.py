@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import enum
 import functools
+import struct
 from typing import NamedTuple
 
 import torch
 
 from . import abi
+from .jit import Template
 
 
 class QMode(enum.IntEnum):
@@ -25,7 +27,13 @@ class QMode(enum.IntEnum):
 
 
 UNIT_THREADS = 64  # a work unit: one thread per 16-byte chunk of a 512-dim BF16 row
+UNITS_PER_BLOCK = 4
 KV_ROWS_PER_UNIT = (1, 2, 4)  # the sweepable values of Variant.kv_rows_per_unit; 1 is the default
+
+# kernels/nvfp4_mla_write.cu: Params is 7 pointers then 5 int64 (its static_assert checks the size).
+WRITE_TEMPLATE = Template(
+    "nvfp4_mla_write.cu", "nvfp4_mla_write", struct.Struct("<7Q5q"), UNITS_PER_BLOCK * UNIT_THREADS
+)
 
 
 class Variant(NamedTuple):
@@ -42,6 +50,10 @@ class Variant(NamedTuple):
     apply_q_rope: bool = False
     kv_rows_per_unit: int = 1  # KV rows one unit inserts, their loads in flight together
 
+    @property
+    def template(self) -> Template:
+        return WRITE_TEMPLATE
+
     # ------------------------------------------------------------ named constructors
 
     @staticmethod
@@ -57,14 +69,22 @@ class Variant(NamedTuple):
         """``cake_dsv4_nvfp4_rope_quantize_insert`` (arguments already validated)."""
         if q_inplace and apply_q_rope:
             return Variant(
-                page_size, slot_dtype is torch.int64, q_mode=QMode.IN_PLACE, num_heads=num_heads,
-                q_head_padded=num_heads, apply_q_rope=True,
+                page_size,
+                slot_dtype is torch.int64,
+                q_mode=QMode.IN_PLACE,
+                num_heads=num_heads,
+                q_head_padded=num_heads,
+                apply_q_rope=True,
             )
         if q_inplace or not q_head_padded:  # cache only: the KV entry with ratio 1
             return Variant.kv(page_size, slot_dtype, 1)
         return Variant(
-            page_size, slot_dtype is torch.int64, q_mode=QMode.PADDED, num_heads=num_heads,
-            q_head_padded=q_head_padded, apply_q_rope=bool(apply_q_rope),
+            page_size,
+            slot_dtype is torch.int64,
+            q_mode=QMode.PADDED,
+            num_heads=num_heads,
+            q_head_padded=q_head_padded,
+            apply_q_rope=bool(apply_q_rope),
         )
 
     @staticmethod
@@ -106,6 +126,11 @@ class Variant(NamedTuple):
         q_rows = num_tokens * (self.q_head_padded if self.q_mode == QMode.PADDED else self.num_heads // 8)
         return kv_units + q_rows // self.q_rows_per_unit
 
+    @staticmethod
+    def blocks(num_units: int) -> int:
+        """Blocks of a launch of ``num_units`` units."""
+        return -(-num_units // UNITS_PER_BLOCK)
+
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants of this variant."""
         return {
@@ -120,6 +145,7 @@ class Variant(NamedTuple):
             "APPLY_Q_ROPE": int(self.apply_q_rope),
             "Q_ROWS_PER_UNIT": self.q_rows_per_unit,
             "KV_ROWS_PER_UNIT": self.kv_rows_per_unit,
+            "UNIT_THREADS": UNIT_THREADS,
         }
 
     def describe(self) -> str:

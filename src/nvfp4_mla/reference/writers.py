@@ -47,7 +47,7 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
 ):
     """Reference of the main fused entry (SPEC section 5)."""
     geometry = validation.check_main(
-        q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, q_inplace, need_cuda=False
+        q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace, need_cuda=False
     )
     num_tokens, num_heads = q.shape[0], q.shape[1]
     if num_tokens == 0:
@@ -98,7 +98,11 @@ def nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache):
 
 def new_cache(num_pages: int, page_size: int, kv_layout: str, device) -> torch.Tensor:
     """An uninitialised packed cache of the given layout (what the pack entry returns)."""
-    shape = (num_pages, 1, page_size, abi.RECORD_BYTES) if kv_layout == "HND" else (num_pages, page_size, 1, abi.RECORD_BYTES)
+    shape = (
+        (num_pages, 1, page_size, abi.RECORD_BYTES)
+        if kv_layout == "HND"
+        else (num_pages, page_size, 1, abi.RECORD_BYTES)
+    )
     return torch.empty(shape, dtype=torch.uint8, device=device)
 
 
