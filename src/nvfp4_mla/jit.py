@@ -46,6 +46,7 @@ class Template(NamedTuple):
     function: str  # the extern "C" kernel name
     params: struct.Struct  # host layout of the kernel's ``struct Params`` (size checked at compile time)
     threads: int  # block size
+    max_shared_bytes: int = 0  # dynamic shared memory a launch may ask for (above 48 KiB needs opting in)
 
 
 class Spec(Protocol):
@@ -534,6 +535,9 @@ class Launcher:
             self.context = driver.ctxGetCurrent()
         finally:
             driver.ctxSetCurrent(previous)
+        if template.max_shared_bytes > 48 * 1024:
+            attribute = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.funcSetAttribute(self.function, attribute, template.max_shared_bytes)
         self.pack_into = template.params.pack_into
         self.threads = template.threads
 
@@ -545,17 +549,22 @@ class Launcher:
 
     def launch(self, blocks: int, stream: int, *params: int) -> None:
         """Launches ``blocks`` blocks on ``stream``; ``params`` are the kernel's Params fields."""
+        self.launch_grid(blocks, 1, 1, 0, stream, *params)
+
+    def launch_grid(self, gx: int, gy: int, gz: int, shared_bytes: int, stream: int, *params: int) -> None:
+        """Launches a ``gx x gy x gz`` grid with ``shared_bytes`` of dynamic shared memory."""
         storage = _storage
         self.pack_into(storage.buffer, 0, *params)
         driver = self._driver
         current = driver.ctxGetCurrent()
+        threads = self.threads
         if current == self.context:
-            driver.launchKernel(self.function, blocks, 1, 1, self.threads, 1, 1, 0, stream, storage.argv, 0)
+            driver.launchKernel(self.function, gx, gy, gz, threads, 1, 1, shared_bytes, stream, storage.argv, 0)
             return
         # The tensors' GPU is not current here (another device, or a thread that has not used
         # CUDA yet): launch under its context, then give the thread its own back.
         driver.ctxSetCurrent(self.context)
         try:
-            driver.launchKernel(self.function, blocks, 1, 1, self.threads, 1, 1, 0, stream, storage.argv, 0)
+            driver.launchKernel(self.function, gx, gy, gz, threads, 1, 1, shared_bytes, stream, storage.argv, 0)
         finally:
             driver.ctxSetCurrent(current)
