@@ -19,7 +19,8 @@ SRC = str(Path(nvfp4_mla.__file__).resolve().parents[1])  # so a subprocess impo
 
 
 def run_module(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    """``python -m nvfp4_mla ARGS`` in a fresh interpreter on this checkout."""
+    """``python -m nvfp4_mla ARGS`` in a fresh interpreter on this checkout (so the kernel cache is
+    read from this environment)."""
     env = {**os.environ, "PYTHONPATH": SRC, **kwargs.pop("env", {})}
     return subprocess.run([sys.executable, "-m", "nvfp4_mla", *args], env=env, text=True, timeout=300, **kwargs)
 
@@ -38,12 +39,15 @@ def test_help_texts(capsys):
         assert text in capsys.readouterr().out
 
 
-def test_info(capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("NVFP4_MLA_CACHE_DIR", str(tmp_path))
-    (tmp_path / "sm_90-abc-def.cubin").write_bytes(b"x" * 100)
+def cache_env(tmp_path: Path) -> dict[str, str]:
+    """A kernel cache of its own: the layer tmp_path/kernels, then a per-user default in tmp_path."""
+    return {"NVFP4_MLA_CACHE_DIR": str(tmp_path / "kernels"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+
+
+def test_info(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    for word in ("GPU:", "torch:", "CuPy:", "NVRTC:", f"kernel cache: {tmp_path}", "sm_90: 1 kernel, 100 B"):
+    for word in (f"nvfp4-mla {nvfp4_mla.__version__}", "GPU:", "torch:", "CuPy:", "NVRTC:", "kernel cache"):
         assert word in out
     if not torch.cuda.is_available():
         assert "GPU:   no GPU" in out
@@ -51,10 +55,19 @@ def test_info(capsys, monkeypatch, tmp_path):
     assert (f"GPU entries unavailable: {why_not}." in out) if why_not else ("unavailable" not in out)
 
 
-def test_info_subprocess(tmp_path):
-    done = run_module("info", env={"NVFP4_MLA_CACHE_DIR": str(tmp_path / "none")}, capture_output=True)
+def test_info_lists_cache_layers(tmp_path):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "sm_90-abc.cubin").write_bytes(b"x" * 100)
+    done = run_module("info", env=cache_env(tmp_path), capture_output=True)
     assert done.returncode == 0, done.stderr
-    assert f"nvfp4-mla {nvfp4_mla.__version__}" in done.stdout and "empty (not created yet)" in done.stdout
+    layers = done.stdout.split("kernel cache")[1].splitlines()[1:]
+    assert layers == [
+        f"  {tmp_path / 'kernels'}",
+        "    1 kernel, 100 B",
+        "    sm_90: 1 kernel, 100 B",
+        f"  {tmp_path / 'xdg' / 'nvfp4_mla'}",
+        "    empty (not created yet)",
+    ]
 
 
 @pytest.mark.parametrize("force_cpu", [True, False], ids=["cpu", "gpu-if-usable"])
@@ -183,33 +196,54 @@ PRECOMPILE_ARGV = [
 ]  # fmt: skip
 
 
-def test_precompile(capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("NVFP4_MLA_CACHE_DIR", str(tmp_path))
-    assert main(PRECOMPILE_ARGV) == 0
+def test_precompile(capsys, tmp_path):
+    target = tmp_path / "image-kernels"
+    argv = [*PRECOMPILE_ARGV, "--cache-dir", str(target)]
+    assert main(argv) == 0
     captured = capsys.readouterr()
     # stderr is not a terminal here: one plain line per kernel, no carriage returns
     assert "\r" not in captured.err
     assert captured.err.splitlines()[-1] == "[8/8] sm_90 append page_size=64 int32"
-    assert "8 kernels ready" in captured.out
-    cubins = sorted(tmp_path.glob("*.cubin"))
+    assert captured.out.splitlines()[-1] == f"8 kernels ready in {target}"
+    cubins = sorted(target.glob("*.cubin"))
     assert len(cubins) == 8 and {p.name.split("-")[0] for p in cubins} == {"sm_80", "sm_90"}
     assert sorted(captured.out.splitlines()[:-1]) == [str(p) for p in cubins]
 
-    assert main(PRECOMPILE_ARGV) == 0  # already cached: same files, nothing new
-    assert sorted(tmp_path.glob("*.cubin")) == cubins
-    main(["info"])
-    assert "sm_80: 4 kernels" in capsys.readouterr().out
+    assert main(argv) == 0  # already there: same files, nothing new
+    assert sorted(target.glob("*.cubin")) == cubins
+    info = run_module("info", env={"NVFP4_MLA_CACHE_DIR": str(target)}, capture_output=True)
+    assert "sm_80: 4 kernels" in info.stdout
 
 
-def test_precompile_counts_unique_kernels(capsys, monkeypatch, tmp_path):
-    """The main entry without q_out (q_head_padded 0) is the KV entry with ratio 1: one kernel."""
-    monkeypatch.setenv("NVFP4_MLA_CACHE_DIR", str(tmp_path))
-    assert main(["precompile", "--heads", "8", "--kv-ratio", "1", "--page-size", "16", "--arch", "sm_90"]) == 0
-    captured = capsys.readouterr()
-    cubins = list(tmp_path.glob("*.cubin"))
+def test_precompile_counts_unique_kernels(tmp_path):
+    """The main entry without q_out (q_head_padded 0) is the KV entry with ratio 1: one kernel,
+    compiled into the kernel cache's first layer; stderr (a pipe) gets one plain line."""
+    argv = ["precompile", "--heads", "8", "--kv-ratio", "1", "--page-size", "16", "--arch", "sm_90"]
+    done = run_module(*argv, env=cache_env(tmp_path), capture_output=True)
+    assert done.returncode == 0, done.stderr
+    cubins = list((tmp_path / "kernels").glob("*.cubin"))
     assert len(cubins) == 1
-    assert captured.out.splitlines() == [str(cubins[0]), f"1 kernel ready in {tmp_path}"]
-    assert captured.err.splitlines() == ["[1/1] sm_90 kv ratio 1 page_size=16 int64"]
+    assert done.stdout.splitlines() == [str(cubins[0]), f"1 kernel ready in {tmp_path / 'kernels'}"]
+    assert done.stderr == "[1/1] sm_90 kv ratio 1 page_size=16 int64\n"
+
+
+def test_precompile_cache_dir_unusable(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["precompile", "--kv-ratio", "1", "--arch", "sm_90", "--cache-dir", str(blocker / "kernels")])
+    assert exit_info.value.code != 0 and str(blocker / "kernels") in str(exit_info.value.code)
+
+
+def test_precompile_without_writable_cache(tmp_path):
+    """Kernels compiled in memory only are lost when precompile exits: that is an error."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {"NVFP4_MLA_CACHE_DIR": str(blocker / "kernels"), "XDG_CACHE_HOME": str(blocker / "xdg")}
+    done = run_module("precompile", "--kv-ratio", "1", "--arch", "sm_90", env=env, capture_output=True)
+    assert done.returncode == 1
+    assert "no writable kernel cache directory, so the kernels stayed in memory" in done.stderr
+    assert done.stdout == ""
 
 
 class _Terminal(io.StringIO):
@@ -218,10 +252,10 @@ class _Terminal(io.StringIO):
 
 
 def test_precompile_progress_bar_on_terminal(capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("NVFP4_MLA_CACHE_DIR", str(tmp_path))
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
-    assert main(["precompile", "--kv-ratio", "1", "2", "--page-size", "16", "--arch", "sm_90"]) == 0
+    argv = ["precompile", "--kv-ratio", "1", "2", "--page-size", "16", "--arch", "sm_90", "--cache-dir", str(tmp_path)]
+    assert main(argv) == 0
     bar = terminal.getvalue()
     assert "\r" in bar and "2/2" in bar  # tqdm redraws its line in place
     assert "[1/2]" not in bar  # not the plain lines of a log
@@ -235,6 +269,8 @@ def test_precompile_progress_bar_on_terminal(capsys, monkeypatch, tmp_path):
         (["--arch", "sm_90"], "nothing to build"),
         (["--q-head-padded", "16", "--arch", "sm_90"], "give --heads too"),
         (["--heads", "8", "--page-size", "0", "--arch", "sm_90"], "--page-size must be positive"),
+        (["--heads", "8", "--arch", "sm_75"], "older than sm_80"),
+        (["--heads", "8", "--arch", "hopper"], "arch must look like 'sm_90'"),
     ],
 )
 def test_precompile_errors(capsys, argv, message):

@@ -77,17 +77,17 @@ def cache_summary(directory: Path) -> list[str]:
     Returns
     -------
     list of str
-        Indented lines: the total, then one line per architecture.
+        Lines indented by 4: the total, then one line per architecture.
     """
     files = sorted(directory.glob("*.cubin")) if directory.is_dir() else []
     if not files:
-        return ["  empty" + ("" if directory.is_dir() else " (not created yet)")]
+        return ["    empty" + ("" if directory.is_dir() else " (not created yet)")]
     by_arch: dict[str, list[int]] = {}
     for f in files:
         by_arch.setdefault(f.name.split("-", 1)[0], []).append(f.stat().st_size)
     total = sum(sum(sizes) for sizes in by_arch.values())
-    lines = [f"  {_kernels(len(files))}, {_size(total)}"]
-    lines += [f"  {arch}: {_kernels(len(sizes))}, {_size(sum(sizes))}" for arch, sizes in sorted(by_arch.items())]
+    lines = [f"    {_kernels(len(files))}, {_size(total)}"]
+    lines += [f"    {arch}: {_kernels(len(sizes))}, {_size(sum(sizes))}" for arch, sizes in sorted(by_arch.items())]
     return lines
 
 
@@ -99,10 +99,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"       GPU entries unavailable: {why_not}.")
     for package, version in _versions().items():
         print(f"{package + ':':6} {version}")
-    directory = jit.cache_dir()
-    moved = "NVFP4_MLA_CACHE_DIR" in os.environ
-    print(f"kernel cache: {directory}" + ("" if moved else " (set NVFP4_MLA_CACHE_DIR to move it)"))
-    print("\n".join(cache_summary(directory)))
+    print("kernel cache, searched in order (NVFP4_MLA_CACHE_DIR, then the per-user default):")
+    for directory in jit.kernel_cache().layers:
+        print(f"  {directory}")
+        print("\n".join(cache_summary(directory)))
     return 0
 
 
@@ -166,7 +166,12 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     archs = args.arch
-    if not archs:
+    if archs:
+        try:
+            archs = [jit.check_arch(arch) for arch in archs]
+        except ValueError as exc:
+            parser.error(str(exc))
+    else:
         why_not = jit.gpu_unavailable_reason()
         if why_not:
             parser.error(f"give --arch (e.g. --arch sm_90); no usable GPU to take it from: {why_not}")
@@ -177,9 +182,14 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     paths = []
     for arch, g in _progress(jobs, labels):
         try:
-            paths += precompile([g], arch=arch)
-        except RuntimeError as exc:  # NVRTC missing or an unknown arch
+            paths += precompile([g], arch=arch, directory=args.cache_dir)
+        except RuntimeError as exc:  # NVRTC missing, or --cache-dir cannot hold kernels (jit.CacheError)
             raise SystemExit(str(exc)) from None
+        if paths[-1] is None:
+            raise SystemExit(
+                "no writable kernel cache directory, so the kernels stayed in memory: "
+                "give --cache-dir or set NVFP4_MLA_CACHE_DIR to a directory you can write"
+            )
     for path in paths:
         print(path)
     print(f"{_kernels(len(paths))} ready in {paths[0].parent}")
@@ -194,7 +204,8 @@ def _row(label: str, items: Iterable[str], width: int) -> str:
 
 
 def format_record(cache: torch.Tensor, slot: int) -> str:
-    """One record of a cache as text, as ``nvfp4-mla inspect`` prints it.
+    """One record of a cache as text, as ``nvfp4-mla inspect`` prints it (layout: docs/format.md
+    section 3).
 
     The 28 group scales (code and value), each group's E2M1 codes and their values, and the 64
     RoPE values; or one line saying the record is empty when all its 384 bytes are one value
@@ -360,6 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compile the kernels of one serving geometry into the disk cache; with --arch no GPU is needed.",
     )
     p.add_argument("--arch", nargs="+", metavar="SM", help="e.g. sm_80 sm_90 (default: this machine's GPU)")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="D",
+        help="compile into exactly this directory (e.g. for a container image), else into the kernel cache",
+    )
     p.add_argument("--page-size", type=int, default=256, help="tokens per cache page (default 256)")
     p.add_argument("--heads", type=int, default=0, help="query heads per GPU: builds the main entry")
     p.add_argument("--q-head-padded", type=int, default=0, help="padded head count of q_out (0: cache only)")
