@@ -5,7 +5,7 @@ import torch
 
 import nvfp4_mla
 from nvfp4_mla import reference
-from util import bits, cos_sin_table, make_cache, random_rows, random_slots, storage_bytes
+from nvfp4_mla.testing import bits, make_cache, random_rows, random_slots, rope_table, storage_bytes
 
 BF16 = torch.bfloat16
 
@@ -28,7 +28,7 @@ def test_fake_main_entry_gives_q_out_shape(q_head_padded):
 
 def test_fake_cache_writers_return_nothing():
     q, kv, cache, slots, positions, cos_sin = meta_inputs()
-    assert torch.ops.nvfp4_mla.rope_quantize_insert_inplace(q, kv, cache, slots, positions, cos_sin, True) is None
+    assert torch.ops.nvfp4_mla.rope_quantize_insert_inplace(q, kv, cache, slots, positions, cos_sin, 0, True) is None
     assert torch.ops.nvfp4_mla.kv_rope_quantize_insert(kv, cache, slots, positions, cos_sin, 2) is None
     assert torch.ops.nvfp4_mla.quantize_append(kv, slots, cache) is None
 
@@ -45,8 +45,12 @@ def test_compile_traces_without_graph_break_then_validates_at_run():
     implementation, whose validation rejects these CPU tensors."""
     torch._dynamo.reset()
     q, kv = random_rows((4, 8, 512)), random_rows((4, 512))
-    args = (q, kv, make_cache(2, 16), random_slots(4, 32), torch.arange(4), cos_sin_table(8))
-    step = torch.compile(lambda *a: nvfp4_mla.cake_dsv4_nvfp4_rope_quantize_insert(*a, q_head_padded=16), fullgraph=True, backend="aot_eager")
+    args = (q, kv, make_cache(2, 16), random_slots(4, 32), torch.arange(4), rope_table(8))
+    step = torch.compile(
+        lambda *a: nvfp4_mla.cake_dsv4_nvfp4_rope_quantize_insert(*a, q_head_padded=16),
+        fullgraph=True,
+        backend="aot_eager",
+    )
     with pytest.raises(ValueError, match="must be a CUDA tensor"):
         step(*args)
 
@@ -66,7 +70,7 @@ def test_compiled_pre_step_matches_eager(seed, mode):
     device = "cuda"
     q, kv = random_rows((37, 8, 512), device), random_rows((37, 512), device)
     slots, positions = random_slots(33, 5 * 16, device=device), torch.randint(0, 4096, (37,), device=device)
-    cos_sin, scale = cos_sin_table(4096, device), torch.tensor(0.5, device=device, dtype=BF16)
+    cos_sin, scale = rope_table(4096, device), torch.tensor(0.5, device=device, dtype=BF16)
     caches = [make_cache(5, 16, "HND", 16, device) for _ in range(2)]
     compiled = torch.compile(attention_pre_step, fullgraph=True, mode=mode)
     for _ in range(3):  # reduce-overhead records a CUDA graph on a later call
@@ -76,7 +80,9 @@ def test_compiled_pre_step_matches_eager(seed, mode):
     assert torch.equal(bits(got), bits(want))
     assert torch.equal(storage_bytes(caches[0]), storage_bytes(caches[1]))
     ref_cache = make_cache(5, 16, "HND", 16, device)
-    reference.cake_dsv4_nvfp4_rope_quantize_insert(q, kv * scale, ref_cache, slots, positions, cos_sin, q_head_padded=16)
+    reference.cake_dsv4_nvfp4_rope_quantize_insert(
+        q, kv * scale, ref_cache, slots, positions, cos_sin, q_head_padded=16
+    )
     assert torch.equal(storage_bytes(caches[0]), storage_bytes(ref_cache))
 
 
@@ -86,11 +92,13 @@ def test_compiled_in_place_rotates_q(seed):
     device = "cuda"
     q, kv = random_rows((9, 16, 512), device), random_rows((9, 512), device)
     slots, positions = random_slots(9, 64, device=device), torch.randint(0, 4096, (9,), device=device)
-    cos_sin = cos_sin_table(4096, device)
+    cos_sin = rope_table(4096, device)
     qs, caches = [q.clone(), q.clone()], [make_cache(4, 16, device=device) for _ in range(2)]
 
     def step(q, kv, cache, slots, positions, cos_sin):
-        return nvfp4_mla.cake_dsv4_nvfp4_rope_quantize_insert(q, kv, cache, slots, positions, cos_sin, q_inplace=True) + 0
+        return (
+            nvfp4_mla.cake_dsv4_nvfp4_rope_quantize_insert(q, kv, cache, slots, positions, cos_sin, q_inplace=True) + 0
+        )
 
     got = torch.compile(step, fullgraph=True)(qs[0], kv, caches[0], slots, positions, cos_sin)
     reference.cake_dsv4_nvfp4_rope_quantize_insert(qs[1], kv, caches[1], slots, positions, cos_sin, q_inplace=True)

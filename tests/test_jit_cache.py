@@ -386,3 +386,26 @@ def test_missing_cupy_names_the_fix(monkeypatch):
         jit.Launcher(b"", VARIANT.template, 0)
     with pytest.raises(RuntimeError, match=r"NVRTC is not available: install"):
         jit.compile_kernel(VARIANT, ARCH)
+
+
+@pytest.mark.parametrize("part", ["source", "header", "options", "arch", "nvrtc"])
+def test_key_changes_with_everything_that_shapes_the_kernel(monkeypatch, part):
+    before = jit.kernel_key(VARIANT, ARCH)
+    if part == "source":
+        monkeypatch.setitem(jit._sources, VARIANT.template.file, jit._source(VARIANT.template.file) + "\n// edit")
+    elif part == "header":
+        monkeypatch.setitem(jit._sources, jit.HEADER_FILE, jit._source(jit.HEADER_FILE) + "\n// edit")
+    elif part == "nvrtc":
+        monkeypatch.setattr(jit, "_nvrtc_identity", jit.nvrtc_identity() + " patched")
+    variant = VARIANT._replace(kv_rows_per_unit=2) if part == "options" else VARIANT
+    assert jit.kernel_key(variant, "sm_80" if part == "arch" else ARCH) != before
+
+
+def test_published_kernels_are_readable_by_the_users_they_serve(kdir):
+    """0644 whatever the umask: a precompiled set in an image serves other users."""
+    old = os.umask(0o077)
+    try:
+        _, path, _ = build([kdir])
+    finally:
+        os.umask(old)
+    assert path is not None and path.stat().st_mode & 0o777 == 0o644

@@ -299,13 +299,14 @@ def _rope_quantize_insert_inplace_op(
     slot_mapping: _Tensor,
     positions: _Tensor,
     cos_sin_cache: _Tensor,
+    q_head_padded: int,
     apply_q_rope: bool,
 ) -> None:
-    _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, 0, apply_q_rope, True)
+    _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, True)
 
 
 @_rope_quantize_insert_inplace_op.register_fake
-def _(q, kv, cache, slot_mapping, positions, cos_sin_cache, apply_q_rope):
+def _(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope):
     return None
 
 
@@ -403,7 +404,7 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
         if q_inplace:
             validation.check_mutable(q, "q")
             torch.ops.nvfp4_mla.rope_quantize_insert_inplace(
-                q, kv, cache, slot_mapping, positions, cos_sin_cache, apply_q_rope
+                q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope
             )
             return q
         return torch.ops.nvfp4_mla.rope_quantize_insert(

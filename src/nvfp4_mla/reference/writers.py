@@ -42,6 +42,7 @@ def _roped(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 # ---------------------------------------------------------------- entries
 
 
+@torch.no_grad()  # like the kernels: the writers are not differentiable
 def cake_dsv4_nvfp4_rope_quantize_insert(
     q, kv, cache, slot_mapping, positions, cos_sin_cache, *, q_head_padded=0, apply_q_rope=True, q_inplace=False
 ):
@@ -72,6 +73,7 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
     return q_out
 
 
+@torch.no_grad()  # like the kernels: the writers are not differentiable
 def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, *, compress_ratio=1):
     """Reference of the KV-only entry: row i is inserted when ``(positions[i] + 1) % ratio == 0``,
     roped with row ``positions[i] // ratio * ratio``. Negative positions are never inserted."""
@@ -87,6 +89,7 @@ def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, 
     return None
 
 
+@torch.no_grad()  # like the kernels: the writers are not differentiable
 def nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache):
     """Reference of the unfused writer: quantize already-roped BF16 rows, insert by slot."""
     geometry = validation.check_append(latent_kv, slot_mapping, cache, need_cuda=False)
@@ -106,6 +109,7 @@ def new_cache(num_pages: int, page_size: int, kv_layout: str, device) -> torch.T
     return torch.empty(shape, dtype=torch.uint8, device=device)
 
 
+@torch.no_grad()  # like the kernels: the writers are not differentiable
 def nvfp4_quantize_pack_sparse_mla_cache(latent_kv, *, kv_layout="HND"):
     """Reference of the whole-page writer: ``[num_pages, page_size, 512]`` -> a new cache."""
     validation.check_pack(latent_kv, kv_layout, need_cuda=False)
