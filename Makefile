@@ -20,16 +20,24 @@ venv: $(VENV)/.installed
 demo: venv
 	$(PY) -m nvfp4_mla demo
 
+# Lint, format, types, then the tests (GPU tests skip with their reason on a machine without one).
 test: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
-# On a GPU machine whose python3 already has torch and CuPy (no install): all GPU tests, the
-# sanitizers and the benchmark, logs under $$OUT (or ./gpu-logs).
-gpu-check:
-	bash benchmarks/gpu_check.sh
+# On a GPU machine, with an interpreter that already has torch and CuPy (GPU_PYTHON, default
+# python3; nothing is installed), from the source tree: all GPU tests, the sanitizers and the
+# benchmarks, logs under $$OUT (or ./gpu-logs); fails when any step fails.
+GPU_PYTHON ?= python3
 
+gpu-check:
+	GPU_PYTHON=$(GPU_PYTHON) bash benchmarks/gpu_check.sh
+
+# Results under bench-results/<gpu>/ (never over docs/).
 bench:
-	PYTHONPATH=src $(PYTHON) -m nvfp4_mla bench
+	PYTHONPATH=src $(GPU_PYTHON) -m nvfp4_mla bench
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

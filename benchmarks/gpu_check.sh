@@ -1,33 +1,50 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one call (device time is scarce): the whole test suite (GPU
-# tests run, not skip), compute-sanitizer memcheck/racecheck/initcheck over a small workload, the
-# soak (one million mixed eager and graph-replayed calls, sampled against the reference) and the
-# benchmark. Runs from the source tree with the machine's python3 (torch + CuPy installed);
-# full logs under $OUT (default ./gpu-logs); a short summary table last.
+# Everything that needs the GPU, in one call (device time is scarce): the GPU tests, the
+# sanitizers (caching allocator off, so an out-of-bounds write cannot hide inside torch's pool),
+# proof that memcheck sees a seeded out-of-bounds write, the soak and the benchmarks. Runs from
+# the source tree with $GPU_PYTHON (default python3, which must have torch and CuPy); full logs
+# under $OUT (default ./gpu-logs); a short table last. Exits non-zero when any step fails.
+#   STEPS="pytest sanitizers oob soak bench reader decode"  (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PY=${GPU_PYTHON:-python3}
 OUT=${OUT:-gpu-logs}
+STEPS=${STEPS:-pytest sanitizers oob soak bench reader decode}
 mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 export NVFP4_MLA_CACHE_DIR=${NVFP4_MLA_CACHE_DIR:-$(mktemp -d)}
 summary=()
+failed=0
 
-step() {  # step NAME LOG COMMAND...: runs, logs, records pass/fail and the log's last line
-    local name=$1 log=$2; shift 2
+step() {  # step NAME LOG EXPECTED_RC COMMAND...: runs, logs, records pass/fail and the log's last line
+    local name=$1 log=$2 expected=$3; shift 3
     local start=$SECONDS
     "$@" >>"$log" 2>&1
     local rc=$?
-    summary+=("$(printf '%-10s %-4s %4ss  %s' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL)" $((SECONDS - start)) "$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-90)")")
-    return $rc
+    local verdict=ok
+    [ "$rc" = "$expected" ] || { verdict=FAIL; failed=1; }
+    summary+=("$(printf '%-11s %-4s rc=%-3s %4ss  %s' "$name" "$verdict" "$rc" $((SECONDS - start)) "$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-90)")")
 }
 
-python3 -c 'import torch, cupy; print(torch.cuda.get_device_name(), "torch", torch.__version__, "cupy", cupy.__version__, "nvrtc", cupy.cuda.nvrtc.getVersion())'
-step pytest "$OUT/pytest.log" python3 -m pytest -q -rs -p no:cacheprovider tests ${PYTEST_ARGS:-}
-for tool in ${SANITIZERS-memcheck racecheck initcheck}; do
-    step "$tool" "$OUT/sanitizers.log" compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/sanitizer_workload.py
-done
-step soak "$OUT/soak.log" python3 benchmarks/soak.py ${SOAK_ARGS:-}
-[ "${SKIP_BENCH:-0}" = 1 ] || step bench "$OUT/bench.log" python3 -m nvfp4_mla.bench --out "$OUT/bench" ${BENCH_ARGS:-}
+wants() { [[ " $STEPS " == *" $1 "* ]]; }
 
-grep -E "passed|failed" "$OUT/pytest.log" | tail -n 1
+$PY -c 'import torch, cupy; print(torch.cuda.get_device_name(), "torch", torch.__version__, "cupy", cupy.__version__, "nvrtc", cupy.cuda.nvrtc.getVersion())'
+wants pytest && step pytest "$OUT/pytest.log" 0 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests ${PYTEST_ARGS:-}
+if wants sanitizers; then
+    for tool in memcheck racecheck initcheck; do
+        step "$tool" "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+            compute-sanitizer --tool "$tool" --error-exitcode 9 $PY benchmarks/sanitizer_workload.py
+    done
+fi
+# The seeded out-of-bounds write must be reported (exit 9), else the sanitizer step proves nothing.
+wants oob && step seeded-oob "$OUT/seeded_oob.log" 9 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+    compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/seeded_oob.py
+wants soak && step soak "$OUT/soak.log" 0 $PY benchmarks/soak.py ${SOAK_ARGS:-}
+wants bench && step bench "$OUT/bench.log" 0 $PY -m nvfp4_mla.bench --out "$OUT/bench" ${BENCH_ARGS:-}
+wants reader && step reader "$OUT/bench_reader.log" 0 $PY benchmarks/bench_reader.py --out "$OUT/reader"
+wants decode && step decode "$OUT/bench_decode.log" 0 $PY benchmarks/bench_decode.py --out "$OUT/decode"
+
+grep -E "passed|failed" "$OUT/pytest.log" 2>/dev/null | tail -n 1
+grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizers.log" "$OUT/seeded_oob.log" 2>/dev/null
 printf "%s\n" "${summary[@]}"
+exit $failed

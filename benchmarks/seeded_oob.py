@@ -1,0 +1,57 @@
+"""A seeded out-of-bounds write, to prove the sanitizer run can see one (docs/testing.md).
+
+The writer kernel is compiled with its slot bound weakened from ``slot < capacity`` to
+``slot <= capacity`` (the source edited in memory; the shipped file is untouched), then one row
+is appended at slot == capacity: one record past the end of the cache. Run it under
+``compute-sanitizer --tool memcheck`` with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``; memcheck must
+report invalid global writes. With torch's caching allocator on, the stray bytes land inside the
+allocator's pool and memcheck cannot see them.
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python3 benchmarks/seeded_oob.py
+"""
+
+import tempfile
+
+import torch
+
+from nvfp4_mla import jit
+from nvfp4_mla.testing import random_rows
+from nvfp4_mla.variant import Variant
+
+BOUND = "slot[j] >= p.capacity"
+
+
+def main() -> None:
+    variant = Variant.append(16, torch.int64)
+    source = jit._source(variant.template.file)
+    assert source.count(BOUND) == 1, "the seeded mutation no longer matches the kernel source"
+    jit._sources[variant.template.file] = source.replace(BOUND, "slot[j] > p.capacity")
+    with tempfile.TemporaryDirectory() as directory:
+        launcher = jit.KernelCache([directory]).launcher(0, variant)
+        num_pages, page_size = 2, 16
+        cache = torch.zeros(num_pages, page_size, 384, dtype=torch.uint8, device="cuda")
+        rows = random_rows((1, 512), "cuda")
+        slots = torch.tensor([num_pages * page_size], device="cuda")  # == capacity: one past the end
+        stream = jit.current_raw_stream(0)
+        launcher.launch(
+            variant.blocks(1),
+            stream,
+            0,
+            0,
+            rows.data_ptr(),
+            cache.data_ptr(),
+            slots.data_ptr(),
+            0,
+            0,
+            page_size * 384,
+            num_pages * page_size,
+            0,
+            1,
+            1,
+        )
+        torch.cuda.synchronize()
+    print("seeded out-of-bounds write launched")
+
+
+if __name__ == "__main__":
+    main()
