@@ -3,18 +3,17 @@
 Edge cases that touch the bounds: page size 1 and 3, padded pools, the last slot of the pool,
 negative and out-of-range slots and positions, data-parallel padding rows, T = 1. Each call is
 also compared with the reference, so the run fails loudly on a wrong byte too.
+
+    PYTHONPATH=src python3 benchmarks/sanitizer_workload.py
 """
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("src", "tests")]
-
-import nvfp4_mla  # noqa: E402
-from nvfp4_mla import reference  # noqa: E402
-from util import cos_sin_table, make_cache, random_rows, storage_bytes  # noqa: E402
+import nvfp4_mla
+from nvfp4_mla import reference
+from nvfp4_mla.testing import ENTRIES, args_of, make_cache, random_rows, rope_table, storage_bytes
 
 DEVICE = "cuda"
 MAX_POSITION = 97
@@ -34,11 +33,14 @@ def inputs(num_tokens, num_heads, page_size, slot_dtype):
     return q, kv, num_pages, slots.to(slot_dtype).to(DEVICE), positions.to(DEVICE)
 
 
-def run_both(entry, args_of, q, num_pages, page_size, layout, pad, **kwargs):
+def run_both(entry, named, num_pages, page_size, layout, pad, **kwargs):
     """Runs ``entry`` through the kernels and the reference, each on a fresh cache and its own
     copy of ``q`` (in place mutates it); returns 1 on any differing byte."""
     caches = [make_cache(num_pages, page_size, layout, pad, DEVICE) for _ in range(2)]
-    outs = [getattr(module, entry)(*args_of(cache, q.clone()), **kwargs) for module, cache in zip((nvfp4_mla, reference), caches)]
+    outs = []
+    for module, cache in zip((nvfp4_mla, reference), caches):
+        args = args_of(entry, {**named, "cache": cache, "q": named["q"].clone()})
+        outs.append(getattr(module, ENTRIES[entry])(*args, **kwargs))
     same = torch.equal(storage_bytes(caches[0]), storage_bytes(caches[1]))
     if isinstance(outs[0], torch.Tensor):
         same &= torch.equal(outs[0].view(torch.int16).cpu(), outs[1].view(torch.int16).cpu())
@@ -47,21 +49,34 @@ def run_both(entry, args_of, q, num_pages, page_size, layout, pad, **kwargs):
 
 def main():
     torch.manual_seed(0)
-    cos_sin = cos_sin_table(MAX_POSITION, DEVICE)
+    cos_sin = rope_table(MAX_POSITION, DEVICE)
     bad = 0
-    cases = [(1, 1, "3D", 0, torch.int64), (37, 3, "HND", 16, torch.int32), (37, 64, "NHD", 0, torch.int64), (9, 256, "3D", 48, torch.int32)]
-    for num_tokens, page_size, layout, pad, slot_dtype in cases:
-        for num_heads, padded, inplace, rope in ((5, 8, False, True), (8, 16, False, False), (16, 0, False, True), (8, 8, True, True), (128, 128, True, False)):
+    geometries = [
+        (1, 1, "3D", 0, torch.int64),
+        (37, 3, "HND", 16, torch.int32),
+        (37, 64, "NHD", 0, torch.int64),
+        (9, 256, "3D", 48, torch.int32),
+    ]
+    q_modes = (
+        (5, 8, False, True),
+        (8, 16, False, False),
+        (16, 0, False, True),
+        (8, 8, True, True),
+        (128, 128, True, False),
+    )
+    for num_tokens, page_size, layout, pad, slot_dtype in geometries:
+        geometry = (page_size, layout, pad)
+        for num_heads, padded, inplace, rope in q_modes:
             q, kv, pages, slots, pos = inputs(num_tokens, num_heads, page_size, slot_dtype)
-            bad += run_both(
-                "cake_dsv4_nvfp4_rope_quantize_insert", lambda cache, q: (q, kv, cache, slots, pos, cos_sin), q,
-                pages, page_size, layout, pad, q_head_padded=padded, apply_q_rope=rope, q_inplace=inplace,
-            )
+            named = {"q": q, "kv": kv, "slot_mapping": slots, "positions": pos, "cos_sin_cache": cos_sin}
+            options = dict(q_head_padded=padded, apply_q_rope=rope, q_inplace=inplace)
+            bad += run_both("main", named, pages, *geometry, **options)
         for ratio in (1, 2):
-            bad += run_both("cake_dsv4_nvfp4_kv_rope_quantize_insert", lambda cache, q: (kv, cache, slots, pos, cos_sin), q, pages, page_size, layout, pad, compress_ratio=ratio)
-        bad += run_both("nvfp4_quantize_append_sparse_mla_cache", lambda cache, q: (kv, slots, cache), q, pages, page_size, layout, pad)
+            bad += run_both("kv", named, pages, *geometry, compress_ratio=ratio)
+        bad += run_both("append", named, pages, *geometry)
     pages = random_rows((3, 5, 512), DEVICE)
-    bad += int(not torch.equal(nvfp4_mla.nvfp4_quantize_pack_sparse_mla_cache(pages).cpu(), reference.nvfp4_quantize_pack_sparse_mla_cache(pages).cpu()))
+    packed = (module.nvfp4_quantize_pack_sparse_mla_cache(pages).cpu() for module in (nvfp4_mla, reference))
+    bad += int(not torch.equal(*packed))
     torch.cuda.synchronize()
     print(f"sanitizer workload: {bad} mismatching calls")
     return 1 if bad else 0

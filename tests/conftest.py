@@ -1,25 +1,13 @@
-"""Shared fixtures. GPU tests carry ``@pytest.mark.gpu`` and skip, with the reason, without a GPU."""
+"""Shared fixtures. GPU tests carry ``@pytest.mark.gpu`` and skip, with the reason, without a usable GPU."""
+
+import random
 
 import pytest
 import torch
 
+from nvfp4_mla import jit
 
-def _gpu_skip_reason():
-    if not torch.cuda.is_available():
-        return "no CUDA GPU visible to torch"
-    major, minor = torch.cuda.get_device_capability()
-    if major < 8:
-        return f"GPU is sm_{major}{minor}; the kernels need sm_80 or newer"
-    try:
-        import cupy  # noqa: F401
-
-        cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # CuPy missing, or its CUDA runtime unusable
-        return f"CuPy cannot reach the GPU: {exc}"
-    return None
-
-
-GPU_SKIP_REASON = _gpu_skip_reason()
+GPU_SKIP_REASON = jit.gpu_unavailable_reason()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,8 +22,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def seed():
     """A fresh seed every run, printed so a failure can be replayed (pytest -s shows it)."""
-    import random
-
     s = random.SystemRandom().randrange(2**31)
     print(f"seed={s}")
     torch.manual_seed(s)

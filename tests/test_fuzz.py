@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the writers (hypothesis), its regression corpus, and benchmarks/soak.py.
+"""Property-based fuzzing of the writers (hypothesis), its regression corpus, and the soak loop.
 
 One strategy, :func:`fuzz_cases`, draws whole calls: the entry and its options, the cache geometry
 (page size 1..300, 3-D/HND/NHD, pool padding 0/16/48, number of pages), slot patterns (unique
@@ -22,36 +22,41 @@ stateless) and draws fresh examples every run; a failure prints the falsifying e
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
+import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
+from fuzz_corpus import CORPUS
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
-from fuzz_corpus import CORPUS
-from nvfp4_mla import abi, reference, validation
-from test_gpu_entries import (
+from nvfp4_mla import abi, reference
+from nvfp4_mla.testing import (
     ARG_NAMES,
-    DEVICE,
+    CANARY,
     ENTRIES,
     SPECIAL_BITS,
     Case,
     args_of,
+    bits,
     cache_locator,
     check,
     clone,
     crafted_rows,
     make_inputs,
+    raw_bytes,
+    record_offsets,
     run_reference,
+    storage_bytes,
 )
-from util import CANARY, bits, storage_bytes
+from nvfp4_mla.testing.soak import GEOMETRIES, run_soak
 
+DEVICE = "cuda"
 gpu = pytest.mark.gpu
 
 
@@ -79,7 +84,7 @@ GPU_EXAMPLES_PER_ENTRY = int(_OVERRIDE or 15)  # 60 in all
 # ---------------------------------------------------------------- row values
 
 VALUE_KINDS = ("normal", "huge", "tiny", "wide", "zeros", "crafted")
-# Element replacements of ``specials``: +-0, then test_gpu_entries' +-inf and NaNs (several payloads).
+# Element replacements of ``specials``: +-0, then nvfp4_mla.testing's +-inf and NaNs (several payloads).
 _SPECIAL_BITS = torch.tensor((0, -0x8000, *SPECIAL_BITS), dtype=torch.int16)
 
 
@@ -89,7 +94,7 @@ def _log_uniform(size, low: float, high: float) -> torch.Tensor:
 
 def _kind_bits(kind: str, size: tuple) -> torch.Tensor:
     """BF16 bits (int16) of ``size = (groups, 16)`` values of one kind."""
-    if kind == "crafted":  # test_gpu_entries' ties, saturation, tiny groups, inf/NaN
+    if kind == "crafted":  # nvfp4_mla.testing's ties, saturation, tiny groups, inf/NaN
         return crafted_rows(size).view(torch.int16)
     sign = torch.where(torch.rand(size) < 0.5, -1.0, 1.0).double()
     if kind == "normal":  # random per-group scales 2^-24 .. 2^15: E4M3 underflow to saturation
@@ -128,7 +133,7 @@ _DTYPES = {"int32": torch.int32, "int64": torch.int64}
 
 @dataclasses.dataclass(frozen=True)
 class FuzzCase:
-    """One fuzzed call: the geometry and options (a test_gpu_entries.Case), the value kinds of its
+    """One fuzzed call: the geometry and options (an nvfp4_mla.testing.Case), the value kinds of its
     rows, and the seed of everything drawn at random; ``edits`` are explicit values (corpus)."""
 
     case: Case
@@ -140,7 +145,8 @@ class FuzzCase:
 
     def __str__(self):
         extra = f", edits={len(self.edits)}" if self.edits else ""
-        return f"{self.name or 'fuzz'}: {self.case} values={list(self.values)} specials={self.specials} seed={self.seed}{extra}"
+        drawn = f"values={list(self.values)} specials={self.specials} seed={self.seed}{extra}"
+        return f"{self.name or 'fuzz'}: {self.case} {drawn}"
 
     def as_dict(self) -> dict:
         """The corpus form (tests/fuzz_corpus.py): Case fields that differ from the defaults."""
@@ -177,15 +183,17 @@ def fuzz_cases(draw, entry: str | None = None) -> FuzzCase:
     page_size = draw(PAGE_SIZES)
     fields = dict(entry=entry, page_size=page_size)
     if entry == "pack":
-        fields.update(layout=draw(st.sampled_from(abi.KV_LAYOUTS)), pages=draw(st.integers(0, max(1, 600 // page_size))))
-    else:
-        tokens = draw(st.integers(0, 40))
         fields.update(
-            tokens=tokens,
+            layout=draw(st.sampled_from(abi.KV_LAYOUTS)), pages=draw(st.integers(0, max(1, 600 // page_size)))
+        )
+    else:
+        num_tokens = draw(st.integers(0, 40))
+        fields.update(
+            num_tokens=num_tokens,
             layout=draw(st.sampled_from(("3D", *abi.KV_LAYOUTS))),
             pad=draw(st.sampled_from((0, 16, 48))),
             pages=draw(st.one_of(st.none(), st.integers(0, 4))),  # None: room for every row
-            slots=draw(st.one_of(st.none(), st.integers(0, tokens))),  # None: one a row; fewer: DP padding
+            slots=draw(st.one_of(st.none(), st.integers(0, num_tokens))),  # None: one a row; fewer: DP padding
             slot_dtype=draw(st.sampled_from((torch.int32, torch.int64))),
             bad_slots=draw(st.booleans()),  # -1 and out-of-range slots; else unique valid ones
             bad_positions=draw(st.booleans()),
@@ -193,11 +201,15 @@ def fuzz_cases(draw, entry: str | None = None) -> FuzzCase:
             table=draw(st.sampled_from(("real", "wild"))),
         )
     if entry == "main":
-        heads = draw(st.sampled_from((1, 3, 8, 16, 40, 64, 128)))
-        inplace = heads in abi.Q_HEAD_PADDINGS and draw(st.booleans())
-        paddings = (0, heads) if inplace else (0, *(p for p in abi.Q_HEAD_PADDINGS if p >= heads))
-        fields.update(heads=heads, q_inplace=inplace, q_head_padded=draw(st.sampled_from(paddings)),
-                      apply_q_rope=draw(st.booleans()))
+        num_heads = draw(st.sampled_from((1, 3, 8, 16, 40, 64, 128)))
+        inplace = num_heads in abi.Q_HEAD_PADDINGS and draw(st.booleans())
+        paddings = (0, num_heads) if inplace else (0, *(p for p in abi.Q_HEAD_PADDINGS if p >= num_heads))
+        fields.update(
+            num_heads=num_heads,
+            q_inplace=inplace,
+            q_head_padded=draw(st.sampled_from(paddings)),
+            apply_q_rope=draw(st.booleans()),
+        )
     if entry == "kv":
         fields.update(compress_ratio=draw(st.sampled_from(abi.COMPRESS_RATIOS)))
     values = draw(st.lists(st.sampled_from(VALUE_KINDS), min_size=1, max_size=3, unique=True))
@@ -232,7 +244,7 @@ def fuzz_inputs(fc: FuzzCase, device="cpu") -> dict:
 
 
 def inserted_rows(case: Case, inputs: dict):
-    """Which rows the call must insert, by SPEC section 5 (not by the reference's code): the row
+    """Which rows the call must insert, by docs/format.md section 5 (not by the reference's code): the row
     indices, their slots and their RoPE rows (None for append/pack, which do not rotate)."""
     if case.entry == "pack":
         slots = torch.arange(case.num_pages * case.page_size)
@@ -249,16 +261,6 @@ def inserted_rows(case: Case, inputs: dict):
         keep &= (rope_rows >= 0) & (rope_rows < case.max_position)
     rows = keep.nonzero().flatten()
     return rows, slots[rows], None if rope_rows is None else rope_rows[rows]
-
-
-def record_offsets(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``[k, 384]`` storage byte offsets of each slot's record: its data row, then its scale slot."""
-    _, page_size, page_stride = validation.check_cache(cache)
-    page, entry = slots // page_size, slots % page_size
-    base = cache.storage_offset() + page * page_stride
-    data = (base + entry * abi.DATA_BYTES)[:, None] + torch.arange(abi.DATA_BYTES)
-    scale = (base + page_size * abi.DATA_BYTES + entry * abi.SCALE_BYTES)[:, None] + torch.arange(abi.SCALE_BYTES)
-    return torch.cat((data, scale), dim=1)
 
 
 def half_step_bound(v: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -306,7 +308,9 @@ def assert_canary_elsewhere(cache: torch.Tensor, offsets: torch.Tensor, slot_map
     if changed.numel():
         locate = cache_locator(cache, slot_mapping)
         first = int(changed[0])
-        raise AssertionError(f"{where}: {changed.numel()} bytes outside the inserted records changed; first {first}: {locate(first)}")
+        raise AssertionError(
+            f"{where}: {changed.numel()} bytes outside the inserted records changed; first {first}: {locate(first)}"
+        )
 
 
 def assert_q_out(case: Case, q: torch.Tensor, got: torch.Tensor, positions, cos_sin_cache, where: str) -> None:
@@ -324,7 +328,9 @@ def assert_q_out(case: Case, q: torch.Tensor, got: torch.Tensor, positions, cos_
         if not case.q_inplace:
             want = torch.where(in_range, want, torch.tensor(abi.BF16_NAN_BITS, dtype=torch.int16))
     if case.q_inplace or case.q_head_padded:
-        assert torch.equal(bits(got[:, :h]), want), f"{where}: live q heads are not q rotated (or NaN outside the table)"
+        assert torch.equal(bits(got[:, :h]), want), (
+            f"{where}: live q heads are not q rotated (or NaN outside the table)"
+        )
     if not case.q_inplace:
         assert tuple(got.shape) == (t, case.q_head_padded, abi.HEAD_DIM), f"{where}: q_out shape {list(got.shape)}"
         assert (bits(got[:, h:]) == 0).all(), f"{where}: padded q_out heads are not zero bits"
@@ -354,8 +360,12 @@ def check_reference_invariants(fc: FuzzCase) -> None:
     assert torch.equal(got_rope, bits(want_rope)), f"{fc}: RoPE bytes are not the roped BF16 values"
     decoded = reference.nvfp4_dequantize_sparse_mla_cache(cache, slots)[:, : abi.NOPE_DIM]
     grouped = (abi.NUM_GROUPS, abi.GROUP_SIZE)
-    assert_nope_decodes(kv[:, : abi.NOPE_DIM].unflatten(-1, grouped), decoded.unflatten(-1, grouped),
-                        records[:, abi.DATA_BYTES : abi.DATA_BYTES + abi.NUM_GROUPS], str(fc))
+    assert_nope_decodes(
+        kv[:, : abi.NOPE_DIM].unflatten(-1, grouped),
+        decoded.unflatten(-1, grouped),
+        records[:, abi.DATA_BYTES : abi.DATA_BYTES + abi.NUM_GROUPS],
+        str(fc),
+    )
     if case.entry == "main":
         assert_q_out(case, inputs["q"], got, inputs["positions"], inputs["cos_sin_cache"], str(fc))
 
@@ -384,9 +394,15 @@ def test_strategy_reaches_every_shape():
         c = fc.case
         seen.update({("entry", c.entry), ("layout", c.layout), ("pad", c.pad), ("big page", c.page_size > 256)})
         if c.entry != "pack":
-            seen.update({("dp padding", c.num_slots < c.tokens), ("bad slots", c.bad_slots), ("bad positions", c.bad_positions)})
+            seen.update(
+                {
+                    ("dp padding", c.num_slots < c.num_tokens),
+                    ("bad slots", c.bad_slots),
+                    ("bad positions", c.bad_positions),
+                }
+            )
         if c.entry == "main":
-            seen.update({("in place", c.q_inplace), ("padded", c.q_head_padded > c.heads)})
+            seen.update({("in place", c.q_inplace), ("padded", c.q_head_padded > c.num_heads)})
         seen.update(("kind", k) for k in fc.values)
 
     collect()
@@ -434,34 +450,32 @@ def test_kernel_fuzz(entry, data):
     check_kernel(fc)
 
 
-# ---------------------------------------------------------------- benchmarks/soak.py on the CPU
-
-
-def _load_soak():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
-    spec = importlib.util.spec_from_file_location("soak", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("soak", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load_soak()
+# ---------------------------------------------------------------- the soak loop on the CPU
 
 
 def soak_on_cpu(geometries, impl, calls: int, sample_every: int):
-    """benchmarks/soak.py's loop on the CPU, eager only, two calls a step, ``impl`` as the kernels."""
-    return soak.run_soak(geometries, calls=calls, calls_per_step=2, sample_every=sample_every, eager_fraction=1.0,
-                         device="cpu", impl=impl, use_graphs=False, seed=0, log=lambda *a: None)
+    """The soak loop on the CPU, eager only, two calls a step, ``impl`` as the kernels."""
+    return run_soak(
+        geometries,
+        calls=calls,
+        calls_per_step=2,
+        sample_every=sample_every,
+        eager_fraction=1.0,
+        device="cpu",
+        impl=impl,
+        use_graphs=False,
+        seed=0,
+        log=lambda *a: None,
+    )
 
 
 def test_soak_logic_on_cpu():
     """The soak loop with the reference standing in for the kernels: every geometry stepped and
     checked (the sampled steps and each geometry's final one), no mismatch."""
-    result = soak_on_cpu(soak.GEOMETRIES, reference, calls=40, sample_every=4)
+    result = soak_on_cpu(GEOMETRIES, reference, calls=40, sample_every=4)
     assert result.mismatches == 0, result.reports
-    assert result.checks >= len(soak.GEOMETRIES) + 40 // 4 // 2
-    assert result.calls == 40 + 2 * len(soak.GEOMETRIES)
+    assert result.checks >= len(GEOMETRIES) + 40 // 4 // 2
+    assert result.calls == 40 + 2 * len(GEOMETRIES)
 
 
 @pytest.mark.parametrize("entry", tuple(ENTRIES))
@@ -472,20 +486,25 @@ def test_soak_catches_a_wrong_byte(entry):
         def wrapped(*args, **kwargs):
             out = getattr(reference, name)(*args, **kwargs)
             target = out if isinstance(out, torch.Tensor) and out.numel() else args[ARG_NAMES[entry].index("cache")]
-            soak.raw_bytes(target)[target.storage_offset() * target.element_size()] += 1  # twice != 0
+            raw_bytes(target)[target.storage_offset() * target.element_size()] += 1  # twice != 0
             return out
 
         return wrapped
 
     impl = types.SimpleNamespace(**{n: getattr(reference, n) for n in ENTRIES.values()})
     setattr(impl, ENTRIES[entry], corrupt(ENTRIES[entry]))
-    geometries = [g for g in soak.GEOMETRIES if g.entry == entry][:1]
+    geometries = [g for g in GEOMETRIES if g.entry == entry][:1]
     result = soak_on_cpu(geometries, impl, calls=4, sample_every=1)
     assert result.mismatches == result.checks > 0
     assert "differ" in result.reports[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="would run the soak")
-def test_soak_needs_a_gpu(capsys):
-    assert soak.main(["--calls", "10"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+def test_soak_script_needs_a_gpu():
+    """benchmarks/soak.py, run as a script without a usable GPU, exits 2 and says why."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}  # as docs/testing.md runs it
+    command = [sys.executable, str(root / "benchmarks" / "soak.py"), "--calls", "10"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "needs a CUDA GPU" in done.stderr

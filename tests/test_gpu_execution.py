@@ -1,8 +1,8 @@
-"""SPEC.md section 7, the execution contract: CUDA-graph capture and replay, torch's current
+"""docs/format.md section 7, the execution contract: CUDA-graph capture and replay, torch's current
 stream, tensors on a GPU that is not the current one, no host synchronisation, no allocation but
 the output, one launch per call (none for empty work), the caller's device left alone.
 
-Results are compared byte for byte with the reference through the helpers of test_gpu_entries.
+Results are compared byte for byte with the reference through ``nvfp4_mla.testing``.
 """
 
 from __future__ import annotations
@@ -13,23 +13,24 @@ import time
 import pytest
 import torch
 
+import nvfp4_mla
 from nvfp4_mla import abi, jit, validation
-from test_gpu_entries import (
+from nvfp4_mla.testing import (
     ARG_NAMES,
-    DEVICE,
+    CANARY,
     ENTRIES,
     Case,
     args_of,
     assert_same,
     check,
     clone,
-    gpu_entry,
     make_inputs,
     run_reference,
+    storage_bytes,
 )
-from util import CANARY, storage_bytes
 
 pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
 
 SLEEP_S = 0.5  # GPU spin that a call must not wait for
 
@@ -41,7 +42,7 @@ def no_debug_check(monkeypatch):
 
 
 def call(case: Case, args):
-    return gpu_entry(ENTRIES[case.entry])(*args, **case.kwargs())
+    return getattr(nvfp4_mla, ENTRIES[case.entry])(*args, **case.kwargs())
 
 
 def warm_up(case: Case, args) -> None:
@@ -88,11 +89,11 @@ def allocation_delta(make):
 
 
 ONE_OF_EACH = [  # a call of every entry and query mode, with invalid slots and DP padding
-    Case(tokens=64, slots=60, heads=8, q_head_padded=16, bad_positions=True),
-    Case(tokens=64, slots=60, heads=16, q_head_padded=0, q_inplace=True, bad_positions=True),
-    Case(tokens=64, slots=60, q_head_padded=0),
-    Case(entry="kv", tokens=64, slots=60, compress_ratio=2, bad_positions=True),
-    Case(entry="append", tokens=64, slots=60, slot_dtype=torch.int32),
+    Case(num_tokens=64, slots=60, num_heads=8, q_head_padded=16, bad_positions=True),
+    Case(num_tokens=64, slots=60, num_heads=16, q_head_padded=0, q_inplace=True, bad_positions=True),
+    Case(num_tokens=64, slots=60, q_head_padded=0),
+    Case(entry="kv", num_tokens=64, slots=60, compress_ratio=2, bad_positions=True),
+    Case(entry="append", num_tokens=64, slots=60, slot_dtype=torch.int32),
     Case(entry="pack", page_size=16, pages=4, layout="NHD"),
 ]
 
@@ -101,9 +102,17 @@ ONE_OF_EACH = [  # a call of every entry and query mode, with invalid slots and 
 
 
 GRAPH_CASES = [
-    Case(tokens=48, slots=40, heads=8, q_head_padded=16, bad_positions=True),
-    Case(tokens=48, slots=40, heads=16, q_head_padded=0, q_inplace=True, slot_dtype=torch.int32, bad_positions=True),
-    Case(entry="kv", tokens=48, slots=40, compress_ratio=2, bad_positions=True),
+    Case(num_tokens=48, slots=40, num_heads=8, q_head_padded=16, bad_positions=True),
+    Case(
+        num_tokens=48,
+        slots=40,
+        num_heads=16,
+        q_head_padded=0,
+        q_inplace=True,
+        slot_dtype=torch.int32,
+        bad_positions=True,
+    ),
+    Case(entry="kv", num_tokens=48, slots=40, compress_ratio=2, bad_positions=True),
 ]
 
 
@@ -112,7 +121,7 @@ def test_cuda_graph_replay(case, seed):
     """Captured once on static buffers, then replayed three times after copying new random q,
     kv, slots, positions and table into them: each replay's bytes equal the reference on the
     inputs of that replay (the cache keeps what earlier replays wrote)."""
-    static = args_of(case.entry, make_inputs(case))
+    static = args_of(case.entry, make_inputs(case, DEVICE))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture, as torch recommends
@@ -124,7 +133,7 @@ def test_cuda_graph_replay(case, seed):
     if case.q_inplace:
         assert out is static[0], "in place must return q itself"
     for replay in range(3):
-        fresh = args_of(case.entry, make_inputs(case))
+        fresh = args_of(case.entry, make_inputs(case, DEVICE))
         for name, dst, src in zip(ARG_NAMES[case.entry], static, fresh):
             if name != "cache":
                 dst.copy_(src)
@@ -141,8 +150,8 @@ def test_non_current_stream(seed):
     """Inside ``with torch.cuda.stream(s)`` the call runs on s: the default stream is kept busy
     with a spin kernel, and the results are read on s, after s.synchronize(), while it spins (a
     launch on the default stream would not have run yet)."""
-    case = Case(tokens=64, slots=60, heads=8, q_head_padded=16, bad_positions=True)
-    args = args_of(case.entry, make_inputs(case))
+    case = Case(num_tokens=64, slots=60, num_heads=8, q_head_padded=16, bad_positions=True)
+    args = args_of(case.entry, make_inputs(case, DEVICE))
     want, ref_args = run_reference(case.entry, args, case.kwargs(), "cpu")
     default, side = torch.cuda.current_stream(), torch.cuda.Stream()
     side.wait_stream(default)  # the inputs are ready
@@ -162,116 +171,117 @@ def test_non_current_stream(seed):
 # ---------------------------------------------------------------- (c) and (f) devices
 
 
-def test_tensors_on_another_gpu(seed):
+@pytest.mark.parametrize("case", ONE_OF_EACH, ids=str)
+def test_tensors_on_another_gpu(case, seed):
     """Tensors on cuda:1 while cuda:0 is current (and the other way round): bytes equal the
     reference, outputs live on the tensors' GPU, the current device is unchanged."""
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs two GPUs, found {torch.cuda.device_count()}")
     for current, target in ((0, 1), (1, 0)):
         with torch.cuda.device(current):
-            for case in ONE_OF_EACH:
-                args = args_of(case.entry, make_inputs(case, device=f"cuda:{target}"))
-                check(case.entry, args, case.kwargs(), label=f"{case}, current cuda:{current}, tensors on cuda:{target}")
-                assert torch.cuda.current_device() == current, f"{case}: the current device changed"
+            args = args_of(case.entry, make_inputs(case, f"cuda:{target}"))
+            check(case.entry, args, case.kwargs(), label=f"{case}, current cuda:{current}, tensors on cuda:{target}")
+            assert torch.cuda.current_device() == current, f"{case}: the current device changed"
 
 
-def test_current_device_and_stream_unchanged(seed):
-    """After a call of each entry the current device (torch's and the CUDA runtime's) and the
-    current stream are the caller's, also under a non-default stream."""
+@pytest.mark.parametrize("case", ONE_OF_EACH, ids=str)
+def test_current_device_and_stream_unchanged(case, seed):
+    """After a call the current device (torch's and the CUDA runtime's) and the current stream
+    are the caller's, also under a non-default stream."""
     import cupy
 
     side = torch.cuda.Stream()
     for stream in (torch.cuda.current_stream(), side):
         with torch.cuda.stream(stream):
-            for case in ONE_OF_EACH:
-                args = args_of(case.entry, make_inputs(case))
-                device, current = torch.cuda.current_device(), torch.cuda.current_stream()
-                call(case, args)
-                assert torch.cuda.current_device() == device, f"{case}: torch's current device changed"
-                assert cupy.cuda.runtime.getDevice() == device, f"{case}: the runtime's current device changed"
-                assert torch.cuda.current_stream() == current, f"{case}: the current stream changed"
+            args = args_of(case.entry, make_inputs(case, DEVICE))
+            device, current = torch.cuda.current_device(), torch.cuda.current_stream()
+            call(case, args)
+            assert torch.cuda.current_device() == device, f"{case}: torch's current device changed"
+            assert cupy.cuda.runtime.getDevice() == device, f"{case}: the runtime's current device changed"
+            assert torch.cuda.current_stream() == current, f"{case}: the current stream changed"
     torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------- (d) no sync, no allocation
 
 
-def test_no_host_synchronisation(seed):
-    """With the stream blocked behind a spin kernel, each call returns to the host in well under
-    the spin and leaves the stream still busy (so it waited for nothing); torch's sync debug mode
-    raises on any synchronising torch op inside the call; afterwards the bytes are right."""
-    for case in ONE_OF_EACH:
-        args = args_of(case.entry, make_inputs(case))
-        warm_up(case, args)
-        want, ref_args = run_reference(case.entry, args, case.kwargs(), "cpu")
-        stream = torch.cuda.current_stream()
-        gpu_sleep(SLEEP_S)
-        start = time.perf_counter()
-        out = without_sync(lambda: call(case, args))
-        elapsed = time.perf_counter() - start
-        busy = not stream.query()
-        torch.cuda.synchronize()
-        assert busy and elapsed < SLEEP_S / 5, (
-            f"{case}: the call took {elapsed:.3f} s against a {SLEEP_S} s spin (stream still busy after it: {busy})"
-        )
-        assert_same(case.entry, out, want, args, ref_args, str(case))
+@pytest.mark.parametrize("case", ONE_OF_EACH, ids=str)
+def test_no_host_synchronisation(case, seed):
+    """With the stream blocked behind a spin kernel, the call leaves the stream still busy (so it
+    waited for nothing); torch's sync debug mode raises on any synchronising torch op inside the
+    call; afterwards the bytes are right."""
+    args = args_of(case.entry, make_inputs(case, DEVICE))
+    warm_up(case, args)
+    want, ref_args = run_reference(case.entry, args, case.kwargs(), "cpu")
+    stream = torch.cuda.current_stream()
+    gpu_sleep(SLEEP_S)
+    start = time.perf_counter()
+    out = without_sync(lambda: call(case, args))
+    elapsed = time.perf_counter() - start
+    busy = not stream.query()
+    torch.cuda.synchronize()
+    assert busy, f"{case}: the stream's {SLEEP_S} s spin was over when the call returned ({elapsed:.3f} s later)"
+    assert_same(case.entry, out, want, args, ref_args, str(case))
 
 
-def test_allocates_only_the_output(seed):
+# A q_out of 4 MiB, then one call of every entry and query mode.
+ALLOCATION_CASES = [Case(num_tokens=256, num_heads=8, q_head_padded=16), *ONE_OF_EACH]
+
+
+@pytest.mark.parametrize("case", ALLOCATION_CASES, ids=str)
+def test_allocates_only_the_output(case, seed):
     """After a warm-up, a call grows torch.cuda.memory_allocated (now and at its peak) exactly as
     much as a torch.empty of its output does (nothing for cache-only and in-place calls), and
     CuPy's memory pool not at all."""
     import cupy
 
     pool = cupy.get_default_memory_pool()
-    cases = [Case(tokens=256, heads=8, q_head_padded=16), *ONE_OF_EACH]  # q_out of 4 MiB first
-    for case in cases:
-        args = args_of(case.entry, make_inputs(case))
-        want, ref_args = run_reference(case.entry, args, case.kwargs(), "cpu")
-        new_output = isinstance(want, torch.Tensor) and want is not ref_args[0]
-        warm_up(case, args)
-        probe = allocation_delta(lambda: torch.empty_like(want, device=DEVICE) if new_output else None)
-        pool_before = pool.used_bytes(), pool.total_bytes()
-        result = allocation_delta(lambda: call(case, args))
-        assert result == probe, f"{case}: the call allocated (now, peak) {result} bytes; torch.empty of its output {probe}"
-        if new_output:
-            nbytes = want.numel() * want.element_size()
-            assert probe[0] >= nbytes, f"{case}: probe {probe} for an output of {nbytes} bytes"
-        assert (pool.used_bytes(), pool.total_bytes()) == pool_before, f"{case}: CuPy's pool grew"
+    args = args_of(case.entry, make_inputs(case, DEVICE))
+    want, ref_args = run_reference(case.entry, args, case.kwargs(), "cpu")
+    new_output = isinstance(want, torch.Tensor) and want is not ref_args[0]
+    warm_up(case, args)
+    probe = allocation_delta(lambda: torch.empty_like(want, device=DEVICE) if new_output else None)
+    pool_before = pool.used_bytes(), pool.total_bytes()
+    result = allocation_delta(lambda: call(case, args))
+    assert result == probe, f"{case}: the call allocated (now, peak) {result} bytes; torch.empty of its output {probe}"
+    if new_output:
+        nbytes = want.numel() * want.element_size()
+        assert probe[0] >= nbytes, f"{case}: probe {probe} for an output of {nbytes} bytes"
+    assert (pool.used_bytes(), pool.total_bytes()) == pool_before, f"{case}: CuPy's pool grew"
 
 
 # ---------------------------------------------------------------- (e) empty work, launch count
 
 
 EMPTY_CASES = [
-    Case(tokens=0, heads=8, q_head_padded=16),
-    Case(tokens=0, q_head_padded=0),
-    Case(tokens=0, heads=8, q_head_padded=0, q_inplace=True),
-    Case(tokens=0, heads=16, q_head_padded=16, q_inplace=True, apply_q_rope=False),
-    Case(tokens=7, slots=0, q_head_padded=0),  # cache only, no slots
-    Case(entry="kv", tokens=0),
-    Case(entry="kv", tokens=9, slots=0),
-    Case(entry="append", tokens=0),
-    Case(entry="append", tokens=5, slots=0),
+    Case(num_tokens=0, num_heads=8, q_head_padded=16),
+    Case(num_tokens=0, q_head_padded=0),
+    Case(num_tokens=0, num_heads=8, q_head_padded=0, q_inplace=True),
+    Case(num_tokens=0, num_heads=16, q_head_padded=16, q_inplace=True, apply_q_rope=False),
+    Case(num_tokens=7, slots=0, q_head_padded=0),  # cache only, no slots
+    Case(entry="kv", num_tokens=0),
+    Case(entry="kv", num_tokens=9, slots=0),
+    Case(entry="append", num_tokens=0),
+    Case(entry="append", num_tokens=5, slots=0),
     Case(entry="pack", pages=0, layout="HND"),
 ]
 
 
-def test_empty_work(seed):
+@pytest.mark.parametrize("case", EMPTY_CASES, ids=str)
+def test_empty_work(case, seed):
     """T = 0 (and cache-only calls with no slots): the right empty result at once, q returned in
     place, nothing written (the canary intact), nothing allocated, no synchronisation."""
-    for case in EMPTY_CASES:
-        args = args_of(case.entry, make_inputs(case))
-        want, ref_args = run_reference(case.entry, args, case.kwargs(), "cpu")
-        before = [storage_bytes(a) for a in args]
-        holder = []
-        delta = allocation_delta(lambda: holder.append(without_sync(lambda: call(case, args))))
-        assert delta == (0, 0), f"{case}: allocated (now, peak) {delta} bytes"
-        assert_same(case.entry, holder[0], want, args, ref_args, str(case))
-        for name, b, a in zip(ARG_NAMES[case.entry], before, args):
-            assert torch.equal(b, storage_bytes(a)), f"{case}: {name} was written"
-        if "cache" in ARG_NAMES[case.entry]:
-            assert (before[ARG_NAMES[case.entry].index("cache")] == CANARY).all()
+    args = args_of(case.entry, make_inputs(case, DEVICE))
+    want, ref_args = run_reference(case.entry, args, case.kwargs(), "cpu")
+    before = [storage_bytes(a) for a in args]
+    holder = []
+    delta = allocation_delta(lambda: holder.append(without_sync(lambda: call(case, args))))
+    assert delta == (0, 0), f"{case}: allocated (now, peak) {delta} bytes"
+    assert_same(case.entry, holder[0], want, args, ref_args, str(case))
+    for name, b, a in zip(ARG_NAMES[case.entry], before, args):
+        assert torch.equal(b, storage_bytes(a)), f"{case}: {name} was written"
+    if "cache" in ARG_NAMES[case.entry]:
+        assert (before[ARG_NAMES[case.entry].index("cache")] == CANARY).all()
 
 
 def gpu_work(fn, ignore=()) -> list[str]:
@@ -286,36 +296,42 @@ def gpu_work(fn, ignore=()) -> list[str]:
     return [n for n in names if n not in ignore]
 
 
-def test_one_launch_per_call(seed):
+@pytest.mark.parametrize(
+    "case, launches", [(c, 1) for c in ONE_OF_EACH] + [(c, 0) for c in EMPTY_CASES], ids=lambda c: str(c)
+)
+def test_one_launch_per_call(case, launches, seed):
     """One kernel and no other GPU work per call; none at all for empty work."""
     noise = set(gpu_work(lambda: None))  # whatever the profiler reports for an empty region
     if len(gpu_work(lambda: torch.cuda._sleep(100), noise)) != 1:
         pytest.skip("the torch profiler does not report GPU kernels here")
-    for case, launches in [(c, 1) for c in ONE_OF_EACH] + [(c, 0) for c in EMPTY_CASES]:
-        args = args_of(case.entry, make_inputs(case))
-        warm_up(case, args)
-        work = gpu_work(lambda: call(case, args), noise)
-        assert len(work) == launches, f"{case}: expected {launches} launch(es), the GPU ran {work}"
+    args = args_of(case.entry, make_inputs(case, DEVICE))
+    warm_up(case, args)
+    work = gpu_work(lambda: call(case, args), noise)
+    assert len(work) == launches, f"{case}: expected {launches} launch(es), the GPU ran {work}"
 
 
-def test_output_shapes_of_empty_batch():
+@pytest.mark.parametrize("padded", [0, 8, 128])
+def test_output_shapes_of_empty_batch(padded):
     """The T = 0 results have the documented shapes: [0, q_head_padded, 512] BF16 on q's device."""
-    for padded in (0, 8, 128):
-        args = args_of("main", make_inputs(Case(tokens=0, heads=5, q_head_padded=padded)))
-        out = gpu_entry(ENTRIES["main"])(*args, q_head_padded=padded)
-        assert (tuple(out.shape), out.dtype, out.device) == ((0, padded, abi.HEAD_DIM), torch.bfloat16, args[0].device)
+    case = Case(num_tokens=0, num_heads=5, q_head_padded=padded)
+    args = args_of("main", make_inputs(case, DEVICE))
+    out = call(case, args)
+    assert (tuple(out.shape), out.dtype, out.device) == ((0, padded, abi.HEAD_DIM), torch.bfloat16, args[0].device)
 
 
 def test_concurrent_first_calls_compile_once(seed, tmp_path, monkeypatch):
     """16 threads make the first call of one new geometry at the same moment: the kernel is
     compiled once and every thread's call writes the reference's bytes."""
-    monkeypatch.setenv("NVFP4_MLA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(jit, "_fallback_dir", None)
-    monkeypatch.setattr(jit, "_launchers", {})  # as in a fresh process
-    compiles, real_compile = [], jit.compile_variant
-    monkeypatch.setattr(jit, "compile_variant", lambda variant, arch: compiles.append(variant) or real_compile(variant, arch))
-    case = Case(tokens=29, heads=3, q_head_padded=8, page_size=7, slot_dtype=torch.int32)
-    inputs = [args_of("main", make_inputs(case)) for _ in range(16)]
+    monkeypatch.setattr(jit, "_kernel_cache", jit.KernelCache([tmp_path / "kernels"]))  # as in a fresh process
+    compiles, real_compile = [], jit.compile_kernel
+
+    def counting_compile(spec, arch, key=None):
+        compiles.append(spec)
+        return real_compile(spec, arch, key)
+
+    monkeypatch.setattr(jit, "compile_kernel", counting_compile)
+    case = Case(num_tokens=29, num_heads=3, q_head_padded=8, page_size=7, slot_dtype=torch.int32)
+    inputs = [args_of("main", make_inputs(case, DEVICE)) for _ in range(16)]
     gpu_args = [[clone(a) for a in args] for args in inputs]
     results, errors, barrier = [None] * 16, [], threading.Barrier(16)
 

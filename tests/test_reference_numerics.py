@@ -1,4 +1,4 @@
-"""SPEC.md section 4 numerics of ``nvfp4_mla.reference``, checked against independent derivations.
+"""docs/format.md section 4 numerics of ``nvfp4_mla.reference``, checked against independent derivations.
 
 The reference defines the correct bytes for the kernels, so here it is held to things that do not
 share its code: exact rational arithmetic (``fractions.Fraction``), tables built from the format
@@ -14,11 +14,10 @@ import struct
 from fractions import Fraction
 
 import numpy as np
-import pytest
 import torch
 
 from nvfp4_mla import abi, reference
-from util import cos_sin_table, make_cache
+from nvfp4_mla.testing import make_cache, rope_table
 
 INF = math.inf
 NAN = math.nan
@@ -186,7 +185,16 @@ def test_independent_helpers_are_sane():
     assert round_fp32(Fraction(2) ** 128 - Fraction(2) ** 103 - 1) == bits_f32(0x7F7FFFFF)
     assert round_bf16(1.0 + 2.0**-8) == 1.0 and round_bf16(1.0 + 3 * 2.0**-8) == 1.0 + 2.0**-6
     assert E4M3[0x38] == 1 and E4M3[0x7E] == 448 and E4M3[1] == Fraction(1, 512) and E4M3[8] == Fraction(1, 64)
-    assert round_to_table(np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0]), E2M1_NP).tolist() == [0, 2, 2, 4, 4, 6, 6, 7]
+    assert round_to_table(np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0]), E2M1_NP).tolist() == [
+        0,
+        2,
+        2,
+        4,
+        4,
+        6,
+        6,
+        7,
+    ]
 
 
 # ------------------------------------------------------------------ known answers
@@ -210,7 +218,15 @@ def test_known_answer_row():
 
 E2M1_EXACT = [(0.0, 0), (0.5, 1), (1.0, 2), (1.5, 3), (2.0, 4), (3.0, 5), (4.0, 6), (6.0, 7)]
 # boundary, code at the tie, code just below, code just above
-E2M1_BOUNDS = [(0.25, 0, 0, 1), (0.75, 2, 1, 2), (1.25, 2, 2, 3), (1.75, 4, 3, 4), (2.5, 4, 4, 5), (3.5, 6, 5, 6), (5.0, 6, 6, 7)]
+E2M1_BOUNDS = [
+    (0.25, 0, 0, 1),
+    (0.75, 2, 1, 2),
+    (1.25, 2, 2, 3),
+    (1.75, 4, 3, 4),
+    (2.5, 4, 4, 5),
+    (3.5, 6, 5, 6),
+    (5.0, 6, 6, 7),
+]
 
 
 def _e2m1(values) -> list[int]:
@@ -369,12 +385,16 @@ def test_rope_random_against_exact(seed):
     n = 64 * 48
     xe, xo = _random_bf16(g, n), _random_bf16(g, n)
     k = n // 4
-    table = cos_sin_table(4096)
+    table = rope_table(4096)
     real = table[torch.randint(0, 4096, (k,), generator=g)]
     cols = torch.randint(0, 32, (k,), generator=g)
     real_c, real_s = real[torch.arange(k), cols], real[torch.arange(k), 32 + cols]
-    c = torch.cat((real_c, _random_f32(g, k, -3, 3), _random_f32(g, k, -149, 128), _random_f32(g, n - 3 * k, -140, -100)))
-    s = torch.cat((real_s, _random_f32(g, k, -3, 3), _random_f32(g, k, -149, 128), _random_f32(g, n - 3 * k, -140, -100)))
+    c = torch.cat(
+        (real_c, _random_f32(g, k, -3, 3), _random_f32(g, k, -149, 128), _random_f32(g, n - 3 * k, -140, -100))
+    )
+    s = torch.cat(
+        (real_s, _random_f32(g, k, -3, 3), _random_f32(g, k, -149, 128), _random_f32(g, n - 3 * k, -140, -100))
+    )
     perm = torch.randperm(n, generator=g)
     _check_rope(xe, xo, c[perm], s[perm])
 
@@ -419,7 +439,9 @@ def test_fma_f32_random_against_exact(seed):
     b = _random_f32(g, n, -75, 75)
     # c near a*b in magnitude (cancellation), far below it, or random
     ab = (a.double() * b.double()).float()
-    c = torch.cat((-ab[:1000] * (1 + _random_f32(g, 1000, -30, -1).abs()), _random_f32(g, 1000, -149, 128), ab[2000:] * 2.0**-60))
+    c = torch.cat(
+        (-ab[:1000] * (1 + _random_f32(g, 1000, -30, -1).abs()), _random_f32(g, 1000, -149, 128), ab[2000:] * 2.0**-60)
+    )
     c = torch.where(torch.isfinite(c), c, torch.ones_like(c))
     got = reference.fma_f32(a, b, c).tolist()
     for i, (x, y, z) in enumerate(zip(a.tolist(), b.tolist(), c.tolist())):
@@ -430,7 +452,9 @@ def test_fma_f32_random_against_exact(seed):
     ws = f32([1.0, 1.0, -1.0, 0.0, 3.0])
     cs = f32([-0.0, -0.0, 1.0, -0.0, -6.0])
     got = reference.fma_f32(zs, ws, cs).tolist()
-    assert [f32_bits(v) for v in got] == [f32_bits(exact_fma_f32(*t)) for t in zip(zs.tolist(), ws.tolist(), cs.tolist())]
+    assert [f32_bits(v) for v in got] == [
+        f32_bits(exact_fma_f32(*t)) for t in zip(zs.tolist(), ws.tolist(), cs.tolist())
+    ]
     assert [math.copysign(1, v) for v in got] == [1, -1, 1, -1, 1]
 
 
@@ -525,7 +549,7 @@ def test_group_scale_underflow():
 def test_group_huge_values_saturate():
     big = 3.3895313892515355e38  # bf16 max
     assert torch.tensor(big).to(torch.bfloat16).float().item() == big
-    group = [big, -big, 1e38, 448.0 * 6, 1.0, -2.0**100] + [0.0] * 10
+    group = [big, -big, 1e38, 448.0 * 6, 1.0, -(2.0**100)] + [0.0] * 10
     data, scales = reference.quantize_rows(_rows_with_group(group))
     assert scales[0, 0].item() == 0x7E
     # d = 448, inv = fp32(1/448): big values saturate, 2688/448 = 6, 1/448 -> 0, zeros -> 0
@@ -533,7 +557,24 @@ def test_group_huge_values_saturate():
 
 
 def test_group_with_inf():
-    group = [1.0, float("inf"), 2000.0, -2000.0, 100.0, -100.0, 672.0, 224.0, 1120.0, 2240.0, -0.0, 0.0, 500.0, 3e3, 1e-3, -50.0]
+    group = [
+        1.0,
+        float("inf"),
+        2000.0,
+        -2000.0,
+        100.0,
+        -100.0,
+        672.0,
+        224.0,
+        1120.0,
+        2240.0,
+        -0.0,
+        0.0,
+        500.0,
+        3e3,
+        1e-3,
+        -50.0,
+    ]
     data, scales = reference.quantize_rows(_rows_with_group(group, g=3))
     assert scales[0, 3].item() == 0x7E  # inf * R6 = inf saturates to 448
     # finite elements quantize with d = 448, inv = fp32(1/448) (slightly above 1/448)
@@ -548,7 +589,7 @@ def test_group_with_inf():
 
 
 def _sim_group(vals: list[float]) -> tuple[int, list[int]]:
-    """Steps 2-7 of SPEC section 4 for one group of fp32-representable values, with Python floats
+    """Steps 2-7 of docs/format.md section 4 for one group of fp32-representable values, with Python floats
     and numpy fp32 scalars: the two-thread reduction simulated lane by lane."""
 
     def sel(a, b):
@@ -591,7 +632,10 @@ def test_group_nan_every_position(seed):
     rng = random.Random(seed)
     for pos in range(16):
         for _ in range(3):
-            vals = [float(torch.tensor(rng.uniform(-8, 8) * 2.0 ** rng.randint(-3, 3)).to(torch.bfloat16)) for _ in range(16)]
+            vals = [
+                float(torch.tensor(rng.uniform(-8, 8) * 2.0 ** rng.randint(-3, 3)).to(torch.bfloat16))
+                for _ in range(16)
+            ]
             vals[pos] = NAN
             g = rng.randrange(28)
             data, scales = reference.quantize_rows(_rows_with_group(vals, g=g, fill=1.0))
@@ -703,7 +747,7 @@ def test_dequantize_round_trip(seed):
 
 
 def test_bf16_nan_is_0x7fc0_whatever_the_path():
-    """torch gives 0xFFFF for NaN on its vectorized CPU path (and 0x7FFF on CUDA); SPEC says 0x7FC0."""
+    """torch gives 0xFFFF for NaN on its vectorized CPU path (and 0x7FFF on CUDA); docs/format.md says 0x7FC0."""
     x = torch.full((4099,), float("nan"))
     x[::2] = -x[::2]
     x[1::3] = torch.nan_to_num(x[1::3], nan=1.0)

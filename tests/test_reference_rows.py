@@ -1,21 +1,19 @@
-"""SPEC.md section 5 row semantics of the reference entries, byte for byte.
+"""docs/format.md section 5 row semantics of the reference entries, byte for byte.
 
-Every test writes into canary caches (tests/util.make_cache, 0xA5) and compares EVERY byte of the
+Every test writes into canary caches (nvfp4_mla.testing.make_cache, 0xA5) and compares EVERY byte of the
 cache's storage with an expectation built here: the addressed records are
 ``reference.quantize_rows`` of the expected BF16 row (roped with ``reference.rope``, both checked
 against exact arithmetic in test_reference_numerics), placed by this file's own addressing of
-SPEC section 3, and every other byte is still the canary.
+docs/format.md section 3, and every other byte is still the canary.
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
 
 from nvfp4_mla import abi, reference
-from util import CANARY, bits, cos_sin_table, make_cache, random_rows, storage_bytes
+from nvfp4_mla.testing import CANARY, bits, make_cache, random_rows, rope_table, storage_bytes
 
 NAN_BITS = 0x7FC0  # torch's BF16 NaN (positive as an int16)
 assert NAN_BITS == abi.BF16_NAN_BITS
@@ -24,7 +22,7 @@ assert NAN_BITS == abi.BF16_NAN_BITS
 
 
 def geometry(cache: torch.Tensor) -> tuple[int, int, int]:
-    """num_pages, page_size, page stride in bytes, read from the shape per SPEC section 3."""
+    """num_pages, page_size, page stride in bytes, read from the shape per docs/format.md section 3."""
     if cache.dim() == 3:
         page_size = cache.shape[1]
     elif cache.shape[1] == 1:
@@ -106,7 +104,7 @@ def test_main_layouts(seed, layout, page_size, pad, slot_dtype):
     num_pages = max(2, -(-2 * T // page_size))
     cap = num_pages * page_size
     q, kv = random_rows((T, H, 512)), random_rows((T, 512))
-    table = cos_sin_table(300)
+    table = rope_table(300)
     positions = torch.randint(0, 300, (T,))
     slots = torch.randperm(cap)[:T].to(slot_dtype)
     # padding entries: negative and out-of-range slots are skipped
@@ -125,7 +123,7 @@ def test_main_padded_pool_bytes_untouched(seed):
     num_pages, page_size, pad = 4, 3, 64
     cap = num_pages * page_size
     kv, q = random_rows((cap, 512)), random_rows((cap, 8, 512))
-    table = cos_sin_table(64)
+    table = rope_table(64)
     positions = torch.randint(0, 64, (cap,))
     cache = make_cache(num_pages, page_size, "NHD", pad)
     slots = torch.randperm(cap)
@@ -139,7 +137,7 @@ def test_main_padded_pool_bytes_untouched(seed):
 def test_main_data_parallel_padding(seed):
     T, n, H = 20, 13, 8
     q, kv = random_rows((T, H, 512)), random_rows((T, 512))
-    table = cos_sin_table(128)
+    table = rope_table(128)
     positions = torch.randint(0, 128, (T,))
     cache = make_cache(4, 16, "HND", 16)
     slots = torch.randperm(64)[:n]
@@ -161,7 +159,7 @@ def test_main_data_parallel_padding(seed):
 def test_main_q_padding(seed, H, hp):
     T = 6
     q, kv = random_rows((T, H, 512)), random_rows((T, 512))
-    table = cos_sin_table(32)
+    table = rope_table(32)
     positions = torch.randint(0, 32, (T,))
     cache = make_cache(2, 8)
     slots = torch.randperm(16)[:T]
@@ -177,7 +175,7 @@ def test_main_apply_q_rope_false(seed):
     T, H = 9, 6
     q, kv = random_rows((T, H, 512)), random_rows((T, 512))
     q[0, 0, 448:452] = torch.tensor([float("nan"), -0.0, float("inf"), 1e-40])  # copied bitwise
-    table = cos_sin_table(50)
+    table = rope_table(50)
     positions = torch.randint(0, 50, (T,))
     positions[2] = 50  # out of range: not inserted, but the plain copy is unaffected
     cache = make_cache(3, 4, "NHD")
@@ -199,7 +197,7 @@ def test_main_apply_q_rope_false(seed):
 def test_main_q_inplace(seed, H, hp_same):
     T = 11
     q, kv = random_rows((T, H, 512)), random_rows((T, 512))
-    table = cos_sin_table(40)
+    table = rope_table(40)
     positions = torch.randint(0, 40, (T,))
     cache = make_cache(3, 8, "HND", 32)
     slots = torch.randperm(24)[:T]
@@ -217,7 +215,7 @@ def test_main_q_inplace(seed, H, hp_same):
 def test_main_q_inplace_without_rope(seed):
     T, H = 7, 32
     q, kv = random_rows((T, H, 512)), random_rows((T, 512))
-    table = cos_sin_table(16)
+    table = rope_table(16)
     positions = torch.randint(0, 16, (T,))
     cache = make_cache(1, 7)
     slots = torch.randperm(7).to(torch.int32)
@@ -233,7 +231,7 @@ def test_main_q_inplace_without_rope(seed):
 def test_main_cache_only_equals_kv_entry(seed):
     T = 30
     q, kv = random_rows((T, 8, 512)), random_rows((T, 512))
-    table = cos_sin_table(100)
+    table = rope_table(100)
     positions = torch.randint(0, 100, (T,))
     positions[4] = -3
     positions[5] = 100
@@ -250,7 +248,7 @@ def test_main_cache_only_equals_kv_entry(seed):
 
 
 def test_main_empty_batch():
-    table = cos_sin_table(8)
+    table = rope_table(8)
     q, kv = torch.empty(0, 8, 512, dtype=torch.bfloat16), torch.empty(0, 512, dtype=torch.bfloat16)
     slots, positions = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
     cache = make_cache(2, 4, "HND")
@@ -270,7 +268,7 @@ def test_main_position_safety(seed):
     max_position = 20
     # rows of a later window, so that row 0 is not the identity rotation: a reference that rotated
     # out-of-range rows with some in-range row would show
-    table = cos_sin_table(max_position + 9)[9:].clone()
+    table = rope_table(max_position + 9)[9:].clone()
     positions = torch.randint(0, max_position, (T,))
     bad = [1, 4, 7, 10]
     positions[1], positions[4], positions[7], positions[10] = -1, max_position, 2**40, -(2**62)
@@ -317,7 +315,7 @@ def test_kv_entry_compress_ratio_2(seed):
     T = 24
     kv = random_rows((T, 512))
     max_position = 40
-    table = cos_sin_table(max_position)
+    table = rope_table(max_position)
     positions = torch.cat((torch.arange(0, 8), torch.randint(0, max_position, (T - 8,))))
     positions[-1], positions[-2], positions[-3] = -1, max_position + 1, max_position - 1  # 39: row 38
     slots = torch.randperm(32)[:T]
@@ -342,7 +340,7 @@ def test_kv_entry_compress_ratio_2(seed):
 def test_kv_entry_ratio_1_and_padding(seed):
     T, n = 16, 10
     kv = random_rows((T, 512))
-    table = cos_sin_table(64)
+    table = rope_table(64)
     positions = torch.randint(0, 64, (T,))
     slots = torch.randperm(30)[:n].to(torch.int32)
     slots[0] = 30  # out of range
@@ -393,27 +391,3 @@ def test_pack_equals_append(seed, layout, page_size):
 def test_pack_default_layout_is_hnd():
     pages = random_rows((2, 4, 512))
     assert reference.nvfp4_quantize_pack_sparse_mla_cache(pages).shape == (2, 1, 4, 384)
-
-
-# ------------------------------------------------------------------ speed
-
-
-def test_main_speed():
-    T, H, hp = 4096, 8, 16
-    q, kv = random_rows((T, H, 512)), random_rows((T, 512))
-    table = cos_sin_table(8192)
-    positions = torch.randint(0, 8192, (T,))
-    cache = make_cache(T // 64, 64, "HND")
-    slots = torch.randperm(T)
-    reference.cake_dsv4_nvfp4_rope_quantize_insert(q[:64], kv[:64], cache, slots[:64], positions[:64], table, q_head_padded=hp)
-    # best of three: one slow run from a busy machine (torch's CPU thread pool suffers badly when
-    # another process holds a core) is not the reference's speed
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        reference.cake_dsv4_nvfp4_rope_quantize_insert(q, kv, cache, slots, positions, table, q_head_padded=hp)
-        times.append(time.perf_counter() - start)
-        if times[-1] < 2.0:
-            break
-    print(f"reference main entry, {T} tokens x {H} heads (q_head_padded={hp}): " + ", ".join(f"{t:.3f} s" for t in times))
-    assert min(times) < 2.0

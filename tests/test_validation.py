@@ -1,22 +1,23 @@
-"""SPEC.md section 6: every validation message, raised as ValueError before anything is written.
+"""docs/format.md section 6: every validation message, raised as ValueError before anything is written.
 
 The checks run through the reference entries (CPU tensors), and through
 ``validation.check_main(..., need_cuda=True)`` for the CUDA-only rule. Each rejected call is made
-on a canary cache (tests/util.make_cache) and the cache's storage must still be all canary.
+on a canary cache (nvfp4_mla.testing.make_cache) and the cache's storage must still be all canary.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
 import torch
 
 from nvfp4_mla import reference, validation
-from util import CANARY, cos_sin_table, make_cache, random_rows, storage_bytes
+from nvfp4_mla.testing import CANARY, make_cache, random_rows, raw_bytes, rope_table, storage_bytes
 
 T, H = 4, 8
-# SPEC: "cache must be [num_pages, page_size, 384], HND ... or NHD ..."
+# docs/format.md: "cache must be [num_pages, page_size, 384], HND ... or NHD ..."
 CACHE_SHAPE = re.compile(re.escape("cache must be [num_pages, page_size, 384], HND ") + ".* or NHD ")
 
 
@@ -27,18 +28,19 @@ def main_args(num_tokens: int = T, num_heads: int = H, layout: str = "3D") -> di
         cache=make_cache(2, 4, layout),
         slot_mapping=torch.arange(num_tokens, dtype=torch.int64),
         positions=torch.arange(num_tokens, dtype=torch.int64),
-        cos_sin_cache=cos_sin_table(16),
+        cos_sin_cache=rope_table(16),
     )
 
 
-def misaligned(shape, dtype) -> torch.Tensor:
-    """A contiguous tensor starting one element past a (16-byte aligned) allocation."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    buf = torch.zeros(numel + 1, dtype=dtype)
-    t = buf[1:].view(shape)
-    assert t.is_contiguous() and t.data_ptr() % 16 != 0
+def misaligned(shape, dtype, offset_bytes: int | None = None) -> torch.Tensor:
+    """A contiguous tensor starting ``offset_bytes`` (default: one element) past a 16-byte aligned
+    allocation."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    offset = (offset_bytes or itemsize) // itemsize
+    buf = torch.zeros(math.prod(shape) + offset, dtype=dtype)
+    assert buf.data_ptr() % 16 == 0
+    t = buf[offset:].view(shape)
+    assert t.is_contiguous() and t.data_ptr() % 16 == offset * itemsize % 16 != 0
     return t
 
 
@@ -56,6 +58,10 @@ def call_kv(args: dict, **options):
     return reference.cake_dsv4_nvfp4_kv_rope_quantize_insert(
         args["kv"], args["cache"], args["slot_mapping"], args["positions"], args["cos_sin_cache"], **options
     )
+
+
+def call_append(args: dict):
+    return reference.nvfp4_quantize_append_sparse_mla_cache(args["kv"], args["slot_mapping"], args["cache"])
 
 
 def expect_rejected(call, args: dict, match, **options) -> None:
@@ -83,7 +89,7 @@ def test_valid_arguments_are_accepted():
         call_kv(main_args(layout=layout), compress_ratio=2)
     args = main_args()
     call_main(args, q_inplace=True)
-    validation.check_main(*main_args().values(), 16, False, need_cuda=False)
+    validation.check_main(*main_args().values(), q_head_padded=16, apply_q_rope=True, q_inplace=False, need_cuda=False)
 
 
 # ------------------------------------------------------------------ q
@@ -190,12 +196,30 @@ def test_cache_page_stride_multiple_of_16():
     expect_rejected(call_kv, args, "multiple of 16")
 
 
-def test_cache_aligned():
+@pytest.mark.parametrize("offset", [1, 8])
+def test_cache_aligned(offset):
+    """A cache starting 1 or 8 bytes past an aligned allocation (8 is enough for 8-byte accesses,
+    not for the kernels' 16-byte ones)."""
     args = main_args()
-    pool = torch.full((2 * 4 * 384 + 16,), 0xA5, dtype=torch.uint8)
-    args["cache"] = pool[1 : 1 + 2 * 4 * 384].view(2, 4, 384)
+    args["cache"] = misaligned((2, 4, 384), torch.uint8, offset)
+    raw_bytes(args["cache"]).fill_(CANARY)
     expect_rejected(call_main, args, "cache must be 16-byte aligned")
-    assert (pool == 0xA5).all()
+    expect_rejected(call_kv, args, "cache must be 16-byte aligned")
+    expect_rejected(call_append, args, "cache must be 16-byte aligned")
+
+
+@pytest.mark.parametrize("page_stride", [0, 16, 384, 4 * 384 - 16])
+def test_cache_pages_overlap(page_stride):
+    """A page stride that is a multiple of 16 but shorter than a page's 4 * 384 bytes: pages
+    would share bytes."""
+    args = main_args()
+    pool = torch.full((3 * 4 * 384,), CANARY, dtype=torch.uint8)
+    args["cache"] = pool.as_strided((3, 4, 384), (page_stride, 384, 1))
+    expect_rejected(call_main, args, f"cache pages overlap: page stride {page_stride} < page_size * 384 = 1536")
+    expect_rejected(call_kv, args, "cache pages overlap")
+    expect_rejected(call_append, args, "cache pages overlap")
+    with pytest.raises(ValueError, match="cache pages overlap"):
+        reference.nvfp4_dequantize_sparse_mla_cache(args["cache"])
 
 
 # ------------------------------------------------------------------ slot_mapping
@@ -282,9 +306,11 @@ def test_cos_sin_cache_contiguous():
 def test_must_be_cuda_tensor():
     args = main_args()
     with pytest.raises(ValueError, match=r"q must be a CUDA tensor"):
-        validation.check_main(*args.values(), 0, False, need_cuda=True)
+        validation.check_main(*args.values(), q_head_padded=0, apply_q_rope=True, q_inplace=False, need_cuda=True)
     with pytest.raises(ValueError, match=r"must be a CUDA tensor"):
-        validation.check_kv(*[args[k] for k in ("kv", "cache", "slot_mapping", "positions", "cos_sin_cache")], 1, need_cuda=True)
+        validation.check_kv(
+            *[args[k] for k in ("kv", "cache", "slot_mapping", "positions", "cos_sin_cache")], 1, need_cuda=True
+        )
     with pytest.raises(ValueError, match=r"must be a CUDA tensor"):
         validation.check_append(args["kv"], args["slot_mapping"], args["cache"], need_cuda=True)
     with pytest.raises(ValueError, match=r"must be a CUDA tensor"):
@@ -305,13 +331,22 @@ def test_same_device_kv_entry():
     expect_rejected(call_kv, args, "same CUDA device")
 
 
+@pytest.mark.parametrize("offset", [None, 8], ids=["one element", "8 bytes"])
 @pytest.mark.parametrize("name", ["q", "kv", "cos_sin_cache"])
-def test_16_byte_aligned(name):
+def test_16_byte_aligned(name, offset):
     args = main_args()
-    args[name] = misaligned(tuple(args[name].shape), args[name].dtype)
+    args[name] = misaligned(tuple(args[name].shape), args[name].dtype, offset)
     expect_rejected(call_main, args, f"{name} must be 16-byte aligned")
     if name != "q":
         expect_rejected(call_kv, args, f"{name} must be 16-byte aligned")
+    if name == "kv":
+        expect_rejected(call_append, args, "latent_kv must be 16-byte aligned")
+
+
+@pytest.mark.parametrize("offset", [2, 8])
+def test_pack_16_byte_aligned(offset):
+    with pytest.raises(ValueError, match="latent_kv must be 16-byte aligned"):
+        reference.nvfp4_quantize_pack_sparse_mla_cache(misaligned((2, 4, 512), torch.bfloat16, offset))
 
 
 # ------------------------------------------------------------------ options
@@ -355,10 +390,6 @@ def test_compress_ratio(ratio):
 
 
 # ------------------------------------------------------------------ append and pack entries
-
-
-def call_append(args: dict):
-    return reference.nvfp4_quantize_append_sparse_mla_cache(args["kv"], args["slot_mapping"], args["cache"])
 
 
 def test_append_validation():
@@ -426,6 +457,15 @@ def test_debug_check_names_a_repeated_valid_slot():
     with pytest.raises(ValueError, match="row 6 repeats slot 7 of row 2"):
         validation.debug_check_rows(slots, 64)
     validation.debug_check_rows(slots[:6], 64)
+
+
+@pytest.mark.parametrize("capacity", [1, 64])
+def test_debug_check_repeated_slot_zero_and_last(capacity):
+    """Slot 0 and the last slot are valid slots like any other: repeating either is refused."""
+    for slot in (0, capacity - 1):
+        slots = torch.tensor([slot, -1, capacity, slot])
+        with pytest.raises(ValueError, match=f"row 3 repeats slot {slot} of row 0"):
+            validation.debug_check_rows(slots, capacity)
 
 
 def test_debug_checks_follow_the_environment_at_import():
