@@ -92,7 +92,8 @@ def test_demo_into_closed_pipe():
         done = run_module("demo", "--cpu", stdout=write_end, stderr=subprocess.PIPE)
     finally:
         os.close(write_end)
-    assert done.stderr == ""
+    for symptom in ("Traceback", "BrokenPipeError", "Exception ignored"):
+        assert symptom not in done.stderr
     assert done.returncode == SIGPIPE_EXIT
 
 
@@ -187,7 +188,8 @@ def test_inspect_bad_input(capsys, tmp_path, case):
 def test_inspect_missing_file_subprocess(tmp_path):
     done = run_module("inspect", str(tmp_path / "missing.pt"), capture_output=True)
     assert done.returncode == 2
-    assert done.stderr == f"nvfp4-mla inspect: error: {tmp_path / 'missing.pt'}: no such file\n"
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1] == f"nvfp4-mla inspect: error: {tmp_path / 'missing.pt'}: no such file"
 
 
 PRECOMPILE_ARGV = [
@@ -224,7 +226,9 @@ def test_precompile_counts_unique_kernels(tmp_path):
     cubins = list((tmp_path / "kernels").glob("*.cubin"))
     assert len(cubins) == 1
     assert done.stdout.splitlines() == [str(cubins[0]), f"1 kernel ready in {tmp_path / 'kernels'}"]
-    assert done.stderr == "[1/1] sm_90 kv ratio 1 page_size=16 int64\n"
+    assert "\r" not in done.stderr
+    progress = [line for line in done.stderr.splitlines() if line.startswith("[")]
+    assert progress == ["[1/1] sm_90 kv ratio 1 page_size=16 int64"]
 
 
 def test_precompile_cache_dir_unusable(capsys, tmp_path):
