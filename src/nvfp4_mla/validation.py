@@ -272,7 +272,8 @@ def check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, 
     _check_disjoint(cache_extent(cache, geometry), "cache", tensors[:1] + tensors[2:], names[:1] + names[2:])
     if DEBUG_CHECKS:
         capacity = geometry.num_pages * geometry.page_size
-        debug_check_rows(slot_mapping, capacity, positions, cos_sin_cache.shape[0], compress_ratio)
+        used = positions[: slot_mapping.shape[0]]  # only rows with a slot are inserted
+        debug_check_rows(slot_mapping, capacity, used, cos_sin_cache.shape[0], compress_ratio)
     return geometry
 
 
@@ -375,11 +376,11 @@ def debug_check_rows(
     slot_mapping, capacity: int, positions=None, max_position: int = 0, compress_ratio: int = 1
 ) -> None:
     """The NVFP4_MLA_CHECK=1 checks of the device's unchecked preconditions, naming the first bad
-    row: every RoPE row the call would read is inside cos_sin_cache, and no valid slot repeats.
-    Copies the index tensors to the host (a synchronisation): a debugging aid only."""
+    row: every RoPE row the call would read (``positions``: the rows it uses) is inside
+    cos_sin_cache, and no valid slot repeats. Copies the index tensors to the host (a
+    synchronisation): a debugging aid only."""
     if positions is not None:
-        pos = positions.cpu()
-        used = pos[: slot_mapping.shape[0]] if compress_ratio > 1 else pos
+        used = positions.cpu()
         rope_rows = torch.div(used, compress_ratio, rounding_mode="floor") * compress_ratio
         bad = ((used < 0) | (rope_rows >= max_position)).nonzero()
         if bad.numel():
