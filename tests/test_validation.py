@@ -445,11 +445,22 @@ def test_debug_check_names_the_first_out_of_range_position():
     validation.debug_check_rows(torch.arange(5), 64, positions.clamp(0, 99), 100)
 
 
-def test_debug_check_ratio_two_checks_the_rope_row_of_inserted_rows_only():
-    positions = torch.tensor([8, 9, 12])  # rope rows 8, 8, 12; row 2 is DP padding (no slot)
-    validation.debug_check_rows(torch.arange(2), 64, positions, 10, compress_ratio=2)
+def test_debug_check_ratio_two_checks_the_rope_row():
+    validation.debug_check_rows(torch.arange(2), 64, torch.tensor([8, 9]), 10, compress_ratio=2)  # rope rows 8, 8
     with pytest.raises(ValueError, match="row 1 has position 11"):
         validation.debug_check_rows(torch.arange(2), 64, torch.tensor([8, 11]), 10, compress_ratio=2)
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_debug_check_of_the_kv_entry_skips_padding_rows(monkeypatch, ratio):
+    """Rows past slot_mapping are never inserted by the KV entry: their positions are not checked."""
+    monkeypatch.setattr(validation, "DEBUG_CHECKS", True)
+    kv = torch.zeros(3, 512, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 384, dtype=torch.uint8)
+    table = torch.zeros(10, 64)
+    validation.check_kv(kv, cache, torch.arange(2), torch.tensor([1, 3, 12]), table, ratio, need_cuda=False)
+    with pytest.raises(ValueError, match="row 1 has position 12"):
+        validation.check_kv(kv, cache, torch.arange(2), torch.tensor([1, 12, 3]), table, ratio, need_cuda=False)
 
 
 def test_debug_check_names_a_repeated_valid_slot():
