@@ -276,6 +276,7 @@ def test_precompile_progress_bar_on_terminal(capsys, monkeypatch, tmp_path):
         (["--heads", "8", "--arch", "sm_75"], "older than sm_80"),
         (["--heads", "8", "--arch", "hopper"], "arch must look like 'sm_90'"),
     ],
+    ids=["inplace-and-padded", "nothing", "padded-without-heads", "page-size-0", "old-arch", "bad-arch"],
 )
 def test_precompile_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
