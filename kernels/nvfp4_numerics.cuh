@@ -117,3 +117,96 @@ __device__ __forceinline__ u32 half_codes(uint4 x, float amax, u32 code) {
     }
     return codes;
 }
+
+// ---------------------------------------------------------------- decoding (reading records back)
+//
+// Every decode is exact, so no rounding rule applies: an E2M1 value has at most 2 significant
+// bits and an E4M3 value at most 4, so their product has at most 6 and is 0 or of magnitude in
+// [2^-10, 2688], normal in both BF16 and fp32. Signs follow IEEE: the sign of a product is the
+// XOR of its factors' signs, zeros included (E2M1 code 8 is -0: -0 x +s = -0, -0 x -s = +0).
+// NaN: a NaN scale byte makes its whole group canonical NaN (fp32 0x7FC00000, BF16 0x7FC0).
+
+// E4M3 (fn) byte as fp32: bit 7 is the sign, so 0x80..0xFE are the negatives of 0x00..0x7E (0x80
+// is -0); 0x7F and 0xFF are NaN (see e4m3_byte_is_nan; the NaN returned here is not canonical).
+__device__ __forceinline__ float e4m3_signed_value(u32 byte) {
+    return __uint_as_float(__float_as_uint(e4m3_value(byte & 0x7Fu)) | ((byte & 0x80u) << 24));
+}
+
+__device__ __forceinline__ bool e4m3_byte_is_nan(u32 byte) { return (byte & 0x7Fu) == 0x7Fu; }
+
+// The BF16 bits of each E2M1 magnitude 0, .5, 1, 1.5, 2, 3, 4, 6 (0x0000 0x3F00 0x3F80 0x3FC0 0x4000
+// 0x4040 0x4080 0x40C0), as 8-byte tables of their low and high bytes (byte m = magnitude code m).
+#define E2M1_BF16_LOW_0_3 0xC0800000u
+#define E2M1_BF16_LOW_4_7 0xC0804000u
+#define E2M1_BF16_HIGH_0_3 0x3F3F3F00u
+#define E2M1_BF16_HIGH_4_7 0x40404040u
+
+// The 4 E2M1 codes in bits 0..15 of `codes` (element k in bits 4k..4k+3: bit 3 the sign, bits
+// 0..2 the magnitude) as 2 words of BF16 pairs, element 2j in the low half of word j. Exact, signs
+// kept (code 8 is -0.0). Two byte-permute table look-ups, then the pairs are interleaved and the
+// code's sign bits moved to bits 15 and 31.
+__device__ __forceinline__ uint2 e2m1x4_bf16x2(u32 codes) {
+    const u32 magnitude = codes & 0x7777u;  // one byte-permute selector per element
+    const u32 low = __byte_perm(E2M1_BF16_LOW_0_3, E2M1_BF16_LOW_4_7, magnitude);
+    const u32 high = __byte_perm(E2M1_BF16_HIGH_0_3, E2M1_BF16_HIGH_4_7, magnitude);
+    // The sign of element 2j is bit 7 of byte j of (codes << 4), that of element 2j+1 bit 7 of byte j of codes.
+    const u32 shifted = codes << 4;
+    const u32 sign01 = __byte_perm(shifted, codes, 0x4000u), sign23 = __byte_perm(shifted, codes, 0x5111u);
+    return make_uint2(__byte_perm(low, high, 0x5140u) | (sign01 & 0x80008000u),
+                      __byte_perm(low, high, 0x7362u) | (sign23 & 0x80008000u));
+}
+
+// The 8 E2M1 codes of a word (element k in bits 4k..4k+3) as 4 words of BF16 pairs (exact).
+__device__ __forceinline__ uint4 e2m1x8_bf16x2(u32 codes) {
+    const uint2 a = e2m1x4_bf16x2(codes), b = e2m1x4_bf16x2(codes >> 16);
+    return make_uint4(a.x, a.y, b.x, b.y);
+}
+
+// a * b on each BF16 half, for factors whose products are exact (as above: nothing is rounded).
+// sm_80 has no bf16x2 multiply: an fma with a -0 addend, which keeps a zero product's sign.
+__device__ __forceinline__ u32 bf16x2_mul_exact(u32 a, u32 b) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+    return r;
+}
+
+// Each BF16 half that is NaN (any sign or payload) becomes the canonical 0x7FC0; others unchanged.
+__device__ __forceinline__ u32 bf16x2_canonical(u32 pair) {
+    const u32 low = (pair & 0x7FFFu) > 0x7F80u ? 0x7FC0u : pair & 0xFFFFu;
+    const u32 high = (pair >> 16 & 0x7FFFu) > 0x7F80u ? 0x7FC0u : pair >> 16;
+    return low | high << 16;
+}
+
+// 8 consecutive NoPE values of one group (their codes as in e2m1x8_bf16x2, the group's scale
+// byte) as canonical BF16 pairs: e2m1 x e4m3, exact.
+__device__ __forceinline__ uint4 nvfp4_bf16x8(u32 codes, u32 scale_byte) {
+    if (e4m3_byte_is_nan(scale_byte)) return make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
+    const u32 s = __float_as_uint(e4m3_signed_value(scale_byte)) >> 16;  // BF16 holds every E4M3 value
+    const u32 scale = s | s << 16;
+    const uint4 v = e2m1x8_bf16x2(codes);
+    return make_uint4(bf16x2_mul_exact(v.x, scale), bf16x2_mul_exact(v.y, scale), bf16x2_mul_exact(v.z, scale),
+                      bf16x2_mul_exact(v.w, scale));
+}
+
+// 4 consecutive NoPE values of one group (codes in bits 0..15, as in e2m1x4_bf16x2) as the bits of
+// canonical fp32 values: e2m1 x e4m3, exact.
+__device__ __forceinline__ uint4 nvfp4_f32x4(u32 codes, u32 scale_byte) {
+    if (e4m3_byte_is_nan(scale_byte)) return make_uint4(0x7FC00000u, 0x7FC00000u, 0x7FC00000u, 0x7FC00000u);
+    const float scale = e4m3_signed_value(scale_byte);
+    const uint2 v = e2m1x4_bf16x2(codes);
+    return make_uint4(__float_as_uint(__fmul_rn(bf16_value(v.x & 0xFFFFu), scale)),
+                      __float_as_uint(__fmul_rn(bf16_value(v.x >> 16), scale)),
+                      __float_as_uint(__fmul_rn(bf16_value(v.y & 0xFFFFu), scale)),
+                      __float_as_uint(__fmul_rn(bf16_value(v.y >> 16), scale)));
+}
+
+// ---------------------------------------------------------------- asynchronous copies (sm_80+)
+
+// Starts a 16-byte global -> shared copy (cp.async, cached in L2 only); both addresses 16-byte aligned.
+__device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
+    const u32 dst = static_cast<u32>(__cvta_generic_to_shared(shared_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global_src) : "memory");
+}
+
+// Waits for this thread's cp.async copies; other threads see them after a barrier (__syncwarp).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
