@@ -1,197 +1,433 @@
-"""The benchmark's CPU parts: grid, bytes model, arms' plumbing (with the reference as the library),
-targets and the CSV / markdown / PNG writers. The timing itself needs a GPU and is not run here."""
+"""The benchmark's pieces on the CPU: grid, bytes model, inputs, arms (with the reference as the
+library), the measuring loop with a stand-in timer, targets and the CSV / markdown / PNG writers.
+Timing itself needs a GPU and is not run here."""
 
 from __future__ import annotations
 
 import csv
-import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from nvfp4_mla import bench, reference
+from nvfp4_mla import jit, reference
+from nvfp4_mla.bench import arms, ceilings, grid, inputs, probes, report, run, targets
+from nvfp4_mla.bench.grid import Row
+from nvfp4_mla.bench.plot import write_plot
+from nvfp4_mla.bench.results import Ceilings, FirstUse, RowResult
+from nvfp4_mla.bench.timing import rotation
+from nvfp4_mla.testing import rope_table
+
+PUBLISHED_CSV = Path(__file__).resolve().parents[1] / "docs" / "bench_h200.csv"
+GPU_USABLE = jit.gpu_unavailable_reason() is None
 
 # ---------------------------------------------------------------- grid and bytes model
 
 
+def test_named_rows_use_the_entries_arguments():
+    assert Row.main(4, 8, 16) == Row("main", 4, num_heads=8, q_head_padded=16, page_size=256)
+    assert Row.in_place(4, 8) == Row("inplace", 4, num_heads=8, q_head_padded=8, page_size=256)
+    assert Row.kv(4, 2) == Row("kv", 4, page_size=128, compress_ratio=2)
+    assert Row.append(4) == Row("append", 4, page_size=128)
+    assert Row.append(4).slot_bytes == 8 and Row.append(4)._replace(slot_dtype=torch.int32).slot_bytes == 4
+    labels = [Row.main(1, 8, 16).label, Row.in_place(1, 8).label, Row.kv(1, 2).label, Row.append(1).label]
+    assert labels == ["main 8->16", "in place 8", "kv r2", "append"]
+
+
 def test_full_grid_holds_the_issue_rows():
-    rows = set(bench.full_grid())
+    rows = set(grid.full_grid())
     for t in (1, 8, 64, 384, 4096, 16384):
-        assert bench.Row("main", t, 8, 16) in rows and bench.Row("main", t, 8, 8) in rows
+        assert Row.main(t, 8, 16) in rows and Row.main(t, 8, 8) in rows
     for h in (64, 128):
-        assert {bench.Row("main", t, h, h) for t in (1, 64, 4096)} <= rows
+        assert {Row.main(t, h, h) for t in (1, 64, 4096)} <= rows
     for h in (8, 16, 64, 128):
-        assert {bench.Row("inplace", t, h, h) for t in (1, 64, 4096)} <= rows
-    assert {bench.Row("inplace", 16384, h, h) for h in (8, 16)} <= rows
+        assert {Row.in_place(t, h) for t in (1, 64, 4096)} <= rows
+    assert {Row.in_place(16384, h) for h in (8, 16)} <= rows
     for r in (1, 2):
-        assert {bench.Row("kv", t, page_size=128, ratio=r) for t in (1, 64, 4096, 16384)} <= rows
-    assert {bench.Row("append", t, page_size=128) for t in (1, 64, 4096, 16384)} <= rows
-    assert all(r.page_size == 256 for r in rows if r.entry in ("main", "inplace"))
-    assert not any(r.tokens == 16384 and r.heads >= 64 for r in rows)  # memory stays modest
-    assert len(rows) == len(bench.full_grid())  # no duplicates
+        assert {Row.kv(t, r) for t in (1, 64, 4096, 16384)} <= rows
+    assert {Row.append(t) for t in (1, 64, 4096, 16384)} <= rows
+    assert not any(r.num_tokens == 16384 and r.num_heads >= 64 for r in rows)  # memory stays modest
+    assert len(rows) == len(grid.full_grid())  # no duplicates
 
 
 def test_quick_grid_is_a_subset_and_measurement_order_serves_the_plot_first():
-    assert set(bench.quick_grid()) <= set(bench.full_grid())
-    rows = bench.full_grid()
-    order = bench.measurement_order(rows)
+    assert set(grid.quick_grid()) <= set(grid.full_grid())
+    rows = grid.full_grid()
+    order = grid.measurement_order(rows)
     assert sorted(order) == list(range(len(rows)))
     first = [rows[i] for i in order[:6]]
     assert all(r.is_plot_row for r in first)
-    assert [r.tokens for r in first] == [1, 4096, 64, 8, 384, 16384]
+    assert [r.num_tokens for r in first] == [1, 4096, 64, 8, 384, 16384]
+    tiers = [grid.TOKEN_PRIORITY.index(rows[i].num_tokens) for i in order[6:]]
+    assert tiers == sorted(tiers)
 
 
 def test_bytes_model_main_entry_matches_the_smoke_run():
     # Smoke run on the H200: T=4096, 8 -> 16 heads, 34.3 us, 3135 GB/s modelled.
-    row = bench.Row("main", 4096, 8, 16)
     expected = 4096 * (8 * 1024 + 16 * 1024 + 1024 + 384 + 256 + 8 + 8)
-    assert bench.modelled_bytes(row) == expected
+    assert grid.modelled_bytes(Row.main(4096, 8, 16)) == expected
     assert expected / 34.3e-6 / 1e9 == pytest.approx(3135, rel=2e-3)
 
 
 def test_bytes_model_other_entries():
     t = 64
-    assert bench.modelled_bytes(bench.Row("inplace", t, 16, 16)) == t * (16 * 256 + 1024 + 384 + 256 + 8 + 8)
-    assert bench.modelled_bytes(bench.Row("kv", t, page_size=128)) == t * (1024 + 384 + 256 + 8 + 8)
+    assert grid.modelled_bytes(Row.in_place(t, 16)) == t * (16 * 256 + 1024 + 384 + 256 + 8 + 8)
+    assert grid.modelled_bytes(Row.kv(t, 1)) == t * (1024 + 384 + 256 + 8 + 8)
     # Ratio 2: only inserted rows read kv and cos/sin and write a record; every row reads its
     # position and slot.
-    kv2 = bench.Row("kv", t, page_size=128, ratio=2)
-    assert bench.modelled_bytes(kv2) == 32 * (1024 + 384 + 256) + t * 16
-    assert bench.modelled_bytes(kv2, inserted_rows=30) == 30 * (1024 + 384 + 256) + t * 16
-    assert bench.modelled_bytes(bench.Row("append", t, page_size=128)) == t * (1024 + 384 + 8)
-    assert bench.modelled_bytes(bench.Row("append", t, page_size=128, slot_bytes=4)) == t * (1024 + 384 + 4)
+    assert grid.modelled_bytes(Row.kv(t, 2)) == 32 * (1024 + 384 + 256) + t * 16
+    assert grid.modelled_bytes(Row.kv(t, 2), inserted_rows=30) == 30 * (1024 + 384 + 256) + t * 16
+    assert grid.modelled_bytes(Row.append(t)) == t * (1024 + 384 + 8)
+    assert grid.modelled_bytes(Row.append(t)._replace(slot_dtype=torch.int32)) == t * (1024 + 384 + 4)
+    with pytest.raises(ValueError, match="unknown entry"):
+        grid.modelled_bytes(Row("pack", t))
 
 
 def test_input_sets_rotate_only_when_a_set_fits_in_l2():
     l2 = 50 * 2**20
-    assert bench.input_set_count(200e6, l2) == 1
-    assert bench.input_set_count(10e6, l2) == 16  # 3 x 52.4 MB / 10 MB
-    assert bench.input_set_count(1e3, l2) == bench.MAX_INPUT_SETS
+    assert grid.input_set_count(200e6, l2) == 1
+    assert grid.input_set_count(10e6, l2) == 16  # 3 x 52.4 MB / 10 MB
+    assert grid.input_set_count(1e3, l2) == grid.MAX_INPUT_SETS
 
 
-# ---------------------------------------------------------------- arms on the CPU
-
-
-def _small(row: bench.Row, **changes) -> bench.Row:
-    return row._replace(**{"page_size": 16, **changes})
+# ---------------------------------------------------------------- inputs
 
 
 @pytest.mark.parametrize(
     "row",
-    [
-        bench.Row("main", 7, 5, 8),
-        bench.Row("main", 5, 8, 8),
-        bench.Row("inplace", 6, 8, 8),
-        bench.Row("kv", 9, ratio=1),
-        bench.Row("kv", 9, ratio=2),
-        bench.Row("append", 4),
-    ],
-    ids=lambda r: f"{r.label} T={r.tokens}",
+    [Row.main(7, 5, 8), Row.in_place(6, 8), Row.kv(9, 2), Row.append(40)._replace(slot_dtype=torch.int32)],
+    ids=lambda r: f"{r.label} T={r.num_tokens}",
 )
-def test_arms_do_the_same_work_with_the_reference_library(row):
-    torch.manual_seed(1)
-    row = _small(row)
-    cos_sin = bench.rope_table("cpu", max_position=4096)
-    inputs = bench.make_inputs(row, "cpu", max_position=4096)
-    pages = -(-row.tokens // row.page_size) + 1
-    assert inputs.cache.shape == (pages, row.page_size, 384)
-    assert len(set(inputs.slots.tolist())) == row.tokens and int(inputs.positions.max()) < 4096
+def test_inputs_fit_the_row(row, seed):
+    row = row._replace(page_size=16)
+    x = inputs.make_inputs(row, "cpu", max_position=100)
+    num_pages = -(-row.num_tokens // 16) + 1
+    assert x.cache.shape == (num_pages, 16, 384) and not x.cache.any()
+    assert x.kv.shape == (row.num_tokens, 512) and x.kv.dtype == torch.bfloat16
+    assert (x.q is None) == (row.num_heads == 0)
+    if x.q is not None:
+        assert x.q.shape == (row.num_tokens, row.num_heads, 512) and x.q.dtype == torch.bfloat16
+    assert x.slot_mapping.dtype == row.slot_dtype
+    slots = x.slot_mapping.tolist()
+    assert len(set(slots)) == row.num_tokens and min(slots) >= 0 and max(slots) < num_pages * 16
+    assert int(x.positions.min()) >= 0 and int(x.positions.max()) < 100
 
-    fused = bench.fused_call(row, reference, cos_sin)
-    assert bench.same_outputs(fused, fused, inputs)
-    unfused = bench.unfused_call(row, reference, cos_sin)
+
+def test_clone_written_copies_only_what_an_entry_writes(seed):
+    x = inputs.make_inputs(Row.in_place(3, 8)._replace(page_size=16), "cpu")
+    copy = x.clone_written()
+    assert copy.q is not None and x.q is not None
+    assert copy.cache.data_ptr() != x.cache.data_ptr() and copy.q.data_ptr() != x.q.data_ptr()
+    assert copy.kv is x.kv and copy.slot_mapping is x.slot_mapping and copy.positions is x.positions
+
+
+def test_inserted_rows_counts_the_ratio_test(seed):
+    row = Row.kv(10, 2)._replace(page_size=16)
+    x = inputs.make_inputs(row, "cpu", max_position=64)._replace(positions=torch.tensor([1, 3, 5, 0, 2, 4, 6, 8, 7, 9]))
+    assert inputs.inserted_rows(row, [x]) == 5.0  # positions 1, 3, 5, 7, 9
+    assert inputs.inserted_rows(row, [x, x._replace(positions=torch.arange(10))]) == 5.0
+    assert inputs.inserted_rows(Row.kv(10, 1), [x]) == 10.0
+
+
+# ---------------------------------------------------------------- arms on the CPU
+
+ARM_ROWS = [Row.main(7, 5, 8), Row.main(5, 8, 8), Row.in_place(6, 8), Row.kv(9, 1), Row.kv(9, 2), Row.append(4)]
+
+
+def _row_inputs(row: Row) -> tuple[Row, inputs.Inputs, torch.Tensor]:
+    row = row._replace(page_size=16)
+    x = inputs.make_inputs(row, "cpu", max_position=4096)
+    x.positions[0] = 1  # with ratio 2, at least row 0 is inserted
+    return row, x, rope_table(4096)
+
+
+def _entry_call(row: Row, cos_sin: torch.Tensor) -> arms.Call:
+    """The row's reference entry called with its arguments spelled out."""
+    if row.entry == "main":
+        return lambda x: reference.cake_dsv4_nvfp4_rope_quantize_insert(
+            x.q, x.kv, x.cache, x.slot_mapping, x.positions, cos_sin, q_head_padded=row.q_head_padded
+        )
+    if row.entry == "inplace":
+        return lambda x: reference.cake_dsv4_nvfp4_rope_quantize_insert(
+            x.q, x.kv, x.cache, x.slot_mapping, x.positions, cos_sin, q_head_padded=row.num_heads, q_inplace=True
+        )
+    if row.entry == "kv":
+        return lambda x: reference.cake_dsv4_nvfp4_kv_rope_quantize_insert(
+            x.kv, x.cache, x.slot_mapping, x.positions, cos_sin, compress_ratio=row.compress_ratio
+        )
+    return lambda x: reference.nvfp4_quantize_append_sparse_mla_cache(x.kv, x.slot_mapping, x.cache)
+
+
+@pytest.mark.parametrize("row", ARM_ROWS, ids=lambda r: f"{r.label} T={r.num_tokens}")
+def test_fused_arm_is_the_rows_entry(row, seed):
+    row, x, cos_sin = _row_inputs(row)
+    fused = arms.fused_call(row, reference, cos_sin)
+    assert arms.same_outputs(fused, _entry_call(row, cos_sin), x)
+    written = x.clone_written()
+    out = fused(written)
+    assert written.cache.flatten(1).any(1).sum() > 0  # the comparison above saw written records
+    if row.entry == "main":
+        assert isinstance(out, torch.Tensor) and out.shape == (row.num_tokens, row.q_head_padded, 512)
+        assert not out[:, row.num_heads :].any()
+
+
+def _flip_after(call: arms.Call, where: str) -> arms.Call:
+    """``call``, then one bit flipped in the cache, in q or in the returned q_out."""
+
+    def flipped(x: inputs.Inputs) -> object:
+        out = call(x)
+        target = {"cache": x.cache, "q": x.q, "q_out": out}[where]
+        assert isinstance(target, torch.Tensor)
+        target.view(torch.uint8).view(-1)[-1] ^= 1
+        return out
+
+    return flipped
+
+
+@pytest.mark.parametrize(
+    ("row", "where"),
+    [(Row.main(3, 8, 16), "cache"), (Row.main(3, 8, 16), "q_out"), (Row.in_place(3, 8), "q"), (Row.append(3), "cache")],
+    ids=lambda v: v if isinstance(v, str) else v.label,
+)
+def test_same_outputs_sees_one_flipped_bit(row, where, seed):
+    row, x, cos_sin = _row_inputs(row)
+    fused = arms.fused_call(row, reference, cos_sin)
+    assert not arms.same_outputs(fused, _flip_after(fused, where), x)
+    assert not arms.same_outputs(_flip_after(fused, where), fused, x)
+
+
+@pytest.mark.parametrize("row", ARM_ROWS, ids=lambda r: f"{r.label} T={r.num_tokens}")
+def test_unfused_arm_does_the_same_work(row, seed):
+    row, x, cos_sin = _row_inputs(row)
+    unfused = arms.unfused_call(row, reference, cos_sin)
     if row.entry == "append":
         assert unfused is None
         return
-    a, b = inputs.clone_written(), inputs.clone_written()
-    out_a, out_b = fused(a), unfused(b)
+    assert unfused is not None
+    a, b = x.clone_written(), x.clone_written()
+    out_a, out_b = arms.fused_call(row, reference, cos_sin)(a), unfused(b)
     # torch_rope is plain fp32 (no fma): equal up to rare last-bit differences of the RoPE dims.
     if isinstance(out_a, torch.Tensor):
-        assert out_a.shape == out_b.shape
+        assert isinstance(out_b, torch.Tensor) and out_a.shape == out_b.shape
         torch.testing.assert_close(out_a.float(), out_b.float(), atol=2e-2, rtol=1e-2)
+    assert torch.equal(a.cache.flatten(1).any(1), b.cache.flatten(1).any(1))  # the same records written
     torch.testing.assert_close(
-        reference.nvfp4_dequantize_sparse_mla_cache(a.cache), reference.nvfp4_dequantize_sparse_mla_cache(b.cache),
-        atol=2e-2, rtol=1e-2, equal_nan=True,
+        reference.nvfp4_dequantize_sparse_mla_cache(a.cache),
+        reference.nvfp4_dequantize_sparse_mla_cache(b.cache),
+        atol=2e-2,
+        rtol=1e-2,
+        equal_nan=True,
     )
-    written = (a.cache != 0).flatten(1).any(1).sum()
-    assert written > 0
 
 
-def test_inserted_rows_counts_the_ratio_test():
-    row = bench.Row("kv", 10, page_size=16, ratio=2)
-    inputs = bench.make_inputs(row, "cpu", max_position=64)
-    inputs = inputs._replace(positions=torch.tensor([1, 3, 5, 0, 2, 4, 6, 8, 7, 9]))
-    assert bench.inserted_rows(row, [inputs]) == 5.0
-    assert bench.inserted_rows(bench.Row("kv", 10), [inputs]) == 10.0
-
-
-def test_torch_rope_is_close_to_the_bit_exact_reference():
-    torch.manual_seed(2)
+def test_torch_rope_is_close_to_the_bit_exact_reference(seed):
     x = torch.randn(32, 64).to(torch.bfloat16)
-    table = bench.rope_table("cpu", max_position=1000)[torch.randint(0, 1000, (32,))]
+    table = rope_table(1000)[torch.randint(0, 1000, (32,))]
     cos, sin = table[:, :32], table[:, 32:]
-    ours, exact = bench.torch_rope(x, cos, sin), reference.rope(x, cos, sin)
+    ours, exact = arms.torch_rope(x, cos, sin), reference.rope(x, cos, sin)
     torch.testing.assert_close(ours.float(), exact.float(), atol=1e-2, rtol=1e-2)
     assert (ours.view(torch.int16) == exact.view(torch.int16)).float().mean() > 0.99
+
+
+def test_rotation_takes_the_sets_in_turn():
+    seen: list[int] = []
+    call = rotation(seen.append, [0, 1, 2])
+    for _ in range(7):
+        call()
+    assert seen == [0, 1, 2, 0, 1, 2, 0]
+
+
+# ---------------------------------------------------------------- the measuring loop, a stand-in timer
+
+EAGER_S, GRAPH_S, HOST_S, CALLS = 10e-6, 2e-6, 5e-6, 7
+L2_BYTES = 350_000  # main 8->16 at T = 1 rotates 40 input sets
+
+
+class StandInTimer:
+    """Runs each call once (so the arms' plumbing runs) and returns fixed times; ``fail`` names the
+    methods that raise instead."""
+
+    def __init__(self, fail: tuple[str, ...] = ()):
+        self.fail = fail
+
+    def _run(self, method: str, call, x) -> None:
+        if method in self.fail:
+            raise RuntimeError(f"{method} broke")
+        call(x)
+
+    def eager(self, call, sets):
+        self._run("eager", call, sets[0])
+        return EAGER_S, CALLS
+
+    def graph(self, call, sets):
+        self._run("graph", call, sets[0])
+        return GRAPH_S
+
+    def host(self, call, x):
+        self._run("host", call, x)
+        return HOST_S
+
+
+def _context(timer=None, compile_budget_s: float = 0.0, compile_spent_s: float = 0.0) -> run.Context:
+    """The reference as the library, on the CPU."""
+    cos_sin = rope_table(grid.MAX_POSITION)
+    timer = timer or StandInTimer()
+    return run.Context(torch.device("cpu"), cos_sin, timer, L2_BYTES, compile_budget_s, reference, compile_spent_s)
+
+
+def test_run_grid_measures_every_arm_of_every_row(monkeypatch, seed):
+    monkeypatch.setattr(run, "COMPILE_MAX_TOKENS", 4)
+    rows = [Row.main(1, 8, 16), Row.in_place(4, 8), Row.kv(5, 2), Row.append(3)]
+    results = run.run_grid(rows, _context())
+    assert [r.row for r in results] == rows  # grid order, whatever the measuring order
+    main1, in_place, kv2, append = results
+    assert main1.seconds == {"fused": EAGER_S, "graph": GRAPH_S, "unfused": EAGER_S, "compile": None}
+    assert main1.notes == ["torch.compile(reference): skipped: --compile-budget 0"]
+    assert main1.host_s == HOST_S and main1.calls_per_batch == CALLS  # host time at T = 1 only
+    assert main1.input_sets == grid.input_set_count(grid.modelled_bytes(rows[0]), L2_BYTES) == 40
+    assert in_place.host_s is None and set(in_place.seconds) == {"fused", "graph", "unfused", "compile"}
+    assert set(append.seconds) == {"fused", "graph", "compile"}  # append: no unfused arm
+    assert "compile" not in kv2.seconds  # T above COMPILE_MAX_TOKENS
+    inserted = (kv2.bytes - 5 * 16) / (1024 + 384 + 256)  # every row reads position and slot
+    assert inserted == pytest.approx(round(inserted * kv2.input_sets) / kv2.input_sets) and 0 <= inserted <= 5
+
+
+def test_a_failed_arm_is_noted_and_the_others_still_run(seed):
+    result = run.measure_row(Row.main(1, 8, 16), _context(StandInTimer(fail=("graph", "host"))))
+    assert result.seconds["graph"] is None and result.seconds["unfused"] == EAGER_S
+    assert result.notes[0] == "fused, CUDA graph: n/a: RuntimeError: graph broke"
+    assert result.notes[-1] == "host time: n/a: RuntimeError: host broke" and result.host_s is None
+    result = run.measure_row(Row.main(1, 8, 16), _context(StandInTimer(fail=("eager",))))
+    assert result.seconds == {"fused": None}  # nothing else is timed without the fused arm
+
+
+def test_a_failed_row_keeps_the_others(seed):
+    broken = Row.append(3)._replace(page_size=0)
+    results = run.run_grid([broken, Row.append(3)], _context())
+    assert results[0].input_sets == 0 and results[0].notes[0].startswith("row failed: ZeroDivisionError")
+    assert results[1].seconds["fused"] == EAGER_S
+
+
+def test_compile_budget_is_checked_before_compiling(seed):
+    ctx = _context(compile_budget_s=5, compile_spent_s=6)
+    result = run.measure_row(Row.main(1, 8, 16), ctx)
+    assert result.seconds["compile"] is None and result.compile_first_call_s is None
+    assert result.notes == ["torch.compile(reference): skipped: compile budget of 5 s spent"]
+
+
+class _CorruptingReference:
+    """The reference entries, with one bit of every written cache flipped."""
+
+    def __getattr__(self, name):
+        entry = getattr(reference, name)
+
+        def call(*args, **kwargs):
+            out = entry(*args, **kwargs)
+            cache = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.uint8)
+            cache.view(-1)[0] ^= 1
+            return out
+
+        return call
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_compile_arm_counts_its_compile_and_checks_the_bytes(monkeypatch, agree, seed):
+    monkeypatch.setattr(run, "compiled_reference", lambda: reference if agree else _CorruptingReference())
+    ctx = _context(compile_budget_s=60, compile_spent_s=1.0)
+    result = run.measure_row(Row.kv(3, 1), ctx)
+    assert result.seconds["compile"] == EAGER_S
+    assert result.compile_first_call_s is not None and ctx.compile_spent_s == 1.0 + result.compile_first_call_s
+    differ = "torch.compile(reference) wrote different bytes from the fused kernel"
+    assert (differ in result.notes) == (not agree)
+
+
+@pytest.mark.skipif(GPU_USABLE, reason="the empty kernel would launch")
+def test_ceilings_from_the_timer_without_a_gpu():
+    found = ceilings.measure_ceilings(torch.device("cpu"), StandInTimer(), copy_bytes=2**20)
+    assert found.copy_bytes_per_s == 2 * 2**20 / EAGER_S and found.add_host_s == HOST_S
+    assert found.launch_eager_s is None and found.launch_graph_s is None
+    assert len(found.notes) == 1 and found.notes[0].startswith("empty-kernel launch n/a: ")
 
 
 # ---------------------------------------------------------------- targets and writers
 
 
-def _fake_results():
+def _fake_results() -> tuple[list[RowResult], Ceilings, FirstUse]:
     us = 1e-6
-    main4096 = bench.RowResult(bench.Row("main", 4096, 8, 16), 107.5e6, 1, calls_per_batch=40,
-                               seconds={"fused": 30 * us, "graph": 30.5 * us, "unfused": 120 * us, "compile": 900 * us})
-    main1 = bench.RowResult(bench.Row("main", 1, 8, 16), 26256, 64, calls_per_batch=200,
-                            seconds={"fused": 9 * us, "graph": 2.5 * us, "unfused": 80 * us, "compile": None},
-                            host_s=12 * us, compile_first_call_s=31.0,
-                            notes=["torch.compile(reference): n/a: BackendCompilerFailed: boom | x"])
-    main64 = bench.RowResult(bench.Row("main", 64, 8, 16), 64 * 26256, 64, seconds={"fused": 8 * us, "graph": 3 * us,
-                             "unfused": 90 * us, "compile": None}, notes=["torch.compile(reference): skipped: budget"])
-    wide1 = bench.RowResult(bench.Row("main", 1, 128, 128), 1e5, 64, seconds={"fused": 10 * us, "graph": 2.9 * us,
-                            "unfused": 50 * us}, host_s=14 * us)
-    append = bench.RowResult(bench.Row("append", 16384, page_size=128), 23.3e6, 1, seconds={"fused": 7 * us, "graph": 6.5 * us})
-    failed = bench.RowResult(bench.Row("kv", 64, page_size=128, ratio=2), 1e5, 0, notes=["row failed: OutOfMemoryError: x"])
-    ceilings = bench.Ceilings(copy_bytes_per_s=4.3e12, launch_eager_s=2.1 * us, launch_graph_s=0.9 * us, add_host_s=6 * us)
-    first_use = bench.FirstUse(cold_first_call_s=1.2, compile_variant_s=0.8, warm_first_call_s=0.07, import_cupy_s=0.3)
-    return [main1, main64, main4096, wide1, append, failed], ceilings, first_use
+    main4096 = RowResult(
+        Row.main(4096, 8, 16), 107.5e6, 1, calls_per_batch=40,
+        seconds={"fused": 30 * us, "graph": 30.5 * us, "unfused": 120 * us, "compile": 900 * us},
+    )  # fmt: skip
+    main1 = RowResult(
+        Row.main(1, 8, 16), 26256, 64, calls_per_batch=200,
+        seconds={"fused": 9 * us, "graph": 2.5 * us, "unfused": 80 * us, "compile": None},
+        host_s=12 * us, compile_first_call_s=31.0,
+        notes=["torch.compile(reference): n/a: BackendCompilerFailed: boom | x"],
+    )  # fmt: skip
+    main64 = RowResult(
+        Row.main(64, 8, 16), 64 * 26256, 64,
+        seconds={"fused": 8 * us, "graph": 3 * us, "unfused": 90 * us, "compile": None},
+        notes=["torch.compile(reference): skipped: budget"],
+    )  # fmt: skip
+    wide1 = RowResult(
+        Row.main(1, 128, 128), 1e5, 64,
+        seconds={"fused": 10 * us, "graph": 2.9 * us, "unfused": 50 * us}, host_s=14 * us,
+    )  # fmt: skip
+    append = RowResult(Row.append(16384), 23.3e6, 1, seconds={"fused": 7 * us, "graph": 6.5 * us})
+    failed = RowResult(Row.kv(64, 2), 1e5, 0, notes=["row failed: OutOfMemoryError: x"])
+    found = Ceilings(copy_bytes_per_s=4.3e12, launch_eager_s=2.1 * us, launch_graph_s=0.9 * us, add_host_s=6 * us)
+    first_use = FirstUse(cold_first_call_s=1.2, compile_kernel_s=0.8, warm_first_call_s=0.07, import_cupy_s=0.3)
+    return [main1, main64, main4096, wide1, append, failed], found, first_use
 
 
 def test_row_targets():
-    (main1, main64, main4096, wide1, append, failed), ceilings, _ = _fake_results()
-    m = bench.row_metrics(main4096, ceilings)
+    (main1, _, main4096, wide1, append, failed), found, _ = _fake_results()
+    m = targets.row_metrics(main4096, found)
     assert m.copy_fraction == pytest.approx(107.5e6 / 30.5e-6 / 4.3e12)  # from the graph-replayed time
     assert m.targets == {"bandwidth": "MISS", "speedup": "PASS"}  # 82% of copy; 4x and 30x
     assert m.ratios["unfused"] == pytest.approx(4.0)
-    m = bench.row_metrics(main1, ceilings)
+    m = targets.row_metrics(main1, found)
     assert m.targets == {"latency": "MISS", "host": "PASS", "speedup": "PASS"}  # 2.5 us > 2.0; 2x add_
     assert m.host_ratio == pytest.approx(2.0) and "compile" not in m.ratios
-    assert bench.row_metrics(wide1, ceilings).targets["latency"] == "PASS"  # 2.9 us <= 3.0 at 128 heads
-    assert bench.row_metrics(append, ceilings).targets == {"bandwidth": "MISS"}  # 83%; no peers: no speedup target
-    assert bench.row_metrics(failed, ceilings).targets == {}
-    assert bench.latency_limit_us(bench.Row("inplace", 1, 16, 16)) == 2.0
-    assert bench.latency_limit_us(bench.Row("main", 1, 64, 64)) == 3.0
-    assert bench.speedup_needed(384) is None
+    assert targets.row_metrics(wide1, found).targets["latency"] == "PASS"  # 2.9 us <= 3.0 at 128 heads
+    assert targets.row_metrics(append, found).targets == {"bandwidth": "MISS"}  # 83%; no peers: no speedup
+    assert targets.row_metrics(failed, found).targets == {}
+    assert targets.latency_limit_us(Row.in_place(1, 16)) == 2.0
+    assert targets.latency_limit_us(Row.main(1, 64, 64)) == 3.0
+    assert targets.speedup_needed(384) is None
 
 
 def test_target_summary():
-    results, ceilings, first_use = _fake_results()
-    summary = {title.split(":")[0]: (verdict, detail) for title, verdict, detail in bench.target_summary(results, ceilings, first_use)}
+    results, found, first_use = _fake_results()
+    lines = targets.target_summary(results, found, first_use)
+    summary = {title.split(":")[0]: (verdict, detail) for title, verdict, detail in lines}
     assert summary["T >= 4096"][0] == "MISS" and "main 8->16 T=4096" in summary["T >= 4096"][1]
     assert summary["T = 1"][0] == "MISS"
-    assert summary["host time of one eager call <= 2.5x a torch add_ launch"][0] == "PASS"
-    verdicts = [v for t, v, d in bench.target_summary(results, ceilings, first_use) if "first call" in t]
-    assert verdicts == ["PASS", "MISS"]  # 1.2 s < 1.5 s; 70 ms >= 50 ms
-    assert all(v == "n/a" for t, v, d in bench.target_summary(results, ceilings, bench.FirstUse(error="boom")) if "first call" in t)
+    assert summary["host time of one eager call <= 2.5x a torch add_ launch"] == ("PASS", "2 of 2 rows pass")
+    assert [v for t, v, _ in lines if "first call" in t] == ["PASS", "MISS"]  # 1.2 s < 1.5 s; 70 ms >= 50 ms
+    failed = targets.target_summary(results, found, FirstUse(error="boom"))
+    assert all(v == "n/a" and d == "n/a (boom)" for t, v, d in failed if "first call" in t)
 
 
-def test_csv_writer(tmp_path):
-    results, ceilings, _ = _fake_results()
+def test_csv_columns_are_the_published_ones(tmp_path):
+    results, found, _ = _fake_results()
     path = tmp_path / "bench.csv"
-    bench.write_csv(path, results, ceilings)
-    rows = list(csv.DictReader(path.open()))
+    report.write_csv(path, results, found)
+    with path.open() as f, PUBLISHED_CSV.open() as published:
+        assert next(csv.reader(f)) == next(csv.reader(published))
+
+
+def test_csv_values(tmp_path):
+    results, found, _ = _fake_results()
+    path = tmp_path / "bench.csv"
+    report.write_csv(path, results, found)
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
     assert len(rows) == len(results)
-    main1, main4096, append, failed = rows[0], rows[2], rows[4], rows[5]
+    main1, main4096, wide1, append, failed = rows[0], rows[2], rows[3], rows[4], rows[5]
+    assert (main1["tokens"], main1["heads"], main1["q_heads"], main1["slot_bytes"]) == ("1", "8", "16", "8")
+    assert (wide1["heads"], wide1["q_heads"]) == ("128", "128")
+    assert (append["page_size"], failed["compress_ratio"]) == ("128", "2")
     assert main1["fused_us"] == "9" and main1["compile_us"] == "n/a" and main1["compile_ratio"] == "n/a"
     assert float(main1["host_ratio_add"]) == pytest.approx(2.0) and main1["target_latency"] == "MISS"
     assert float(main4096["unfused_ratio"]) == pytest.approx(4.0) and main4096["target_bandwidth"] == "MISS"
@@ -202,138 +438,85 @@ def test_csv_writer(tmp_path):
 
 
 def test_markdown_report_and_short_table():
-    results, ceilings, first_use = _fake_results()
+    results, found, first_use = _fake_results()
     env = [("GPU", "NVIDIA H200 (sm_90)"), ("torch", "2.11.0 (CUDA 13.0)")]
-    text = bench.markdown_report(env, [("run", "full grid")], ceilings, first_use, results, "bench_h200.png")
+    text = report.markdown_report(env, [("run", "full grid")], found, first_use, results, "bench.png")
     assert text.startswith("# nvfp4-mla benchmark: NVIDIA H200 (sm_90)")
     assert text.index("## Environment") < text.index("| torch | 2.11.0 (CUDA 13.0) |") < text.index("## Results")
     assert "4300 GB/s" in text and "0.90 us" in text and "1.20 s" in text and "70.0 ms" in text
     assert "| MISS |" in text and "| PASS |" in text
     assert "- main 8->16 T=1: torch.compile(reference): n/a: BackendCompilerFailed: boom | x" in text.split("Notes:")[1]
-    assert "![time vs tokens" in text
+    assert "![time vs tokens, main entry 8->16 heads](bench.png)" in text
     table_lines = [line for line in text.splitlines() if line.startswith("| main 8->16 |")]
-    assert len(table_lines) == 3 and all(line.count("|") == len(bench.FULL_COLUMNS) + 1 for line in table_lines)
-    short = bench.markdown_table(results, ceilings, bench.SHORT_COLUMNS).splitlines()
-    assert short[0].startswith("| row | T | fused us | graph us |") and len(short) == 2 + len(results)
+    assert len(table_lines) == 3 and all(line.count("|") == len(report.FULL_COLUMNS) + 1 for line in table_lines)
+    short = report.markdown_table(results, found, report.SHORT_COLUMNS).splitlines()
+    assert short[0] == "| row | T | fused us | graph us | % copy | unfused | compile | targets |"
+    assert len(short) == 2 + len(results)
     assert "| append | 16384 | 7.00 | 6.50 | 83% | - | - | bandwidth MISS |" in short
+    assert "![" not in report.markdown_report(env, [], found, first_use, results, None)
 
 
 def test_plot_writer(tmp_path):
     pytest.importorskip("matplotlib")
-    results, ceilings, _ = _fake_results()
+    results, found, _ = _fake_results()
     path = tmp_path / "bench.png"
-    bench.write_plot(path, results, ceilings, "main entry, 8 heads padded to 16")
+    write_plot(path, results, found, "main entry, 8 heads padded to 16")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
-# ---------------------------------------------------------------- command line
+def test_write_outputs_names_the_plot_in_the_report(tmp_path):
+    results, found, _ = _fake_results()
+    seen: list[str | None] = []
+
+    def markdown(plot_name):
+        seen.append(plot_name)
+        return "report\n"
+
+    run.write_outputs(tmp_path / "new" / "dir", results, found, markdown, "test GPU")
+    written = sorted(p.name for p in (tmp_path / "new" / "dir").iterdir())
+    has_plot = seen == ["bench.png"]
+    assert has_plot or seen == [None]
+    assert written == (["bench.csv", "bench.md", "bench.png"] if has_plot else ["bench.csv", "bench.md"])
+    assert (tmp_path / "new" / "dir" / "bench.md").read_text() == "report\n"
 
 
-def test_help_runs_without_a_gpu(capsys):
+# ---------------------------------------------------------------- command line and probes
+
+
+def test_help_shows_the_command(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--help"])
+        run.main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "--quick" in out and "--out" in out and "--reps" in out and "--compile-budget" in out
+    assert out.startswith("usage: nvfp4-mla bench ")
+    assert all(option in out for option in ("--quick", "--out", "--reps", "--compile-budget"))
 
 
 def test_defaults():
-    args = bench.parse_args([])
-    assert (args.quick, str(args.out), args.reps, args.compile_budget) == (False, "docs", 15, bench.DEFAULT_COMPILE_BUDGET_S)
-    args = bench.parse_args(["--quick", "--reps", "3"])
-    assert (args.reps, args.compile_budget) == (3, 0.0)
+    args = run.parse_args([])
+    assert (args.quick, args.out, args.reps, args.compile_budget) == (False, None, 15, run.DEFAULT_COMPILE_BUDGET_S)
+    args = run.parse_args(["--quick", "--reps", "3", "--out", "x"])
+    assert (args.reps, args.compile_budget, args.out) == (3, 0.0, Path("x"))
+    with pytest.raises(SystemExit):
+        run.parse_args(["--reps", "0"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="would run the benchmark")
+def test_results_go_to_a_folder_named_after_the_gpu():
+    assert probes.gpu_slug("NVIDIA H200") == "nvidia-h200"
+    assert probes.gpu_slug("NVIDIA GeForce RTX 4090 (24 GB)") == "nvidia-geforce-rtx-4090-24-gb"
+    assert probes.gpu_slug("???") == "gpu"
+    assert run.results_dir(None, "NVIDIA H200") == Path("bench-results/nvidia-h200")
+    assert run.results_dir(Path("docs"), "NVIDIA H200") == Path("docs")
+
+
+@pytest.mark.skipif(GPU_USABLE, reason="would run the benchmark")
 def test_main_says_it_needs_a_gpu():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        bench.main(["--quick"])
+        run.main(["--quick"])
 
 
-# ---------------------------------------------------------------- the GPU code paths' plumbing
-
-
-class _FakeEvent:
-    def __init__(self, enable_timing=False):
-        self.at = 0.0
-
-    def record(self):
-        self.at = time.perf_counter()
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, end):
-        return (end.at - self.at) * 1e3
-
-
-class _FakeGraph:
-    def replay(self):
-        pass
-
-
-class _FakeCapture:
-    def __init__(self, graph):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    """CUDA events, graphs and synchronisation as host no-ops, the reference as the fused
-    library, and small batches: runs the measuring code paths on the CPU."""
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", _FakeCapture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "ops", reference)
-    for name, value in (("MAX_INPUT_SETS", 2), ("TARGET_BATCH_S", 1e-9), ("HOST_CALLS", 2), ("HOST_BATCHES", 1), ("COPY_BYTES", 2**20)):
-        monkeypatch.setattr(bench, name, value)
-
-
-def test_run_grid_and_ceilings_with_fake_cuda(fake_cuda, monkeypatch, tmp_path):
-    torch.manual_seed(3)
-    monkeypatch.setattr(bench, "COMPILE_MAX_TOKENS", 4)
-    rows = [bench.Row("main", 1, 8, 16), bench.Row("inplace", 4, 8, 8), bench.Row("kv", 5, page_size=128, ratio=2),
-            bench.Row("append", 3, page_size=128)]
-    ctx = bench.Context(torch.device("cpu"), bench.rope_table("cpu"), reps=1, l2_bytes=50 * 2**20, compile_budget_s=0)
-    results = bench.run_grid(rows, ctx)
-    assert [r.row for r in results] == rows
-    main1, inplace, kv2, append = results
-    assert set(main1.seconds) == {"fused", "graph", "unfused", "compile"} and main1.seconds["compile"] is None
-    assert main1.notes == ["torch.compile(reference): skipped: --compile-budget 0"]
-    assert main1.host_s is not None and main1.input_sets == 2 and main1.calls_per_batch >= 1
-    assert all(main1.seconds[arm] is not None for arm in ("fused", "graph", "unfused"))
-    assert inplace.host_s is None and set(append.seconds) == {"fused", "graph", "compile"}
-    assert 5 * 16 <= kv2.bytes <= bench.modelled_bytes(kv2.row._replace(ratio=1))  # inserted rows counted
-    assert "compile" not in kv2.seconds  # T above COMPILE_MAX_TOKENS: no compile arm
-
-    ceilings = bench.measure_ceilings(torch.device("cpu"), reps=1)
-    assert ceilings.copy_bytes_per_s > 0 and ceilings.add_host_s > 0
-    assert ceilings.launch_eager_s is None and "empty-kernel launch n/a" in ceilings.notes[0]  # no CuPy GPU here
-
-    env = [("GPU", "fake")]
-    text = bench.markdown_report(env, [("run", "test")], ceilings, bench.FirstUse(error="no GPU"), results, None)
-    assert "| main 8->16 | 1 |" in text and "skipped: --compile-budget 0" in text
-    bench.write_csv(tmp_path / "b.csv", results, ceilings)
-    pytest.importorskip("matplotlib")
-    bench.write_plot(tmp_path / "b.png", results, ceilings, "fake")
-
-
-def test_compile_budget_is_checked_before_compiling(fake_cuda):
-    row = bench.Row("main", 1, 8, 16)
-    ctx = bench.Context(torch.device("cpu"), bench.rope_table("cpu"), reps=1, l2_bytes=1, compile_budget_s=5, compile_spent_s=6)
-    result = bench.measure_row(row, ctx)
-    assert result.seconds["compile"] is None and result.notes == ["torch.compile(reference): skipped: compile budget of 5 s spent"]
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="would compile on the GPU")
+@pytest.mark.skipif(GPU_USABLE, reason="would compile on the GPU")
 def test_first_use_probe_subprocess_reports_its_failure_without_a_gpu():
-    first_use = bench.measure_first_use()
-    assert first_use.cold_first_call_s is None and first_use.error.startswith("RuntimeError: cold probe exited with 1")
+    first_use = probes.measure_first_use()
+    assert first_use.cold_first_call_s is None and first_use.error is not None
+    assert first_use.error.startswith("RuntimeError: cold probe exited with 1")

@@ -1,0 +1,94 @@
+"""How an arm is timed: medians from maintained timers, behind one small interface.
+
+- eager: ``torch.utils.benchmark.Timer`` (it synchronizes the device around each batch) over
+  batches of back-to-back calls, so eager times at small T are bounded by the host's launch rate;
+- graph-replayed: ``triton.testing.do_bench_cudagraph`` (a CUDA graph of back-to-back calls,
+  replayed), the device time without host launch cost: the primary number;
+- host: the same ``Timer`` on the host clock alone, no device synchronization.
+
+Calls rotate over input sets (see ``grid.input_set_count``) so that they do not find their data
+in L2. The measuring code takes any object with :class:`Timer`'s methods; the CPU tests give it
+one that runs each call once and returns fixed numbers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import timeit
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.utils import benchmark
+
+TARGET_BATCH_S = 4e-3  # one timed eager batch, and one graph, last about this long
+MAX_CALLS_PER_BATCH = 200
+PROBE_CALLS = 4  # calls of the batch that estimates one call's time
+HOST_CALLS = 200  # host time: calls per batch
+HOST_BATCHES = 9
+
+
+class Timer(Protocol):
+    """Median seconds per call of an arm."""
+
+    def eager(self, call: Callable[[Any], object], sets: list[Any]) -> tuple[float, int]:
+        """Seconds per call of back-to-back eager calls, and the calls per timed batch."""
+        ...
+
+    def graph(self, call: Callable[[Any], object], sets: list[Any]) -> float:
+        """Seconds per call replayed from a CUDA graph (calls already made eagerly)."""
+        ...
+
+    def host(self, call: Callable[[Any], object], inputs: Any) -> float:
+        """Host seconds of one eager call."""
+        ...
+
+
+def rotation(call: Callable[[Any], object], sets: list[Any]) -> Callable[[], object]:
+    """A no-argument call whose successive invocations take the input sets in turn."""
+    next_set = itertools.cycle(sets).__next__
+    return lambda: call(next_set())
+
+
+class DeviceTimer:
+    """The benchmark's :class:`Timer` on the current CUDA device.
+
+    Parameters
+    ----------
+    reps
+        Timed batches of an eager arm; the median is reported. A graph is replayed triton's fixed
+        number of times (10).
+    """
+
+    def __init__(self, reps: int):
+        self.reps = reps
+
+    def eager(self, call: Callable[[Any], object], sets: list[Any]) -> tuple[float, int]:
+        for inputs in sets:  # warm-up: compiles and loads the kernel, touches every set once
+            call(inputs)
+        timer = benchmark.Timer(stmt="call()", globals={"call": rotation(call, sets)})
+        estimate = timer.timeit(PROBE_CALLS).median
+        calls = max(1, min(MAX_CALLS_PER_BATCH, int(TARGET_BATCH_S / max(estimate, 1e-7))))
+        return statistics.median(timer.timeit(calls).median for _ in range(self.reps)), calls
+
+    def graph(self, call: Callable[[Any], object], sets: list[Any]) -> float:
+        from triton.testing import do_bench_cudagraph  # triton comes with torch's CUDA builds only
+
+        # triton captures and replays on a new stream: the inputs, made on this one, must be ready.
+        torch.cuda.synchronize()
+        return do_bench_cudagraph(rotation(call, sets), rep=TARGET_BATCH_S * 1e3, return_mode="median") * 1e-3
+
+    def host(self, call: Callable[[Any], object], inputs: Any) -> float:
+        """After one untimed batch, so that first-call effects (interpreter specialisation,
+        allocator) stay out; each batch starts from an idle device, so it keeps up with small
+        calls and the host cost, not a full launch queue, is measured."""
+        timer = benchmark.Timer(
+            stmt="call(inputs)", globals={"call": call, "inputs": inputs}, timer=timeit.default_timer
+        )
+        timer.timeit(HOST_CALLS)
+        samples = []
+        for _ in range(HOST_BATCHES):
+            torch.cuda.synchronize()
+            samples.append(timer.timeit(HOST_CALLS).median)
+        return statistics.median(samples)
