@@ -4,6 +4,7 @@ Readable and vectorized over rows, heads and groups; runs on the CPU or on CUDA 
 every GPU entry is tested byte for byte against it.
 """
 
+from .decode import sparse_mla_decode
 from .numerics import (
     E2M1_VALUES,
     R6,
@@ -51,5 +52,6 @@ __all__ = [
     "quantize_nope",
     "quantize_rows",
     "rope",
+    "sparse_mla_decode",
     "to_bf16",
 ]
