@@ -4,7 +4,7 @@
 # proof that memcheck sees a seeded out-of-bounds write, the soak and the benchmarks. Runs from
 # the source tree with $GPU_PYTHON (default python3, which must have torch and CuPy); full logs
 # under $OUT (default ./gpu-logs); a short table last. Exits non-zero when any step fails.
-#   STEPS="pytest sanitizers oob soak bench reader decode"  (default: all)
+#   STEPS="pytest sanitizers oob soak bench reader decode"  (default: all); TESTS: test paths (default tests)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PYTHON:-python3}
@@ -29,7 +29,7 @@ step() {  # step NAME LOG EXPECTED_RC COMMAND...: runs, logs, records pass/fail 
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
 
 $PY -c 'import torch, cupy; print(torch.cuda.get_device_name(), "torch", torch.__version__, "cupy", cupy.__version__, "nvrtc", cupy.cuda.nvrtc.getVersion())'
-wants pytest && step pytest "$OUT/pytest.log" 0 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests ${PYTEST_ARGS:-}
+wants pytest && step pytest "$OUT/pytest.log" 0 $PY -m pytest -q -rs -m gpu -p no:cacheprovider ${TESTS:-tests} ${PYTEST_ARGS:-}
 if wants sanitizers; then
     for tool in memcheck racecheck initcheck; do
         step "$tool" "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
