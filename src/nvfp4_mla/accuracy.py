@@ -168,7 +168,7 @@ class Decoded:
 def decode(caches: StudyCaches, kind: str, q: torch.Tensor, slots: torch.Tensor, sm_scale: float = SM_SCALE) -> Decoded:
     """The sparse decode of :func:`nvfp4_mla.reference.sparse_mla_decode` (one pool, every slot
     live, no sink) over cache ``kind``, before its output is rounded."""
-    rows = caches.read(kind, slots)
+    rows = caches.read(kind, slots).double()  # once, for both products
     live = live_entries(slots, None, caches.bf16.shape[0])
     scores = masked_scores(q, rows, live, sm_scale)
     out, lse = attention_output(scores, rows, live)

@@ -126,7 +126,7 @@ def sparse_mla_decode(
     if extra is not None and extra_cache is not None and extra_slots is not None:  # validated: all or none
         pools.append((extra_cache, extra_slots, extra_lens, extra))
     gathered = [gather_rows(cache, slots, lens, g.num_pages * g.page_size) for cache, slots, lens, g in pools]
-    rows = torch.cat([r for r, _ in gathered], dim=2)
+    rows = torch.cat([r for r, _ in gathered], dim=2).double()  # once, for both products
     live = torch.cat([m for _, m in gathered], dim=2)
     scores = masked_scores(q, rows, live, float(sm_scale))
     out, lse = attention_output(scores, rows, live, sinks)

@@ -34,6 +34,8 @@ _NAN_BITS = {torch.float32: (0x7FC00000, torch.int32), torch.bfloat16: (abi.BF16
 # Both values of every packed E2M1 byte: element 2j is the low nibble of byte j.
 _SIGNED_E2M1 = (*E2M1_VALUES, *(-v for v in E2M1_VALUES))
 _E2M1_PAIRS = torch.tensor([(_SIGNED_E2M1[b & 0xF], _SIGNED_E2M1[b >> 4]) for b in range(256)], dtype=torch.float32)
+_MAGNITUDES = e4m3_value(torch.arange(0x80))
+_SIGNED_E4M3 = torch.cat((_MAGNITUDES, -_MAGNITUDES))  # by byte: bit 7 is the sign
 
 
 def canonical_nan(dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -52,9 +54,8 @@ def canonicalize_nan(x: torch.Tensor) -> torch.Tensor:
 
 
 def e4m3_signed_value(code: torch.Tensor) -> torch.Tensor:
-    """fp32 value of E4M3 (fn) bytes 0..255: bit 7 is the sign, ``0x7F`` and ``0xFF`` are NaN."""
-    magnitude = e4m3_value(code & 0x7F)
-    return torch.where(code >= 0x80, -magnitude, magnitude)
+    """fp32 value of E4M3 (fn) bytes 0..255 (uint8): bit 7 is the sign, ``0x7F`` and ``0xFF`` are NaN."""
+    return _SIGNED_E4M3.to(code.device).index_select(0, code.reshape(-1).long()).view(code.shape)
 
 
 def _record_values(cache: torch.Tensor, geometry: validation.CacheGeometry, slots: torch.Tensor) -> torch.Tensor:
