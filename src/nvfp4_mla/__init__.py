@@ -8,6 +8,7 @@ of the bytes). docs/format.md is the contract.
 import logging
 
 from . import abi, reference, validation
+from .decode import sparse_mla_decode
 from .ops import (
     Geometry,
     cake_dsv4_nvfp4_kv_rope_quantize_insert,
@@ -33,5 +34,6 @@ __all__ = [
     "nvfp4_quantize_pack_sparse_mla_cache",
     "precompile",
     "reference",
+    "sparse_mla_decode",
     "validation",
 ]

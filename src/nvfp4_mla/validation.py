@@ -487,3 +487,34 @@ def check_decode(
     caches = (q, swa_cache) if extra_cache is None else (q, swa_cache, extra_cache)
     _check_aligned(caches, ("q", "swa_cache", "extra_cache"))
     return swa, extra
+
+
+def check_decode_out(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa: CacheGeometry,
+    extra_cache: torch.Tensor | None,
+    extra: CacheGeometry | None,
+) -> None:
+    """The optional ``out`` of ``sparse_mla_decode`` (after :func:`check_decode`): BF16 with q's
+    shape, contiguous, on q's device, 16-byte aligned, writable, sharing no memory with q or a cache."""
+    check_tensors((out,), ("out",))
+    if out.dtype is not _BF16:
+        _fail(f"out must have dtype torch.bfloat16, got {out.dtype}")
+    if out.shape != q.shape:
+        _fail(f"out must have q's shape {list(q.shape)}, got {list(out.shape)}")
+    if not out.is_contiguous():
+        _fail("out must be contiguous")
+    check_mutable(out, "out")
+    _check_device((q, out), ("q", "out"), need_cuda=False)  # q's device was checked with the rest
+    _check_aligned((out,), ("out",))
+    written = _extent(out)
+    _check_disjoint(written, "out", (q,), ("q",))
+    pools = [(swa_cache, swa, "swa_cache")] + (
+        [] if extra_cache is None or extra is None else [(extra_cache, extra, "extra_cache")]
+    )
+    for cache, geometry, name in pools:
+        lo, hi = cache_extent(cache, geometry)
+        if written[0] < written[1] and lo < written[1] and written[0] < hi:
+            _fail(f"{name} overlaps out in memory: the call writes out; pass separate tensors")

@@ -1,0 +1,396 @@
+"""Benchmark of the fused sparse decode, ``nvfp4_mla.sparse_mla_decode`` on CUDA tensors, against the
+paths a user writes without it and the same run's ceilings. Run on a GPU from the repository root::
+
+    PYTHONPATH=src python benchmarks/bench_decode.py --out DIR [--quick] [--head-tiles]
+
+It prints a table and writes ``decode_bench.csv`` and ``decode_bench.md`` into DIR.
+
+**Shapes** (issue 13): batch 1, 8, 64, 128; q_len 1, 2; heads 16, 64, 128; 128 sliding-window
+plus 512 or 1024 compressed selections, every selection live, int32 slots, per-head sinks,
+``sm_scale = 1/sqrt(576)``. ``--quick`` runs batch 1 and 64 only. The window pool holds 2^18
+tokens, the compressed pool 2^20 (96 and 384 MiB of records; 0.25 and 1 GiB as BF16), both
+written from the same random BF16 rows by the pack entry, page size 64. Calls rotate over up to
+8 slot sets, so small calls do not find their records in L2 from the previous call.
+
+**Arms**, each timed graph-replayed (``triton.testing.do_bench_cudagraph``, median; else CUDA
+events over a replayed graph) and eager (back-to-back calls between CUDA events):
+
+- ``fused``: this kernel on the NVFP4 caches;
+- ``torch_bf16``: what a user writes on a BF16 cache: ``index_select`` the rows of both pools,
+  ``cat``, ``matmul`` (BF16), fp32 scores with the invalid-slot mask, ``logsumexp``, weights to
+  BF16, ``matmul``, sink factor;
+- ``torch_reader``: the same on this cache through the reader
+  (``nvfp4_dequantize_sparse_mla_cache(..., dtype=bfloat16, invalid=0.0)`` per pool).
+
+**Rooflines** of each shape, from the same run: bytes (q, out, lse, 384 per selected token,
+the int32 slots) over the copy ceiling (eager ``copy_`` of 1 GiB, read + write), and the useful
+MMA flops ``4 * 512 * selected tokens * heads`` per query row over a large BF16 ``matmul``
+(8192^3). ``% roofline`` is the binding one's time over the measured time. ``diff`` is the
+largest ``|fused - torch_reader|`` over the largest ``|torch_reader|`` (a sanity check: both read
+the same records; BF16 weights make it about 1e-2 at most).
+
+**Predictions** (written before the first measurement; H200, about 4.3 TB/s copy and 790
+TFLOP/s matmul). The kernel's model: per tile of 32 tokens a block issues 4 x HT / 16 x 32 +
+HT / 16 x 64 x 2 MMAs and about 1.5 ldmatrix.x4 per 2 MMAs; shared memory bandwidth (128 B a
+clock), not the tensor cores, binds at about 0.35 MMA a clock per SM, and dequantizing a tile
+costs about 500 issue slots per SM whatever the head count.
+
+- batch 1, 128 heads, q_len 1, 640 tokens, graph-replayed: about 8-10 us (2 head tiles x 20
+  splits of one tile, then the combine; two dependent launches and their memory latencies),
+  inside the 15 us target;
+- batch >= 64, 128 heads: 150-250 TFLOP/s, about 20-30% of the matmul ceiling: below the 40%
+  target (shared-memory bound: Q fragments are re-read from shared memory for every tile);
+  64 heads likewise; 16 heads: about 40-55% of the byte roofline (dequantization and the
+  16-row MMA padding of 8-16 heads, not HBM, bind);
+- vs ``torch_bf16``: about 3-4x at 16 heads (the gather alone moves 2 KB per token in and
+  out), about 1.5-2x at 128 heads (its two matmuls are efficient cuBLAS calls); batch 1 about
+  5-10x (the torch path is a dozen launches);
+- vs ``torch_reader``: a little more than vs ``torch_bf16`` (the reader writes the same BF16 rows);
+- head tiles (``--head-tiles``): 64 heads a block beats 32 by 10-30% at 128 heads (the tile is
+  dequantized half as often), despite one block an SM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import nvfp4_mla
+from nvfp4_mla import abi, decode, jit, validation
+
+PAGE_SIZE = 64
+SWA_K = 128
+SWA_TOKENS, EXTRA_TOKENS = 1 << 18, 1 << 20
+SM_SCALE = (abi.HEAD_DIM + abi.ROPE_DIM) ** -0.5
+MAX_SETS = 8
+BF16 = torch.bfloat16
+TARGETS = {  # issue 13
+    "speedup_small_heads": 4.0,  # vs torch_bf16, heads <= 32
+    "speedup_128_heads": 2.0,  # vs torch_bf16, heads 128
+    "roofline_batch32": 0.40,  # batch >= 32, % of the binding roofline
+    "batch1_128_heads_us": 15.0,  # graph-replayed
+}
+
+
+# ---------------------------------------------------------------- timing
+
+
+def device_seconds(fn: Callable[[], object]) -> float:
+    """Median device seconds of one call of ``fn``, replayed from a CUDA graph."""
+    fn()  # compile, plan, allocate outside the capture
+    torch.cuda.synchronize()
+    try:
+        from triton.testing import do_bench_cudagraph
+    except ImportError:
+        do_bench_cudagraph = None
+    if do_bench_cudagraph is not None:
+        return do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e-3
+    calls = 20
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    samples = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3 / calls)
+    return statistics.median(samples)
+
+
+def eager_seconds(fn: Callable[[], object], calls: int = 20) -> float:
+    """Back-to-back eager calls, CUDA events around them, per call (median of 5)."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3 / calls)
+    return statistics.median(samples)
+
+
+def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call that runs ``calls`` in turn (captured in a graph, the turns are baked in)."""
+    state = [0]
+
+    def call():
+        state[0] = (state[0] + 1) % len(calls)
+        return calls[state[0]]()
+
+    return call
+
+
+def copy_ceiling() -> float:
+    """Bytes read + written per second by eager ``copy_`` of a 1 GiB tensor (a captured copy
+    becomes a slower memcpy node)."""
+    source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    return 2 * source.numel() / eager_seconds(lambda: target.copy_(source), calls=10)
+
+
+def matmul_ceiling() -> float:
+    """Flops per second of an 8192^3 BF16 ``matmul``, graph-replayed."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=BF16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=BF16)
+    return 2 * 8192**3 / device_seconds(lambda: a @ b)
+
+
+# ---------------------------------------------------------------- inputs and arms
+
+
+class Pools:
+    """The two pools, as BF16 tables and as NVFP4 caches holding the same rows."""
+
+    def __init__(self) -> None:
+        self.tables, self.caches = [], []
+        for tokens in (SWA_TOKENS, EXTRA_TOKENS):
+            table = torch.randn(tokens // PAGE_SIZE, PAGE_SIZE, abi.HEAD_DIM, device="cuda", dtype=BF16)
+            self.caches.append(nvfp4_mla.nvfp4_quantize_pack_sparse_mla_cache(table))
+            self.tables.append(table.view(tokens, abi.HEAD_DIM))
+
+
+class Inputs:
+    """One call's arguments."""
+
+    def __init__(self, batch: int, q_len: int, heads: int, extra_k: int, g: torch.Generator) -> None:
+        self.q = torch.randn(batch, q_len, heads, abi.HEAD_DIM, generator=g).to("cuda", BF16)
+        self.slots = [
+            torch.randint(0, tokens, (batch, q_len, k), generator=g, dtype=torch.int32).cuda()
+            for tokens, k in ((SWA_TOKENS, SWA_K), (EXTRA_TOKENS, extra_k))
+        ]
+        self.sinks = torch.randn(heads, generator=g).cuda()
+
+
+def fused(pools: Pools, x: Inputs):
+    return nvfp4_mla.sparse_mla_decode(
+        x.q,
+        pools.caches[0],
+        x.slots[0],
+        extra_cache=pools.caches[1],
+        extra_slots=x.slots[1],
+        sm_scale=SM_SCALE,
+        sinks=x.sinks,
+    )
+
+
+def attend(q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor):
+    """The torch attention a user writes on gathered BF16 rows ``[batch, q_len, k, 512]``."""
+    scores = torch.matmul(q, rows.transpose(-1, -2)).float() * SM_SCALE
+    scores = scores.masked_fill(~valid[:, :, None, :], -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse[..., None]).to(BF16)
+    out = torch.matmul(weights, rows) * (1.0 / (1.0 + torch.exp(sinks - lse)))[..., None]
+    return out.to(BF16), lse
+
+
+def torch_bf16(pools: Pools, x: Inputs):
+    parts, valid = [], []
+    for table, slots in zip(pools.tables, x.slots):
+        ok = (slots >= 0) & (slots < table.shape[0])
+        index = torch.where(ok, slots, 0).view(-1)
+        parts.append(torch.index_select(table, 0, index).view(*slots.shape, abi.HEAD_DIM))
+        valid.append(ok)
+    return attend(x.q, torch.cat(parts, dim=2), torch.cat(valid, dim=2), x.sinks)
+
+
+def torch_reader(pools: Pools, x: Inputs):
+    parts, valid = [], []
+    for cache, slots, table in zip(pools.caches, x.slots, pools.tables):
+        parts.append(nvfp4_mla.nvfp4_dequantize_sparse_mla_cache(cache, slots, dtype=BF16, invalid=0.0))
+        valid.append((slots >= 0) & (slots < table.shape[0]))
+    return attend(x.q, torch.cat(parts, dim=2), torch.cat(valid, dim=2), x.sinks)
+
+
+ARMS = {"fused": fused, "torch_bf16": torch_bf16, "torch_reader": torch_reader}
+
+
+# ---------------------------------------------------------------- measurement
+
+
+def useful(batch: int, q_len: int, heads: int, extra_k: int) -> tuple[int, int]:
+    """(bytes, flops) of one call: every selection is live."""
+    rows, tokens = batch * q_len, SWA_K + extra_k
+    q_out = 2 * rows * heads * abi.HEAD_DIM * 2 + rows * heads * 4
+    return q_out + rows * tokens * (abi.RECORD_BYTES + 4), 4 * abi.HEAD_DIM * tokens * heads * rows
+
+
+def measure(pools: Pools, shape: tuple[int, int, int, int], ceilings: dict, g: torch.Generator, head_tile=None) -> dict:
+    batch, q_len, heads, extra_k = shape
+    nbytes, flops = useful(*shape)
+    record_bytes = batch * q_len * (SWA_K + extra_k) * abi.RECORD_BYTES
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    sets = [Inputs(*shape, g) for _ in range(max(1, min(MAX_SETS, -(-2 * l2 // record_bytes))))]
+    arms = dict(ARMS)
+    if head_tile is not None:
+        arms = {"fused": lambda p, x: forced(p, x, head_tile)}
+    row = {"batch": batch, "q_len": q_len, "heads": heads, "tokens": SWA_K + extra_k, "sets": len(sets)}
+    for name, arm in arms.items():
+        calls = [lambda x=x, arm=arm: arm(pools, x) for x in sets]
+        row[f"{name}_graph_us"] = device_seconds(rotating(calls)) * 1e6
+        row[f"{name}_eager_us"] = eager_seconds(rotating(calls)) * 1e6
+        torch.cuda.empty_cache()
+    t = row["fused_graph_us"] * 1e-6
+    bytes_time, flops_time = nbytes / ceilings["copy"], flops / ceilings["matmul"]
+    row["fused_tflops"] = flops / t / 1e12
+    row["bytes_pct"] = 100 * bytes_time / t
+    row["flops_pct"] = 100 * flops_time / t
+    row["binding"] = "flops" if flops_time > bytes_time else "bytes"
+    row["roofline_pct"] = max(row["bytes_pct"], row["flops_pct"])
+    key = (0, heads, batch * q_len, SWA_K, extra_k)
+    plan = decode._plans.get(key)
+    if head_tile is None and plan is not None:
+        row["head_tile"], row["splits"] = plan.spec.head_tile, plan.num_splits
+        row["vs_torch_bf16"] = row["torch_bf16_graph_us"] / row["fused_graph_us"]
+        row["vs_torch_reader"] = row["torch_reader_graph_us"] / row["fused_graph_us"]
+        got, want = fused(pools, sets[0])[0].float(), torch_reader(pools, sets[0])[0].float()
+        row["diff"] = float((got - want).abs().max() / want.abs().max())
+    else:
+        row["head_tile"] = head_tile
+    return row
+
+
+def forced(pools: Pools, x: Inputs, head_tile: int):
+    """The fused decode with a forced head tile (its own split choice)."""
+    batch, q_len, heads = x.q.shape[:3]
+    key = ("forced", head_tile, heads, batch * q_len, x.slots[1].shape[2])
+    plan = _forced_plans.get(key)
+    if plan is None:
+        plan = _forced_plans[key] = decode.make_plan(0, heads, batch * q_len, SWA_K + x.slots[1].shape[2], head_tile)
+    out, lse = torch.empty_like(x.q), x.q.new_empty((batch, q_len, heads), dtype=torch.float32)
+    pools_args = [(cache, slots, None, validation.check_cache(cache)) for cache, slots in zip(pools.caches, x.slots)]
+    decode.launch(plan, x.q, out, lse, SM_SCALE, x.sinks, pools_args[0], pools_args[1])
+    return out, lse
+
+
+_forced_plans: dict[tuple, decode.Plan] = {}
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """The issue's targets against the measured rows."""
+    lines = []
+    small = [r for r in rows if r["heads"] <= 32 and "vs_torch_bf16" in r]
+    big = [r for r in rows if r["heads"] == 128 and "vs_torch_bf16" in r]
+    large_batch = [r for r in rows if r["batch"] >= 32 and "vs_torch_bf16" in r]
+    one = [r for r in rows if r["batch"] == 1 and r["heads"] == 128 and "vs_torch_bf16" in r]
+    for name, group, key, goal, worse in (
+        ("vs torch_bf16, heads <= 32 (min speedup)", small, "vs_torch_bf16", TARGETS["speedup_small_heads"], min),
+        ("vs torch_bf16, heads 128 (min speedup)", big, "vs_torch_bf16", TARGETS["speedup_128_heads"], min),
+        (
+            "batch >= 32, % of binding roofline (min)",
+            large_batch,
+            "roofline_pct",
+            100 * TARGETS["roofline_batch32"],
+            min,
+        ),
+        ("batch 1, heads 128, graph us (max)", one, "fused_graph_us", TARGETS["batch1_128_heads_us"], max),
+    ):
+        if not group:
+            continue
+        value = worse(r[key] for r in group)
+        met = value <= goal if worse is max else value >= goal
+        lines.append(f"{name}: {value:.3g} (goal {goal:g}) {'met' if met else 'MISSED'}")
+    return lines
+
+
+COLUMNS = [
+    "batch", "q_len", "heads", "tokens", "head_tile", "splits", "sets",
+    "fused_graph_us", "fused_eager_us", "torch_bf16_graph_us", "torch_bf16_eager_us",
+    "torch_reader_graph_us", "torch_reader_eager_us", "vs_torch_bf16", "vs_torch_reader",
+    "fused_tflops", "bytes_pct", "flops_pct", "binding", "roofline_pct", "diff",
+]  # fmt: skip
+
+
+def write(rows: list[dict], ceilings: dict, lines: list[str], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "decode_bench.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+    def cell(value) -> str:
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+    md = [
+        f"# Fused sparse decode on {torch.cuda.get_device_name(0)}",
+        "",
+        f"copy ceiling {ceilings['copy'] / 1e12:.2f} TB/s, matmul ceiling {ceilings['matmul'] / 1e12:.0f} TFLOP/s",
+        "",
+        *[f"- {line}" for line in lines],
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+        *["| " + " | ".join(cell(r.get(c, "")) for c in COLUMNS) + " |" for r in rows],
+    ]
+    (out / "decode_bench.md").write_text("\n".join(md) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for decode_bench.csv and .md")
+    parser.add_argument("--quick", action="store_true", help="batch 1 and 64 only")
+    parser.add_argument(
+        "--head-tiles", action="store_true", help="also every head tile at 64 and 128 heads, fused only"
+    )
+    args = parser.parse_args()
+    reason = jit.gpu_unavailable_reason()
+    if reason:
+        raise SystemExit(f"bench_decode needs a GPU: {reason}")
+    torch.cuda.set_device(0)
+    g = torch.Generator().manual_seed(0)
+    ceilings = {"copy": copy_ceiling()}
+    torch.cuda.empty_cache()
+    ceilings["matmul"] = matmul_ceiling()
+    torch.cuda.empty_cache()
+    print(f"copy {ceilings['copy'] / 1e12:.2f} TB/s, matmul {ceilings['matmul'] / 1e12:.0f} TFLOP/s")
+    pools = Pools()
+    batches = (1, 64) if args.quick else (1, 8, 64, 128)
+    shapes = [(b, q, h, k) for b in batches for q in (1, 2) for h in (16, 64, 128) for k in (512, 1024)]
+    header = f"{'batch':>5} {'q':>2} {'heads':>5} {'tok':>5} {'tile':>4} {'spl':>3} {'fused':>8} {'bf16':>8} "
+    print(header + f"{'reader':>8} {'xbf16':>6} {'TF/s':>6} {'roof%':>6} {'diff':>8}")
+    rows = []
+    for shape in shapes:
+        r = measure(pools, shape, ceilings, g)
+        rows.append(r)
+        print(
+            f"{r['batch']:5d} {r['q_len']:2d} {r['heads']:5d} {r['tokens']:5d} {r.get('head_tile', 0):4d} "
+            f"{r.get('splits', 0):3d} {r['fused_graph_us']:8.1f} {r['torch_bf16_graph_us']:8.1f} "
+            f"{r['torch_reader_graph_us']:8.1f} {r['vs_torch_bf16']:6.2f} {r['fused_tflops']:6.1f} "
+            f"{r['roofline_pct']:6.1f} {r['diff']:8.2e}"
+        )
+    if args.head_tiles:
+        from cupy.cuda import runtime
+
+        optin = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, 0)
+        tiles = [t for t in decode.HEAD_TILES[1:] if decode.shared_bytes(t) <= optin]
+        for shape in [s for s in shapes if s[2] >= 64 and s[1] == 2]:
+            for tile in tiles:
+                r = measure(pools, shape, ceilings, g, head_tile=tile)
+                rows.append(r)
+                print(f"head tile {tile}: {shape} fused {r['fused_graph_us']:.1f} us, {r['fused_tflops']:.1f} TFLOP/s")
+    lines = verdicts(rows)
+    print("\n".join(lines))
+    write(rows, ceilings, lines, args.out)
+    print(f"wrote {args.out / 'decode_bench.csv'} and {args.out / 'decode_bench.md'}")
+
+
+if __name__ == "__main__":
+    main()

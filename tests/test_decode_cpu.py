@@ -1,0 +1,213 @@
+"""The fused decode without a GPU: every kernel compiles on every architecture without spills, the
+shared-memory and split plans, the CPU path (= the reference), validation of ``out``, and the
+custom op's fake implementation and tracing."""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import nvfp4_mla
+from nvfp4_mla import abi, decode, jit, reference
+from nvfp4_mla.testing import make_cache
+
+BF16 = torch.bfloat16
+SM_SCALE = abi.HEAD_DIM**-0.5
+SMALLEST_SHARED_OPTIN = 101_376  # bytes a block may opt in to on sm_86/89/120 (99 KiB); more on sm_80/90/100
+SM80_SHARED_OPTIN = 166_912
+
+
+# ---------------------------------------------------------------- compile
+
+
+@pytest.mark.parametrize("arch", jit.ARCHS)
+def test_every_decode_kernel_compiles_without_spills(arch):
+    pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install 'nvfp4-mla[cu12]')")
+    with ThreadPoolExecutor(os.cpu_count()) as pool:  # NVRTC releases the GIL
+        results = list(pool.map(lambda s: jit.compile_kernel(s, arch), decode.ALL_SPECS))
+    # NVRTC 13.0 drops the ptxas report of some compiles run in parallel: redo those serially.
+    results = [r if r.log else jit.compile_kernel(s, arch) for s, r in zip(decode.ALL_SPECS, results)]
+    if not all(r.log for r in results):
+        pytest.skip(f"NVRTC {jit.nvrtc_identity()} returned no ptxas report")
+    for spec, result in zip(decode.ALL_SPECS, results):
+        assert result.cubin[:4] == b"\x7fELF", spec
+        assert f"for '{arch}'" in result.log, result.log
+        assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{spec.describe()} on {arch}:\n{result.log}"
+        # 128 registers keep 512 threads a SM: 2 blocks of 32 heads, or 1 of 64
+        assert 0 < result.registers <= 128, f"{spec.describe()} on {arch}: {result.registers} registers"
+
+
+def test_spec_set_and_names():
+    assert {s.head_tile for s in decode.ALL_SPECS if s.kernel == "attend"} == set(decode.HEAD_TILES)
+    assert len(set(decode.ALL_SPECS)) == len(decode.ALL_SPECS) == len(decode.HEAD_TILES) + 1
+    assert decode.DecodeSpec.attend(32) is decode.DecodeSpec.attend(32)  # memoized: the hot path's keys
+    assert decode.DecodeSpec.attend(32).describe() == "decode heads/block=32"
+    assert decode.DecodeSpec.combine().template.function == "nvfp4_mla_decode_combine"
+    with pytest.raises(ValueError, match="head_tile must be one of"):
+        decode.DecodeSpec.attend(8)
+    for spec in decode.ALL_SPECS:
+        assert spec.template.params.size <= jit.PARAMS_CAPACITY
+        assert spec.template.threads == spec.threads
+
+
+# ---------------------------------------------------------------- plans
+
+
+def test_shared_memory_fits_every_gpu_it_is_chosen_for():
+    assert decode.shared_bytes(16) <= decode.shared_bytes(32) <= SMALLEST_SHARED_OPTIN  # every sm_80+ GPU
+    assert SMALLEST_SHARED_OPTIN < decode.shared_bytes(64) <= SM80_SHARED_OPTIN  # sm_80, sm_90, sm_100
+
+
+@pytest.mark.parametrize(
+    ("heads", "optin", "tile"),
+    [
+        (1, SMALLEST_SHARED_OPTIN, 16),
+        (8, SMALLEST_SHARED_OPTIN, 16),
+        (16, SM80_SHARED_OPTIN, 16),
+        (20, SMALLEST_SHARED_OPTIN, 32),
+        (32, SMALLEST_SHARED_OPTIN, 32),
+        (64, SMALLEST_SHARED_OPTIN, 32),
+        (128, SMALLEST_SHARED_OPTIN, 32),
+        (64, SM80_SHARED_OPTIN, 64),
+        (128, 232_448, 64),
+    ],
+)
+def test_head_tile_choice(heads, optin, tile):
+    assert decode.choose_head_tile(heads, optin) == tile
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 8, 100, 131, 132, 133, 264, 1000])
+@pytest.mark.parametrize("num_tokens", [1, 31, 32, 33, 640, 1152, 2176])
+def test_split_covers_every_tile_once(blocks, num_tokens):
+    splits, per_split = decode.choose_split(blocks, num_tokens, 132)
+    num_tiles = -(-num_tokens // decode.BLOCK_N)
+    assert 1 <= splits <= num_tiles
+    assert (splits - 1) * per_split < num_tiles <= splits * per_split  # no empty split, no tile left over
+    if blocks % 132 == 0:
+        assert splits == 1  # whole waves already: no combine
+    assert decode.choose_split(blocks, num_tokens, 132) == (splits, per_split)
+
+
+def test_small_batches_are_split_to_fill_the_gpu():
+    # batch 1, 128 heads in 2 tiles of 64, 128 + 512 tokens (20 tiles), 132 SMs of one block each
+    splits, per_split = decode.choose_split(2, 640, 132)
+    assert (splits, per_split) == (20, 1)
+    # batch 64, q_len 2, 4 tiles of 32 heads, 2 blocks an SM: 512 blocks already fill it
+    assert decode.choose_split(512, 1152, 264) == (1, 36)
+
+
+# ---------------------------------------------------------------- the CPU path and validation
+
+
+def pool(num_pages, page_size, g, layout="3D", pad=0):
+    cache = make_cache(num_pages, page_size, layout, pad)
+    capacity = num_pages * page_size
+    rows = (torch.randn(capacity, abi.HEAD_DIM, generator=g)).to(BF16)
+    reference.nvfp4_quantize_append_sparse_mla_cache(rows, torch.arange(capacity), cache)
+    return cache, capacity
+
+
+def inputs(g, batch=2, q_len=3, heads=4):
+    swa_cache, swa_capacity = pool(4, 16, g)
+    extra_cache, extra_capacity = pool(3, 8, g, "HND", 32)
+    q = torch.randn(batch, q_len, heads, abi.HEAD_DIM, generator=g).to(BF16)
+    swa_slots = torch.randint(-2, swa_capacity + 2, (batch, q_len, 10), generator=g)
+    extra_slots = torch.randint(-2, extra_capacity + 2, (batch, q_len, 7), generator=g).int()
+    lens = torch.randint(-1, 9, (batch, q_len), generator=g, dtype=torch.int32)
+    return {
+        "q": q,
+        "swa_cache": swa_cache,
+        "swa_slots": swa_slots,
+        "swa_lens": lens,
+        "extra_cache": extra_cache,
+        "extra_slots": extra_slots,
+        "sm_scale": SM_SCALE,
+        "sinks": torch.randn(heads, generator=g),
+    }
+
+
+def test_cpu_path_is_the_reference(seed):
+    args = inputs(torch.Generator().manual_seed(seed))
+    q, swa_cache, swa_slots = args.pop("q"), args.pop("swa_cache"), args.pop("swa_slots")
+    got = nvfp4_mla.sparse_mla_decode(q, swa_cache, swa_slots, **args)
+    want = reference.sparse_mla_decode(q, swa_cache, swa_slots, **args)
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
+    out = torch.empty_like(q)
+    given = nvfp4_mla.sparse_mla_decode(q, swa_cache, swa_slots, out=out, **args)
+    assert given[0] is out and torch.equal(out.view(torch.int16), want[0].view(torch.int16))
+
+
+def test_validation_is_shared_with_the_reference(seed):
+    args = inputs(torch.Generator().manual_seed(seed))
+    q, swa_cache, swa_slots = args.pop("q"), args.pop("swa_cache"), args.pop("swa_slots")
+    for bad, match in [
+        ({"sm_scale": float("nan")}, "sm_scale must be a finite"),
+        ({"swa_lens": args["swa_lens"].long()}, "swa_lens must have dtype torch.int32"),
+        ({"extra_cache": None}, "extra_cache and extra_slots come together"),
+        ({"sinks": args["sinks"][:-1]}, "sinks must be a contiguous"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            nvfp4_mla.sparse_mla_decode(q, swa_cache, swa_slots, **{**args, **bad})
+        with pytest.raises(ValueError, match=match):
+            reference.sparse_mla_decode(q, swa_cache, swa_slots, **{**args, **bad})
+
+
+def test_out_is_validated(seed):
+    args = inputs(torch.Generator().manual_seed(seed))
+    q, swa_cache, swa_slots = args.pop("q"), args.pop("swa_cache"), args.pop("swa_slots")
+    cases = [
+        (torch.empty(q.shape, dtype=torch.float32), "out must have dtype torch.bfloat16"),
+        (torch.empty((*q.shape[:-1], 256), dtype=BF16), "out must have q's shape"),
+        (torch.empty((*q.shape[:-1], 1024), dtype=BF16)[..., ::2], "out must be contiguous"),
+        (q, "q overlaps out"),
+        (torch.empty(q.shape, dtype=BF16, requires_grad=True), "requires grad"),
+    ]
+    for out, match in cases:
+        with pytest.raises(ValueError, match=match):
+            nvfp4_mla.sparse_mla_decode(q, swa_cache, swa_slots, out=out, **args)
+
+
+# ---------------------------------------------------------------- custom op
+
+
+def test_fake_implementations_give_the_output_shapes():
+    q = torch.empty(3, 2, 16, abi.HEAD_DIM, dtype=BF16, device="meta")
+    cache = torch.empty(4, 64, abi.RECORD_BYTES, dtype=torch.uint8, device="meta")
+    slots = torch.empty(3, 2, 100, dtype=torch.int32, device="meta")
+    out, lse = torch.ops.nvfp4_mla.sparse_mla_decode(q, cache, slots, None, None, None, None, SM_SCALE, None)
+    assert out.shape == q.shape and out.dtype == BF16 and out.device.type == "meta"
+    assert lse.shape == (3, 2, 16) and lse.dtype == torch.float32
+    lse = torch.ops.nvfp4_mla.sparse_mla_decode_out(q, cache, slots, None, None, None, None, SM_SCALE, None, out)
+    assert lse.shape == (3, 2, 16) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("with_out", [False, True])
+def test_compile_traces_without_graph_break(seed, with_out):
+    """fullgraph=True fails on any graph break; the traced op then runs the CPU path."""
+    torch._dynamo.reset()
+    args = inputs(torch.Generator().manual_seed(seed))
+    q, swa_cache, swa_slots = args.pop("q"), args.pop("swa_cache"), args.pop("swa_slots")
+
+    def step(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, sinks):
+        out = torch.empty_like(q) if with_out else None
+        o, lse = nvfp4_mla.sparse_mla_decode(
+            q,
+            swa_cache,
+            swa_slots,
+            swa_lens=swa_lens,
+            extra_cache=extra_cache,
+            extra_slots=extra_slots,
+            sm_scale=SM_SCALE,
+            sinks=sinks,
+            out=out,
+        )
+        return o * 2, lse
+
+    traced = torch.compile(step, fullgraph=True, backend="aot_eager")
+    tensors = (args["swa_lens"], args["extra_cache"], args["extra_slots"], args["sinks"])
+    got = traced(q, swa_cache, swa_slots, *tensors)
+    want = step(q, swa_cache, swa_slots, *tensors)
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))

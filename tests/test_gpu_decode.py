@@ -1,0 +1,390 @@
+"""The fused sparse decode on the GPU against the reference computed in float64.
+
+Tolerances (issue 13): ``out`` within ``2^-7 |ref| + 2^-8 sum_j w_j |row_j|`` (the sink factor
+included: the reference applies it to both), ``lse`` within ``1e-4 max(1, |lse|)``; lonely rows
+exactly 0 and +inf. Every check prints its measured maxima (``pytest -s`` shows them) and a failure
+names the worst element. Cases: every mask kind, one and two pools, sinks, lonely rows, every
+head count, q_len 1 and > 1, int32/int64 slots, page sizes and layouts, NaN records at masked
+positions, every head tile and split (both epilogues), determinism, CUDA graphs, ``out=``,
+torch.compile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import nvfp4_mla
+import nvfp4_mla.reference.decode as exact_decode
+from nvfp4_mla import abi, decode, jit, validation
+from nvfp4_mla.testing import make_cache
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+BF16 = torch.bfloat16
+SM_SCALE = (abi.HEAD_DIM + abi.ROPE_DIM) ** -0.5  # DeepSeek's 1/sqrt(576)
+OUT_REL, OUT_ABS = 2.0**-7, 2.0**-8
+LSE_REL = 1e-4
+
+
+class Pool:
+    """A GPU cache whose every slot holds a row written by the GPU writer: normal values with a
+    random power-of-two scale per group of 16 (so the E4M3 scales differ)."""
+
+    def __init__(self, num_pages: int, page_size: int, g: torch.Generator, layout: str = "3D", pad: int = 0):
+        self.cache = make_cache(num_pages, page_size, layout, pad, DEVICE)
+        self.capacity = num_pages * page_size
+        rows = torch.randn(self.capacity, abi.HEAD_DIM, generator=g)
+        groups = torch.randint(-2, 3, (self.capacity, abi.HEAD_DIM // abi.GROUP_SIZE), generator=g)
+        rows = (rows * torch.exp2(groups.float()).repeat_interleave(abi.GROUP_SIZE, 1)).to(BF16)
+        nvfp4_mla.nvfp4_quantize_append_sparse_mla_cache(
+            rows.to(DEVICE), torch.arange(self.capacity, device=DEVICE), self.cache
+        )
+
+    def slots(self, shape, g, dtype=torch.int64, invalid=0.0, low=0) -> torch.Tensor:
+        """Random slots in ``[low, capacity)``, a fraction ``invalid`` of them replaced by invalid ones
+        (negative, at and past the capacity, up to the int32 extremes)."""
+        slots = torch.randint(low, self.capacity, shape, generator=g)
+        bad_values = torch.tensor([-1, -5, self.capacity, self.capacity + 3, 2**31 - 1, -(2**31)])
+        bad = torch.rand(shape, generator=g) < invalid
+        slots = torch.where(bad, bad_values[torch.randint(0, len(bad_values), shape, generator=g)], slots)
+        return slots.to(dtype).to(DEVICE)
+
+    def poison(self, slot: int) -> None:
+        """The record at ``slot`` reads as NaN: NaN scales (0x7F) and NaN RoPE bits (0xFFFF)."""
+        data, scales = abi.record_views(self.cache, validation.check_cache(self.cache))
+        page, entry = divmod(slot, data.shape[1])
+        scales[page, entry, : abi.NUM_GROUPS] = 0x7F
+        data[page, entry, abi.NOPE_BYTES :] = 0xFF
+
+
+def queries(batch, q_len, heads, g):
+    return torch.randn(batch, q_len, heads, abi.HEAD_DIM, generator=g).to(BF16).to(DEVICE)
+
+
+def lengths(batch, q_len, k, g):
+    """int32 lengths from below 0 to above k (the clamp), 0 included."""
+    return torch.randint(-2, k + 3, (batch, q_len), generator=g, dtype=torch.int32).to(DEVICE)
+
+
+def run(q, pools, sm_scale=SM_SCALE, sinks=None, out=None):
+    """``nvfp4_mla.sparse_mla_decode`` on ``pools``, a list of one or two ``(Pool, slots, lens)``."""
+    (swa, swa_slots, swa_lens), *extra = pools
+    kwargs = {}
+    if extra:
+        pool, slots, lens = extra[0]
+        kwargs = {"extra_cache": pool.cache, "extra_slots": slots, "extra_lens": lens}
+    return nvfp4_mla.sparse_mla_decode(
+        q, swa.cache, swa_slots, swa_lens=swa_lens, sm_scale=sm_scale, sinks=sinks, out=out, **kwargs
+    )
+
+
+def exact(q, pools, sm_scale=SM_SCALE, sinks=None):
+    """float64 ``out``, ``lse`` and ``sum_j w_j |row_j|`` (times the sink factor) from the
+    reference's own steps (masked records are never read there either)."""
+    gathered = [exact_decode.gather_rows(p.cache, slots, lens, p.capacity) for p, slots, lens in pools]
+    rows = torch.cat([r for r, _ in gathered], dim=2)
+    live = torch.cat([m for _, m in gathered], dim=2)
+    scores = exact_decode.masked_scores(q, rows, live, sm_scale)
+    out, lse = exact_decode.attention_output(scores, rows, live, sinks)
+    magnitude, _ = exact_decode.attention_output(scores, rows.abs(), live, sinks)
+    return out, lse, magnitude
+
+
+def check(got, want, what: str) -> tuple[float, float]:
+    """Asserts the tolerances; returns (max out error / bound, max lse error / tolerance)."""
+    out, lse = got
+    want_out, want_lse, magnitude = want
+    assert out.dtype == BF16 and out.shape == want_out.shape, (out.dtype, out.shape)
+    assert lse.dtype == torch.float32 and lse.shape == want_lse.shape, (lse.dtype, lse.shape)
+    err = (out.double() - want_out).abs()
+    bound = OUT_REL * want_out.abs() + OUT_ABS * magnitude
+    ratio = torch.where(bound > 0, err / bound, torch.where(err > 0, math.inf, 0.0))  # nan err -> nan ratio
+    ratio = torch.nan_to_num(ratio, nan=math.inf)
+    worst = int(ratio.argmax())
+    out_ratio = float(ratio.flatten()[worst])
+    finite = torch.isfinite(want_lse)
+    lse_err = (lse.double() - want_lse).abs()
+    lse_ratio = torch.where(finite, lse_err / (LSE_REL * want_lse.abs().clamp(min=1.0)), 0.0)
+    lse_ratio = torch.nan_to_num(lse_ratio, nan=math.inf)
+    lse_worst = int(lse_ratio.argmax())
+    lse_max = float(lse_ratio.flatten()[lse_worst])
+    print(
+        f"{what}: out max err/bound {out_ratio:.3g} (max abs err {float(err.nan_to_num(math.inf).max()):.3g}), "
+        f"lse max err/tol {lse_max:.3g}"
+    )
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), out.shape))
+    assert out_ratio <= 1.0, (
+        f"{what}: out[{index}] = {float(out.flatten()[worst])}, reference {float(want_out.flatten()[worst])}, "
+        f"bound {float(bound.flatten()[worst]):.3g}: err/bound {out_ratio:.3g}"
+    )
+    lse_index = tuple(int(i) for i in torch.unravel_index(torch.tensor(lse_worst), lse.shape))
+    assert lse_max <= 1.0, (
+        f"{what}: lse[{lse_index}] = {float(lse.flatten()[lse_worst])}, "
+        f"reference {float(want_lse.flatten()[lse_worst])}: err/tol {lse_max:.3g}"
+    )
+    lonely = ~finite
+    assert torch.equal(lse[lonely], want_lse[lonely].float()), f"{what}: lonely rows must give lse = +inf"
+    return out_ratio, lse_max
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    view = torch.int16 if a.dtype == BF16 else torch.int32
+    return a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
+
+
+def head_tile_fits(head_tile: int) -> bool:
+    """Whether this GPU gives a block the attention kernel's shared memory for ``head_tile``."""
+    from cupy.cuda import runtime
+
+    optin = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, torch.cuda.current_device())
+    return decode.shared_bytes(head_tile) <= optin
+
+
+# ---------------------------------------------------------------- semantics
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
+def test_every_head_count_one_pool(seed, heads, q_len):
+    g = torch.Generator().manual_seed(seed)
+    pool = Pool(32, 64, g)
+    q = queries(2, q_len, heads, g)
+    pools = [(pool, pool.slots((2, q_len, 100), g), None)]  # 100: a partial last tile
+    check(run(q, pools), exact(q, pools), f"heads {heads} q_len {q_len}")
+
+
+@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize(
+    ("swa_geometry", "extra_geometry"),
+    [
+        ((64, 64, "3D", 0, torch.int64), (64, 2, "3D", 0, torch.int32)),
+        ((8, 256, "HND", 32, torch.int32), (16, 16, "NHD", 0, torch.int64)),
+        ((300, 1, "NHD", 16, torch.int64), (40, 64, "HND", 0, torch.int64)),
+    ],
+    ids=["64+2", "256+16", "1+64"],
+)
+def test_two_pools_every_mask_kind_and_sinks(seed, heads, swa_geometry, extra_geometry):
+    """Invalid slots (-1, negative, at and past the capacity, int32 extremes), lengths below 0, 0,
+    inside and above k, two pools of different page sizes, layouts and slot dtypes, sinks."""
+    g = torch.Generator().manual_seed(seed)
+    batch, q_len = 3, 2
+    pools = []
+    for (num_pages, page_size, layout, pad, dtype), k in ((swa_geometry, 128), (extra_geometry, 300)):
+        pool = Pool(num_pages, page_size, g, layout, pad)
+        pools.append((pool, pool.slots((batch, q_len, k), g, dtype, invalid=0.2), lengths(batch, q_len, k, g)))
+    q = queries(batch, q_len, heads, g)
+    sinks = (torch.randn(heads, generator=g) * 3).to(DEVICE)
+    check(run(q, pools, sinks=sinks), exact(q, pools, sinks=sinks), f"two pools heads {heads}, sinks")
+    check(run(q, pools), exact(q, pools), f"two pools heads {heads}")
+    check(run(q, pools[:1], sinks=sinks), exact(q, pools[:1], sinks=sinks), f"swa only heads {heads}, sinks")
+
+
+@pytest.mark.parametrize("sm_scale", [SM_SCALE, 0.5, 2e-3])
+def test_peaked_and_flat_softmax(seed, sm_scale):
+    g = torch.Generator().manual_seed(seed)
+    pool = Pool(16, 64, g)
+    q = queries(2, 2, 32, g)
+    pools = [(pool, pool.slots((2, 2, 512), g, invalid=0.1), None)]
+    check(run(q, pools, sm_scale), exact(q, pools, sm_scale), f"sm_scale {sm_scale}")
+
+
+def test_lonely_rows(seed):
+    """Rows with nothing live: lengths 0 in both pools, every slot invalid, an empty window with
+    a live extra pool (not lonely), with and without sinks."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(8, 64, g), Pool(8, 16, g)
+    batch, q_len, heads = 4, 2, 16
+    swa_slots, extra_slots = swa.slots((batch, q_len, 64), g), extra.slots((batch, q_len, 40), g, torch.int32)
+    swa_lens = torch.full((batch, q_len), 64, dtype=torch.int32, device=DEVICE)
+    extra_lens = torch.full((batch, q_len), 40, dtype=torch.int32, device=DEVICE)
+    swa_lens[0, 0] = extra_lens[0, 0] = 0  # lonely by lengths
+    swa_slots[1, 1] = -1  # lonely by invalid slots
+    extra_slots[1, 1] = extra.capacity
+    swa_lens[2, 0] = -4  # window empty, extra live
+    extra_lens[3, :] = 0  # extra empty, window live
+    pools = [(swa, swa_slots, swa_lens), (extra, extra_slots, extra_lens)]
+    q = queries(batch, q_len, heads, g)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    for s in (None, sinks):
+        got = run(q, pools, sinks=s)
+        check(got, exact(q, pools, sinks=s), f"lonely rows, sinks {s is not None}")
+        for b, i in ((0, 0), (1, 1)):
+            assert torch.equal(got[0][b, i], torch.zeros_like(got[0][b, i])), f"row {(b, i)} must be exactly 0"
+            assert torch.isinf(got[1][b, i]).all() and (got[1][b, i] > 0).all()
+        assert torch.isfinite(got[1][2:]).all()
+
+
+def test_a_table_of_nothing_but_invalid_slots(seed):
+    g = torch.Generator().manual_seed(seed)
+    pool = Pool(4, 64, g)
+    q = queries(2, 3, 64, g)
+    for slots in (torch.full((2, 3, 200), -1), torch.randint(pool.capacity, 2**62, (2, 3, 200), generator=g)):
+        out, lse = run(q, [(pool, slots.to(DEVICE), None)])
+        assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, torch.full_like(lse, math.inf))
+
+
+def test_nan_records_in_masked_positions_do_not_leak(seed):
+    """Entries past lens point at records whose scales and RoPE values are NaN: never read."""
+    g = torch.Generator().manual_seed(seed)
+    poisoned = 64
+    swa, extra = Pool(16, 64, g), Pool(16, 64, g)
+    for pool in (swa, extra):
+        for slot in range(poisoned):
+            pool.poison(slot)
+    batch, q_len, heads, k = 3, 2, 32, 96
+    pools = []
+    for pool in (swa, extra):
+        slots = pool.slots((batch, q_len, k), g, low=poisoned, invalid=0.1)
+        lens = torch.randint(0, k, (batch, q_len), generator=g, dtype=torch.int32)
+        past = torch.arange(k)[None, None, :] >= lens[..., None]
+        slots = torch.where(past.to(DEVICE), torch.randint(0, poisoned, slots.shape, generator=g).to(slots), slots)
+        pools.append((pool, slots, lens.to(DEVICE)))
+    q = queries(batch, q_len, heads, g)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    out, lse = got = run(q, pools, sinks=sinks)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    check(got, exact(q, pools, sinks=sinks), "NaN records past lens")
+    # the same records at live positions do reach the output (so the records really are NaN)
+    (pool, slots, lens), _ = pools
+    out, _ = run(q, [(pool, slots, None)])
+    assert torch.isnan(out).any()
+
+
+def test_decode_shapes_of_the_benchmark(seed):
+    """128 window + 1024 compressed selections, 128 heads, q_len 2, with lengths."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(64, 64, g), Pool(256, 64, g)
+    batch, q_len, heads = 4, 2, 128
+    pools = [
+        (swa, swa.slots((batch, q_len, 128), g, torch.int32), lengths(batch, q_len, 128, g)),
+        (extra, extra.slots((batch, q_len, 1024), g, torch.int32, invalid=0.05), lengths(batch, q_len, 1024, g)),
+    ]
+    q = queries(batch, q_len, heads, g)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    check(run(q, pools, sinks=sinks), exact(q, pools, sinks=sinks), "benchmark shape")
+
+
+# ---------------------------------------------------------------- head tiles and splits
+
+
+def planned(q, pools, head_tile, num_splits, sinks=None):
+    """The decode with a forced head tile and split count."""
+    rows, heads = q.shape[0] * q.shape[1], q.shape[2]
+    num_tokens = sum(slots.shape[2] for _, slots, _ in pools)
+    plan = decode.make_plan(q.get_device(), heads, rows, num_tokens, head_tile, num_splits)
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    args = [(p.cache, slots, lens, validation.check_cache(p.cache)) for p, slots, lens in pools]
+    extra = args[1] if len(args) > 1 else (None, None, None, None)
+    decode.launch(plan, q, out, lse, SM_SCALE, sinks, args[0], extra)
+    return plan, (out, lse)
+
+
+@pytest.mark.parametrize("heads", [8, 40, 64, 128])
+@pytest.mark.parametrize("head_tile", decode.HEAD_TILES)
+def test_every_head_tile_and_split(seed, heads, head_tile):
+    """Both epilogues (direct, and partials + combine) for each head tile, heads not a multiple of it."""
+    if not head_tile_fits(head_tile):
+        pytest.skip(f"this GPU's blocks cannot hold the shared memory of {head_tile} heads")
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(16, 64, g), Pool(16, 16, g)
+    batch, q_len = 2, 2
+    pools = [
+        (swa, swa.slots((batch, q_len, 128), g, invalid=0.1), lengths(batch, q_len, 128, g)),
+        (extra, extra.slots((batch, q_len, 200), g, torch.int32, invalid=0.1), None),
+    ]
+    q = queries(batch, q_len, heads, g)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    want = exact(q, pools, sinks=sinks)
+    num_tiles = -(-328 // decode.BLOCK_N)  # 11: splits of 6, 3 and 1 tiles below
+    for num_splits in (1, 2, 4, num_tiles):
+        plan, got = planned(q, pools, head_tile, num_splits, sinks)
+        assert plan.num_splits == num_splits and (plan.combine is None) == (num_splits == 1)
+        check(got, want, f"heads {heads} tile {head_tile} splits {num_splits}")
+
+
+def test_split_runs_are_bitwise_reproducible(seed):
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(16, 64, g), Pool(64, 64, g)
+    pools = [(swa, swa.slots((1, 1, 128), g), None), (extra, extra.slots((1, 1, 1024), g, invalid=0.05), None)]
+    q = queries(1, 1, 128, g)
+    sinks = torch.randn(128, generator=g).to(DEVICE)
+    first = run(q, pools, sinks=sinks)
+    key = (q.get_device(), 128, 1, 128, 1024)
+    assert decode._plans[key].num_splits > 1, "batch 1 must be split across blocks"
+    for _ in range(3):
+        again = run(q, pools, sinks=sinks)
+        assert bits_equal(again[0], first[0]) and bits_equal(again[1], first[1])
+    check(first, exact(q, pools, sinks=sinks), "batch 1 split")
+
+
+# ---------------------------------------------------------------- execution contract
+
+
+def test_out_argument(seed):
+    g = torch.Generator().manual_seed(seed)
+    pool = Pool(8, 64, g)
+    q = queries(2, 2, 16, g)
+    pools = [(pool, pool.slots((2, 2, 70), g, invalid=0.2), lengths(2, 2, 70, g))]
+    want = run(q, pools)
+    out = torch.full_like(q, math.nan)
+    got = run(q, pools, out=out)
+    assert got[0] is out and bits_equal(out, want[0]) and bits_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="q overlaps out"):
+        run(q, pools, out=q)
+    with pytest.raises(ValueError, match=r"out must have dtype torch\.bfloat16"):
+        run(q, pools, out=out.float())
+
+
+def test_graph_replay(seed):
+    """Captured once, replayed on new contents of the same tensors: the eager call's bits."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(16, 64, g), Pool(16, 16, g)
+    batch, q_len, heads = 1, 2, 64  # batch 1: splits, so the combine and its workspace are captured too
+    q = queries(batch, q_len, heads, g)
+    swa_slots, extra_slots = swa.slots((batch, q_len, 128), g), extra.slots((batch, q_len, 256), g, torch.int32)
+    swa_lens = lengths(batch, q_len, 128, g)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    pools = [(swa, swa_slots, swa_lens), (extra, extra_slots, None)]
+    run(q, pools, sinks=sinks)  # compile and plan outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        captured = run(q, pools, sinks=sinks)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        q.copy_(queries(batch, q_len, heads, g))
+        swa_slots.copy_(swa.slots((batch, q_len, 128), g, invalid=0.2))
+        swa_lens.copy_(lengths(batch, q_len, 128, g))
+        graph.replay()
+        want = run(q, pools, sinks=sinks)
+        torch.cuda.synchronize()
+        assert bits_equal(captured[0], want[0]) and bits_equal(captured[1], want[1])
+        check(captured, exact(q, pools, sinks=sinks), "graph replay")
+
+
+def test_torch_compile_matches_eager(seed):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(seed)
+    pool = Pool(8, 64, g)
+    q = queries(2, 1, 32, g)
+    slots = pool.slots((2, 1, 90), g, invalid=0.1)
+
+    def step(q, cache, slots):
+        out, lse = nvfp4_mla.sparse_mla_decode(q, cache, slots, sm_scale=SM_SCALE)
+        return out * 2, lse
+
+    compiled = torch.compile(step, fullgraph=True)
+    got, want = compiled(q, pool.cache, slots), step(q, pool.cache, slots)
+    assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+
+
+def test_kernels_do_not_spill_on_this_gpu():
+    index = torch.cuda.current_device()
+    for spec in decode.ALL_SPECS:
+        launcher = jit.kernel_cache().launcher(index, spec)
+        assert launcher.local_size_bytes == 0, f"{spec.describe()}: {launcher.local_size_bytes} bytes of local memory"
