@@ -17,7 +17,7 @@ from .ops import (
     nvfp4_quantize_pack_sparse_mla_cache,
     precompile,
 )
-from .reference import nvfp4_dequantize_sparse_mla_cache
+from .reader import nvfp4_dequantize_sparse_mla_cache
 
 __version__ = "0.1.0"
 

@@ -332,13 +332,13 @@ def check_dequantize(
 ) -> CacheGeometry:
     """``nvfp4_dequantize_sparse_mla_cache``. Its output is ``slots.shape + (512,)``, or
     ``[num_pages * page_size, 512]`` for ``slots=None``."""
-    check_tensors((cache,), ("cache",))
-    geometry = check_cache(cache)
+    geometry = check_cache(cache)  # checks that it is a tensor
     tensors, names = [cache], ["cache"]
     if slots is None:
         out_shape: tuple[int, ...] = (geometry.num_pages * geometry.page_size, abi.HEAD_DIM)
     else:
-        check_tensors((slots,), ("slots",))
+        if not isinstance(slots, torch.Tensor):  # on every decode step: the loop only when it fails
+            check_tensors((slots,), ("slots",))
         if slots.dtype not in _SLOT_DTYPES:
             _fail(f"slots must have dtype torch.int32 or torch.int64, got {slots.dtype}")
         if not slots.is_contiguous():
@@ -351,7 +351,8 @@ def check_dequantize(
     if type(invalid) not in (float, int):
         _fail(f"invalid must be a Python float (the value of the rows of invalid slots), got {invalid!r}")
     if out is not None:
-        check_tensors((out,), ("out",))
+        if not isinstance(out, torch.Tensor):
+            check_tensors((out,), ("out",))
         if out.dtype != dtype:
             _fail(f"out must have the dtype asked for ({dtype}), got {out.dtype}")
         if tuple(out.shape) != out_shape:

@@ -1,0 +1,230 @@
+"""The GPU reader: ``nvfp4_dequantize_sparse_mla_cache`` as one launch of ``kernels/nvfp4_mla_read.cu``.
+
+Semantics are docs/format.md section 8 and :func:`nvfp4_mla.reference.nvfp4_dequantize_sparse_mla_cache`,
+which defines the bits: CUDA tensors go to the kernel, other devices to that reference. A warm
+call does the checks of :mod:`validation`, at most one output allocation, one dict lookup and one
+launch on torch's current stream, with no host synchronisation (graph-capturable); none when
+there is no row to read.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from typing import NamedTuple
+
+import torch
+from torch.autograd.graph import increment_version
+
+from . import abi, jit, reference, validation
+from .jit import Template
+
+TEAM_THREADS = 16  # threads that read one row together (the kernel's TEAM)
+BLOCK_THREADS = 256
+ROWS_PER_TEAM = 2  # rows a team reads with all their loads in flight (1, 2, 4 measured alike on the H200)
+
+# kernels/nvfp4_mla_read.cu: Params is 3 pointers then 4 int64 (its static_assert checks the size).
+READ_TEMPLATE = Template("nvfp4_mla_read.cu", "nvfp4_mla_read", struct.Struct("<3Q4q"), BLOCK_THREADS)
+
+_F32_NAN, _BF16_NAN = 0x7FC00000, abi.BF16_NAN_BITS
+_F32_INF = 0x7F800000
+
+
+class ReaderVariant(NamedTuple):
+    """One specialization of the reader kernel."""
+
+    page_size: int
+    slot_int64: bool  # slots are int64 (else int32)
+    identity_slots: bool  # slots=None: row i reads slot i
+    out_fp32: bool  # the output is float32 (else bfloat16)
+    rows_per_team: int = ROWS_PER_TEAM
+
+    @property
+    def template(self) -> Template:
+        return READ_TEMPLATE
+
+    @staticmethod
+    @functools.cache
+    def of(page_size: int, slot_dtype: torch.dtype | None, dtype: torch.dtype) -> ReaderVariant:
+        """The variant of a call (arguments already validated); ``slot_dtype`` None for slots=None."""
+        return ReaderVariant(page_size, slot_dtype is torch.int64, slot_dtype is None, dtype is torch.float32)
+
+    @property
+    def rows_per_block(self) -> int:
+        return BLOCK_THREADS // TEAM_THREADS * self.rows_per_team
+
+    def defines(self) -> dict[str, int]:
+        """The kernel's ``-D`` constants of this variant."""
+        return {
+            "PAGE_SIZE": self.page_size,
+            "SLOT_INT64": int(self.slot_int64),
+            "IDENTITY_SLOTS": int(self.identity_slots),
+            "OUT_FP32": int(self.out_fp32),
+            "ROWS_PER_TEAM": self.rows_per_team,
+        }
+
+    def describe(self) -> str:
+        """A short human-readable name, e.g. ``read page_size=64 int32 -> bfloat16``."""
+        slots = "all slots" if self.identity_slots else "int64" if self.slot_int64 else "int32"
+        extra = f" rows_per_team={self.rows_per_team}" if self.rows_per_team != ROWS_PER_TEAM else ""
+        return f"read page_size={self.page_size} {slots} -> {'float32' if self.out_fp32 else 'bfloat16'}{extra}"
+
+
+def fill_pattern(invalid: float, out_fp32: bool) -> int:
+    """The 32-bit pattern of the rows of invalid slots: ``invalid`` rounded to fp32, then for BF16
+    to BF16 (nearest even both times; the BF16 bits twice), NaN canonical (docs/format.md section 8).
+
+    Plain Python (no tensor, no device work): it runs on every call.
+    """
+    x = float(invalid)
+    if x != x:
+        return _F32_NAN if out_fp32 else _BF16_NAN * 0x10001
+    try:
+        bits = struct.unpack("<I", struct.pack("<f", x))[0]  # C's double -> float: nearest even
+    except OverflowError:  # finite, but rounds past the fp32 maximum
+        bits = _F32_INF if x > 0 else _F32_INF | 1 << 31
+    if out_fp32:
+        return bits
+    bf16 = (bits + 0x7FFF + (bits >> 16 & 1)) >> 16  # nearest even; no NaN reaches here
+    return bf16 * 0x10001
+
+
+def launch(launcher: jit.Launcher, rows_per_block: int, device: int, cache, slots_ptr, out, geometry, num_rows, fill):
+    """One launch reading ``num_rows > 0`` rows into ``out`` (arguments already checked), on the
+    current stream of CUDA device ``device``; the kernel's ``Params`` in order."""
+    num_pages, page_size, page_stride = geometry
+    launcher.launch_grid(
+        -(-num_rows // rows_per_block),
+        1,
+        1,
+        0,
+        jit.current_raw_stream(device),
+        cache.data_ptr(),
+        slots_ptr,
+        out.data_ptr(),
+        page_stride,
+        num_pages * page_size,
+        num_rows,
+        fill,
+    )
+
+
+# Keyed on (device, page size, slot dtype or None, output dtype): the only lookup a warm call does.
+_kernels: dict[tuple, tuple[jit.Launcher, int]] = {}
+_NAN_FILLS = {torch.float32: _F32_NAN, torch.bfloat16: _BF16_NAN * 0x10001}
+
+
+def _dequantize_cuda(cache, slots, dtype, invalid, out):
+    # Lean on purpose: this is the whole host cost of a decode step's read (see the benchmark).
+    geometry = validation.check_dequantize(cache, slots, dtype, invalid, out, need_cuda=True)
+    given = out is not None
+    if slots is None:
+        num_rows = geometry[0] * geometry[1]
+        if out is None:
+            out = cache.new_empty((num_rows, abi.HEAD_DIM), dtype=dtype)
+        slot_dtype, slots_ptr = None, 0
+    else:
+        num_rows = slots.numel()
+        if out is None:
+            out = cache.new_empty((*slots.shape, abi.HEAD_DIM), dtype=dtype)
+        slot_dtype, slots_ptr = slots.dtype, slots.data_ptr()
+    if num_rows == 0:
+        return out
+    device = cache.get_device()
+    key = (device, geometry[1], slot_dtype, dtype)
+    found = _kernels.get(key)
+    if found is None:
+        variant = ReaderVariant.of(*key[1:])
+        found = _kernels[key] = (jit.kernel_cache().launcher(device, variant), variant.rows_per_block)
+    fill = _NAN_FILLS[dtype] if invalid != invalid else fill_pattern(invalid, dtype is torch.float32)
+    launch(found[0], found[1], device, cache, slots_ptr, out, geometry, num_rows, fill)
+    if given:
+        increment_version(out)  # written in place: autograd and views must see a new version
+    return out
+
+
+# ---------------------------------------------------------------- torch custom ops
+# So torch.compile traces the reader without a graph break; eager calls skip the dispatcher. At run
+# time the ops call the public entry (not compiling then), which sends CPU tensors to the reference.
+
+_Tensor = torch.Tensor
+
+
+@torch.library.custom_op("nvfp4_mla::dequantize", mutates_args=())
+def _dequantize_op(cache: _Tensor, slots: _Tensor | None, dtype: torch.dtype, invalid: float) -> _Tensor:
+    return nvfp4_dequantize_sparse_mla_cache(cache, slots, dtype=dtype, invalid=invalid)
+
+
+@_dequantize_op.register_fake
+def _(cache, slots, dtype, invalid):
+    if slots is None:
+        geometry = validation.check_cache(cache)
+        return cache.new_empty((geometry.num_pages * geometry.page_size, abi.HEAD_DIM), dtype=dtype)
+    return cache.new_empty((*slots.shape, abi.HEAD_DIM), dtype=dtype)
+
+
+@torch.library.custom_op("nvfp4_mla::dequantize_out", mutates_args=("out",))
+def _dequantize_out_op(cache: _Tensor, slots: _Tensor | None, dtype: torch.dtype, invalid: float, out: _Tensor) -> None:
+    nvfp4_dequantize_sparse_mla_cache(cache, slots, dtype=dtype, invalid=invalid, out=out)
+
+
+@_dequantize_out_op.register_fake
+def _(cache, slots, dtype, invalid, out):
+    return None
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def nvfp4_dequantize_sparse_mla_cache(
+    cache: torch.Tensor,
+    slots: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    invalid: float = float("nan"),
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reads records back as values: NoPE = E2M1 value x E4M3 scale, RoPE = the stored BF16.
+
+    On CUDA tensors this is one launch of a compiled gather kernel; on other devices it is
+    :func:`nvfp4_mla.reference.nvfp4_dequantize_sparse_mla_cache`. Both give the same bits for
+    every record content (docs/format.md section 8).
+
+    Parameters
+    ----------
+    cache
+        A cache view of docs/format.md section 3 (3-D, HND or NHD, padded pools included).
+    slots
+        Contiguous int32 or int64 slots (``page * page_size + entry``) of any shape, e.g. a decode
+        batch's top-k indices ``[batch, topk]``, on the cache's device. ``None`` reads every slot
+        in order.
+    dtype
+        ``torch.float32`` or ``torch.bfloat16``; both hold every value exactly.
+    invalid
+        The value of every element of the row of an invalid slot (negative, or not below
+        ``num_pages * page_size``). NaN (the default) is loud; attention over top-k lists padded
+        with -1 wants ``0.0``, because 0 x NaN is NaN.
+    out
+        Optional preallocated output: contiguous, ``slots.shape + (512,)``, of ``dtype``, on the
+        cache's device, sharing no memory with the cache or the slots. It is filled and returned.
+
+    Returns
+    -------
+    torch.Tensor
+        ``slots.shape + (512,)`` (``[num_pages * page_size, 512]`` for ``slots=None``) of ``dtype``.
+        Every NaN in it is the canonical quiet NaN of ``dtype``.
+
+    Raises
+    ------
+    ValueError
+        On any argument outside the contract (docs/format.md section 6), before anything is read
+        or written.
+    """
+    if _is_compiling():  # traced with fake tensors: the op checks its arguments when it runs
+        if out is None:
+            return torch.ops.nvfp4_mla.dequantize(cache, slots, dtype, invalid)
+        torch.ops.nvfp4_mla.dequantize_out(cache, slots, dtype, invalid, out)
+        return out
+    if isinstance(cache, torch.Tensor) and cache.is_cuda:
+        return _dequantize_cuda(cache, slots, dtype, invalid, out)
+    return reference.nvfp4_dequantize_sparse_mla_cache(cache, slots, dtype=dtype, invalid=invalid, out=out)
