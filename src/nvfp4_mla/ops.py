@@ -401,8 +401,9 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
         validation.check_flag(apply_q_rope, "apply_q_rope")
         validation.check_flag(q_inplace, "q_inplace")
         validation.check_q_options(q.shape[1], q_head_padded, q_inplace)
-        if q_inplace and q.requires_grad:  # (is_inference() cannot be traced: the op checks it when it runs)
-            validation.check_mutable(q, "q")
+        if q_inplace:
+            if q.requires_grad:  # (is_inference() cannot be traced: the op checks it when it runs)
+                validation.check_mutable(q, "q")
             torch.ops.nvfp4_mla.rope_quantize_insert_inplace(
                 q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope
             )
