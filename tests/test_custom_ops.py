@@ -63,6 +63,45 @@ def attention_pre_step(q, kv, cache, slots, positions, cos_sin, latent_scale):
     return q_out * 2
 
 
+@pytest.mark.parametrize("q_inplace", [True, False])
+def test_compiled_entry_dispatches_to_the_right_op(monkeypatch, q_inplace):
+    """On the CPU, with the reference standing in for the kernel path behind the ops: the traced
+    call reaches the op of its mode and gives the reference's bytes (q rotated once, in place)."""
+    from nvfp4_mla import ops
+
+    modes = []
+
+    def stand_in(q, kv, cache, slots, positions, cos_sin, q_head_padded, apply_q_rope, inplace):
+        modes.append(inplace)
+        return reference.cake_dsv4_nvfp4_rope_quantize_insert(
+            q,
+            kv,
+            cache,
+            slots,
+            positions,
+            cos_sin,
+            q_head_padded=q_head_padded,
+            apply_q_rope=apply_q_rope,
+            q_inplace=inplace,
+        )
+
+    monkeypatch.setattr(ops, "_rope_quantize_insert", stand_in)
+    torch._dynamo.reset()
+    q, kv = random_rows((9, 16, 512)), random_rows((9, 512))
+    rest = (random_slots(9, 64), torch.randint(0, 4096, (9,)), rope_table(4096))
+    qs, caches = [q.clone(), q.clone()], [make_cache(4, 16) for _ in range(2)]
+    options = {"q_inplace": q_inplace, "q_head_padded": 0 if q_inplace else 16}
+
+    def step(q, kv, cache, slots, positions, cos_sin):
+        return nvfp4_mla.cake_dsv4_nvfp4_rope_quantize_insert(q, kv, cache, slots, positions, cos_sin, **options) + 0
+
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(qs[0], kv, caches[0], *rest)
+    want = reference.cake_dsv4_nvfp4_rope_quantize_insert(qs[1], kv, caches[1], *rest, **options)
+    assert modes == [q_inplace]
+    assert torch.equal(bits(got), bits(want)) and torch.equal(bits(qs[0]), bits(qs[1]))
+    assert torch.equal(storage_bytes(caches[0]), storage_bytes(caches[1]))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_compiled_pre_step_matches_eager(seed, mode):
