@@ -151,6 +151,11 @@ __device__ __forceinline__ u32 a_fragment_address(const u16* base, int stride, i
     return shared_address(base + (row0 + (lane & 7) + (m & 1) * 8) * stride + col0 + (m >> 1) * 8);
 }
 
+// Tile t's record addresses: tokens is double-buffered by the parity of the tile index (the
+// copies of tile t + 1 start while tile t is computed), so every writer and reader of tile t
+// must pick its half here, the first tile of a split included (splits may begin on an odd tile).
+__device__ __forceinline__ u64* tile_tokens(u64* tokens, i64 tile) { return tokens + (tile & 1) * BN; }
+
 // Live entries of a row of a pool's table: lens clamped to [0, k], or k without lens.
 __device__ __forceinline__ i64 live_count(const int* lens, i64 k, i64 row) {
     if (k == 0 || lens == nullptr) return k;
@@ -365,20 +370,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 512 / THREADS) nvfp4_mla_d
     }
     float acc[ROW_BLOCKS][NT_PER_WARP][4] = {};
 
-    bool live = tile_begin < tile_end && start_tile(p, row, tile_begin, swa_live, extra_live, tokens, scales, raw);
+    bool live = tile_begin < tile_end &&
+                start_tile(p, row, tile_begin, swa_live, extra_live, tile_tokens(tokens, tile_begin), scales, raw);
     for (i64 tile = tile_begin; tile < tile_end; ++tile) {
-        const u64* tile_tokens = tokens + (tile & 1) * BN;
+        const u64* const this_tokens = tile_tokens(tokens, tile);
         cp_async_wait_all();
         __syncthreads();  // this tile's records and addresses are in; the last P.V is done with ks and ps
-        if (live) dequantize_tile(raw, tile_tokens, ks, warp, lane);
+        if (live) dequantize_tile(raw, this_tokens, ks, warp, lane);
         __syncthreads();  // ks is ready and raw is free for the next tile's copies
         const bool live_now = live;
         live = tile + 1 < tile_end &&
-               start_tile(p, row, tile + 1, swa_live, extra_live, tokens + ((tile + 1) & 1) * BN, scales, raw);
+               start_tile(p, row, tile + 1, swa_live, extra_live, tile_tokens(tokens, tile + 1), scales, raw);
         if (live_now) {  // block-uniform
             partial_scores(qs, ks, ss, warp, lane);
             __syncthreads();
-            online_softmax(ss, tile_tokens, ps, row_m, row_l, row_alpha, score_scale, warp, lane);
+            online_softmax(ss, this_tokens, ps, row_m, row_l, row_alpha, score_scale, warp, lane);
             __syncthreads();
             accumulate(ps, ks, row_alpha, acc, warp, lane);
         }
