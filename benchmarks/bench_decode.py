@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, decode, jit, validation
+from nvfp4_mla import abi, decode, launch, validation
 
 PAGE_SIZE = 64
 SWA_K = 128
@@ -351,7 +351,7 @@ def main() -> None:
         "--head-tiles", action="store_true", help="also every head tile at 64 and 128 heads, fused only"
     )
     args = parser.parse_args()
-    reason = jit.gpu_unavailable_reason()
+    reason = launch.gpu_unavailable_reason()
     if reason:
         raise SystemExit(f"bench_decode needs a GPU: {reason}")
     torch.cuda.set_device(0)

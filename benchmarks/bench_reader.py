@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, jit, reader, reference, validation
+from nvfp4_mla import abi, kernel_cache, launch, reader, reference, validation
 from nvfp4_mla.testing import make_cache, raw_bytes
 
 PAGE_SIZE = 64
@@ -143,7 +143,7 @@ def empty_kernel() -> Callable[[], None]:
     index = torch.cuda.current_device()
     with cupy.cuda.Device(index):
         function = cupy.RawKernel('extern "C" __global__ void empty() {}', "empty").kernel.ptr
-    return lambda: driver.launchKernel(function, 1, 1, 1, 32, 1, 1, 0, jit.current_raw_stream(index), 0, 0)
+    return lambda: driver.launchKernel(function, 1, 1, 1, 32, 1, 1, 0, launch.current_raw_stream(index), 0, 0)
 
 
 # ---------------------------------------------------------------- inputs
@@ -223,7 +223,7 @@ def run(device: torch.device) -> list[dict]:
     index = device.index or 0
     for per_team in (1, 2, 4):
         variant = reader.ReaderVariant.of(PAGE_SIZE, torch.int64, torch.bfloat16)._replace(rows_per_team=per_team)
-        launcher = jit.kernel_cache().launcher(index, variant)
+        launcher = kernel_cache.default().launcher(index, variant)
         calls = [
             lambda s=s, o=o, k=launcher, n=variant.rows_per_block: reader.launch(
                 k, n, index, cache, s.data_ptr(), o, geometry, rows, fill
@@ -300,7 +300,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for reader_bench.csv and reader_bench.md")
     args = parser.parse_args()
-    reason = jit.gpu_unavailable_reason()
+    reason = launch.gpu_unavailable_reason()
     if reason is not None:
         raise SystemExit(f"bench_reader: {reason}")
     device = torch.device("cuda", torch.cuda.current_device())

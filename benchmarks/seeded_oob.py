@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from nvfp4_mla import jit
+from nvfp4_mla import jit, kernel_cache, launch
 from nvfp4_mla.testing import random_rows
 from nvfp4_mla.variant import Variant
 
@@ -27,12 +27,12 @@ def main() -> None:
     assert source.count(BOUND) == 1, "the seeded mutation no longer matches the kernel source"
     jit._sources[variant.template.file] = source.replace(BOUND, "slot[j] > p.capacity")
     with tempfile.TemporaryDirectory() as directory:
-        launcher = jit.KernelCache([directory]).launcher(0, variant)
+        launcher = kernel_cache.KernelCache([directory]).launcher(0, variant)
         num_pages, page_size = 2, 16
         cache = torch.zeros(num_pages, page_size, 384, dtype=torch.uint8, device="cuda")
         rows = random_rows((1, 512), "cuda")
         slots = torch.tensor([num_pages * page_size], device="cuda")  # == capacity: one past the end
-        stream = jit.current_raw_stream(0)
+        stream = launch.current_raw_stream(0)
         launcher.launch(
             variant.blocks(1),
             stream,

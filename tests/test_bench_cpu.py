@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nvfp4_mla import jit, reference
+from nvfp4_mla import launch, reference
 from nvfp4_mla.bench import arms, ceilings, grid, inputs, probes, report, run, targets
 from nvfp4_mla.bench.grid import Row
 from nvfp4_mla.bench.plot import write_plot
@@ -19,7 +19,7 @@ from nvfp4_mla.bench.timing import rotation
 from nvfp4_mla.testing import rope_table
 
 PUBLISHED_CSV = Path(__file__).resolve().parents[1] / "docs" / "bench_h200.csv"
-GPU_USABLE = jit.gpu_unavailable_reason() is None
+GPU_USABLE = launch.gpu_unavailable_reason() is None
 
 # ---------------------------------------------------------------- grid and bytes model
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, jit, reference
+from nvfp4_mla import abi, launch, reference
 from nvfp4_mla.cli import SIGPIPE_EXIT, format_record, main
 from nvfp4_mla.testing import CANARY, make_cache, random_rows, rope_table
 
@@ -51,7 +51,7 @@ def test_info(capsys):
         assert word in out
     if not torch.cuda.is_available():
         assert "GPU:   no GPU" in out
-    why_not = jit.gpu_unavailable_reason()
+    why_not = launch.gpu_unavailable_reason()
     assert (f"GPU entries unavailable: {why_not}." in out) if why_not else ("unavailable" not in out)
 
 
@@ -75,7 +75,7 @@ def test_demo(capsys, tmp_path, force_cpu):
     saved = tmp_path / "demo.pt"
     assert main(["demo", "--save", str(saved)] + (["--cpu"] if force_cpu else [])) == 0
     out = capsys.readouterr().out
-    if force_cpu or jit.gpu_unavailable_reason():
+    if force_cpu or launch.gpu_unavailable_reason():
         assert "Ran nvfp4_mla.reference on the CPU, not the GPU kernels: " in out
     else:
         assert "Ran the fused GPU entry" in out and "reference on the CPU: yes" in out
@@ -285,7 +285,7 @@ def test_precompile_errors(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(jit.gpu_unavailable_reason() is None, reason="checks the message given without a usable GPU")
+@pytest.mark.skipif(launch.gpu_unavailable_reason() is None, reason="checks the message given without a usable GPU")
 def test_precompile_needs_arch_without_gpu(capsys):
     with pytest.raises(SystemExit):
         main(["precompile", "--heads", "8"])

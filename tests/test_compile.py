@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from nvfp4_mla import Geometry, abi, jit
+from nvfp4_mla import Geometry, abi, jit, kernel_cache
 from nvfp4_mla.variant import QMode, Variant
 
 pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install 'nvfp4-mla[cu12]')")
@@ -69,7 +69,7 @@ def test_gpu_kernel_resources():
     """Every variant loads on this GPU with no local memory (spills)."""
     index = torch.cuda.current_device()
     for variant in VARIANTS:
-        kernel = jit.kernel_cache().launcher(index, variant)
+        kernel = kernel_cache.default().launcher(index, variant)
         assert kernel.local_size_bytes == 0, f"{variant}: {kernel.local_size_bytes} bytes of local memory"
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, decode, jit, reference
+from nvfp4_mla import abi, decode, jit, launch, reference
 from nvfp4_mla.testing import make_cache
 
 BF16 = torch.bfloat16
@@ -47,7 +47,7 @@ def test_spec_set_and_names():
     with pytest.raises(ValueError, match="head_tile must be one of"):
         decode.DecodeSpec.attend(8)
     for spec in decode.ALL_SPECS:
-        assert spec.template.params.size <= jit.PARAMS_CAPACITY
+        assert spec.template.params.size <= launch.PARAMS_CAPACITY
         assert spec.template.threads == spec.threads
 
 

@@ -18,7 +18,7 @@ import torch
 
 import nvfp4_mla
 import nvfp4_mla.reference.decode as exact_decode
-from nvfp4_mla import abi, decode, jit, validation
+from nvfp4_mla import abi, decode, kernel_cache, validation
 from nvfp4_mla.testing import make_cache
 
 pytestmark = pytest.mark.gpu
@@ -386,5 +386,5 @@ def test_torch_compile_matches_eager(seed):
 def test_kernels_do_not_spill_on_this_gpu():
     index = torch.cuda.current_device()
     for spec in decode.ALL_SPECS:
-        launcher = jit.kernel_cache().launcher(index, spec)
+        launcher = kernel_cache.default().launcher(index, spec)
         assert launcher.local_size_bytes == 0, f"{spec.describe()}: {launcher.local_size_bytes} bytes of local memory"

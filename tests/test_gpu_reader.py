@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, jit, reference, validation
+from nvfp4_mla import abi, kernel_cache, reference, validation
 from nvfp4_mla.reader import ReaderVariant
 from nvfp4_mla.testing import (
     ARG_NAMES,
@@ -422,5 +422,5 @@ def test_kernel_resources():
         for slot_dtype in (torch.int32, torch.int64, None):
             for dtype in DTYPES:
                 variant = ReaderVariant.of(page_size, slot_dtype, dtype)
-                launcher = jit.kernel_cache().launcher(index, variant)
+                launcher = kernel_cache.default().launcher(index, variant)
                 assert launcher.local_size_bytes == 0, f"{variant.describe()}: {launcher.local_size_bytes} bytes"

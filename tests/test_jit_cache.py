@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nvfp4_mla import Geometry, jit, precompile
+from nvfp4_mla import Geometry, jit, kernel_cache, launch, precompile
 
 pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install -e '.[cu12]')")
 
@@ -58,7 +58,7 @@ def build(layers, spec=VARIANT):
     """Builds in a fresh cache of ``layers``, returning (bytes, path, warnings' texts)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        data, path = jit.KernelCache(layers).build(spec, ARCH)
+        data, path = kernel_cache.KernelCache(layers).build(spec, ARCH)
     return data, path, [str(w.message) for w in caught]
 
 
@@ -68,7 +68,7 @@ def proves(data: bytes, spec) -> bool:
 
 def test_second_lookup_reuses_the_file(kdir, compiles):
     data, path, _ = build([kdir])
-    assert path == kdir / jit.KernelCache.file_name(jit.kernel_key(VARIANT, ARCH), ARCH)
+    assert path == kdir / kernel_cache.KernelCache.file_name(jit.kernel_key(VARIANT, ARCH), ARCH)
     assert data[:4] == b"\x7fELF" and proves(data, VARIANT)
     again, same, caught = build([kdir])
     assert (again, same, caught, len(compiles)) == (data, path, [], 1)
@@ -104,7 +104,7 @@ def test_damaged_file_is_refused_and_rebuilt(kdir, compiles, damage):
 
 
 def test_symlink_and_directory_with_a_cubins_name_are_misses(kdir, tmp_path, compiles):
-    name = jit.KernelCache.file_name(jit.kernel_key(VARIANT, ARCH), ARCH)
+    name = kernel_cache.KernelCache.file_name(jit.kernel_key(VARIANT, ARCH), ARCH)
     good, _, _ = build([tmp_path / "elsewhere"])
     (kdir / name).symlink_to(tmp_path / "elsewhere" / name)  # a link to a good kernel: still refused
     data, path, caught = build([kdir])
@@ -178,7 +178,7 @@ def test_no_writable_directory_compiles_in_memory_with_one_warning(tmp_path, com
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     before = set(Path(tempfile.gettempdir()).glob("nvfp4_mla-[!t]*"))
-    cache = jit.KernelCache([blocker / "kernels"])
+    cache = kernel_cache.KernelCache([blocker / "kernels"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = cache.build(VARIANT, ARCH)
@@ -192,7 +192,7 @@ def test_stale_temp_files_are_removed(kdir, compiles):
     stale, fresh = kdir / "tmpold.tmp", kdir / "tmpnew.tmp"
     stale.write_bytes(b"half")
     fresh.write_bytes(b"in flight")
-    old = time.time() - 2 * jit.STALE_TEMP_SECONDS
+    old = time.time() - 2 * kernel_cache.STALE_TEMP_SECONDS
     os.utime(stale, (old, old))
     build([kdir])
     assert not stale.exists() and fresh.exists()
@@ -201,7 +201,7 @@ def test_stale_temp_files_are_removed(kdir, compiles):
 def test_precompile_into_an_unusable_directory_raises_naming_it(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    with pytest.raises(jit.CacheError, match="a-file"):
+    with pytest.raises(kernel_cache.CacheError, match="a-file"):
         precompile([Geometry("kv", 16)], arch=ARCH, directory=blocker / "kernels")
 
 
@@ -252,7 +252,7 @@ def test_key_holds_the_full_nvrtc_identity():
 
 
 def test_concurrent_threads_compile_once(kdir, compiles):
-    cache, results, barrier = jit.KernelCache([kdir]), [], threading.Barrier(8)
+    cache, results, barrier = kernel_cache.KernelCache([kdir]), [], threading.Barrier(8)
 
     def worker():
         barrier.wait()
@@ -272,7 +272,7 @@ _CHILD = textwrap.dedent(
     """
     import json, os, sys, time, warnings
     import torch
-    from nvfp4_mla import Geometry, jit
+    from nvfp4_mla import Geometry, jit, kernel_cache
     compiled = []
     real = jit.compile_kernel
     jit.compile_kernel = lambda spec, arch, key=None: compiled.append(1) or real(spec, arch, key)
@@ -281,7 +281,8 @@ _CHILD = textwrap.dedent(
         time.sleep(0.001)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        data, path = jit.kernel_cache().build(Geometry("main", 16, 8, 16, slot_dtype=torch.int32).variant(), "sm_90")
+        spec = Geometry("main", 16, 8, 16, slot_dtype=torch.int32).variant()
+        data, path = kernel_cache.default().build(spec, "sm_90")
     print(json.dumps({"compiles": len(compiled), "path": str(path), "warnings": [str(w.message) for w in caught]}))
     """
 )
@@ -383,7 +384,7 @@ def test_missing_cupy_names_the_fix(monkeypatch):
         monkeypatch.setitem(modules, name, None)  # importing CuPy now fails
     monkeypatch.setattr(jit, "_nvrtc_identity", None)
     with pytest.raises(RuntimeError, match=r"need CuPy: install CuPy .*\.\[cu12\]"):
-        jit.Launcher(b"", VARIANT.template, 0)
+        launch.Launcher(b"", VARIANT.template, 0)
     with pytest.raises(RuntimeError, match=r"NVRTC is not available: install"):
         jit.compile_kernel(VARIANT, ARCH)
 

@@ -38,7 +38,7 @@ import math
 import torch
 
 from . import abi, fp8_cache, nvfp4_dequantize_sparse_mla_cache, nvfp4_quantize_append_sparse_mla_cache, reference
-from .jit import gpu_unavailable_reason
+from .launch import gpu_unavailable_reason
 from .reference.decode import attention_output, live_entries, masked_scores
 from .testing import rope_table
 

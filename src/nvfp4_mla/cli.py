@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import torch
 
-from . import __version__, abi, jit, reference, validation
+from . import __version__, abi, jit, kernel_cache, launch, reference, validation
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
@@ -92,7 +92,7 @@ def cache_summary(directory: Path) -> list[str]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    name, why_not = _gpu_name(), jit.gpu_unavailable_reason()
+    name, why_not = _gpu_name(), launch.gpu_unavailable_reason()
     print(f"nvfp4-mla {__version__}")
     print(f"GPU:   {name or 'no GPU'}")
     if why_not:
@@ -100,7 +100,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     for package, version in _versions().items():
         print(f"{package + ':':6} {version}")
     print("kernel cache, searched in order (NVFP4_MLA_CACHE_DIR, then the per-user default):")
-    for directory in jit.kernel_cache().layers:
+    for directory in kernel_cache.default().layers:
         print(f"  {directory}")
         print("\n".join(cache_summary(directory)))
     return 0
@@ -172,10 +172,10 @@ def cmd_precompile(args: argparse.Namespace) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     else:
-        why_not = jit.gpu_unavailable_reason()
+        why_not = launch.gpu_unavailable_reason()
         if why_not:
             parser.error(f"give --arch (e.g. --arch sm_90); no usable GPU to take it from: {why_not}")
-        archs = [jit.device_arch(torch.cuda.current_device())]
+        archs = [launch.device_arch(torch.cuda.current_device())]
 
     jobs = [(arch, g) for arch in archs for g in geometries]
     labels = [f"{arch} {g.variant().describe()}" for arch, g in jobs]
@@ -183,7 +183,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     for arch, g in _progress(jobs, labels):
         try:
             paths += precompile([g], arch=arch, directory=args.cache_dir)
-        except RuntimeError as exc:  # NVRTC missing, or --cache-dir cannot hold kernels (jit.CacheError)
+        except RuntimeError as exc:  # NVRTC missing, or --cache-dir cannot hold kernels (kernel_cache.CacheError)
             raise SystemExit(str(exc)) from None
         if paths[-1] is None:
             raise SystemExit(
@@ -313,7 +313,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     positions = torch.tensor([0, 1, 7, 63])
     inputs = (q, kv, cache, slots, positions, rope_table(64, "cpu"))
 
-    why_not = "--cpu was given" if args.cpu else jit.gpu_unavailable_reason()
+    why_not = "--cpu was given" if args.cpu else launch.gpu_unavailable_reason()
     if why_not:
         print(f"Ran nvfp4_mla.reference on the CPU, not the GPU kernels: {why_not}.")
         q_out = reference.cake_dsv4_nvfp4_rope_quantize_insert(*inputs, q_head_padded=q_head_padded)

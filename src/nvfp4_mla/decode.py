@@ -23,8 +23,9 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
-from . import abi, jit, reference, validation
+from . import abi, kernel_cache, reference, validation
 from .jit import Template
+from .launch import Launcher, current_raw_stream
 
 BLOCK_N = 32  # selected tokens a tile
 HEAD_TILES = (16, 32, 64)  # heads a block (threads: 8 a head); the largest that fits the GPU's shared memory
@@ -134,15 +135,15 @@ def choose_split(blocks: int, num_tokens: int, concurrent_blocks: int) -> tuple[
 class Plan(NamedTuple):
     """The launches of one call shape on one device."""
 
-    attend: jit.Launcher
-    combine: jit.Launcher | None  # None: no split
+    attend: Launcher
+    combine: Launcher | None  # None: no split
     spec: DecodeSpec
     blocks: int
     num_splits: int
     tiles_per_split: int
 
 
-def _device_numbers(index: int, spec: DecodeSpec, launcher: jit.Launcher) -> tuple[int, int]:
+def _device_numbers(index: int, spec: DecodeSpec, launcher: Launcher) -> tuple[int, int]:
     """(SMs, blocks of ``spec`` an SM holds at once) of device ``index``."""
     from cupy.cuda import driver, runtime
 
@@ -168,7 +169,7 @@ def make_plan(
         optin = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, index)
         head_tile = choose_head_tile(num_heads, optin)
     spec = DecodeSpec.attend(head_tile)
-    cache = jit.kernel_cache()
+    cache = kernel_cache.default()
     attend = cache.launcher(index, spec)
     blocks = rows * -(-num_heads // head_tile)
     num_tiles = -(-num_tokens // BLOCK_N)
@@ -239,7 +240,7 @@ def launch(plan: Plan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool) -> No
     geometry)``, all None for a missing extra pool. With splits, the fp32 workspace comes from
     torch's caching allocator on the current stream."""
     num_heads = q.shape[2]
-    stream = jit.current_raw_stream(q.get_device())
+    stream = current_raw_stream(q.get_device())
     sinks_ptr = 0 if sinks is None else sinks.data_ptr()
     partial_o = partial_ml = 0
     if plan.combine is not None:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
-from . import abi, jit, validation
+from . import abi, jit, kernel_cache, launch, validation
 from .reference import new_cache
 from .variant import Variant
 
@@ -74,11 +74,11 @@ def precompile(
     With ``arch`` ("sm_90", ...) the cubins are only compiled (no GPU needed) and their paths
     returned, one per unique kernel; otherwise they are also loaded on ``device`` (default:
     current), so the first real call does no compile and no file I/O. With ``directory`` they are
-    written into exactly that directory (``jit.CacheError`` when it cannot hold them); else into
+    written into exactly that directory (``kernel_cache.CacheError`` when it cannot hold them); else into
     the kernel cache's writable layer (docs/format.md section 11).
     """
     variants = list(dict.fromkeys((g if isinstance(g, Geometry) else Geometry(**g)).variant() for g in geometries))
-    cache = jit.kernel_cache()
+    cache = kernel_cache.default()
     target = None if directory is None else Path(directory)
     if arch is not None:
         jit.check_arch(arch)
@@ -87,20 +87,20 @@ def precompile(
     index = torch.cuda.current_device() if index is None else index
     if target is not None:
         for v in variants:
-            cache.build(v, jit.device_arch(index), target)
+            cache.build(v, launch.device_arch(index), target)
     return [cache.launcher(index, v) for v in variants]
 
 
 # One dict per entry, keyed on the call's device and the arguments that fix the kernel: the only
 # lookup a warm call does. A miss builds the Variant and loads (or compiles) its kernel.
-_main_kernels: dict[tuple, tuple[jit.Launcher, Variant]] = {}
-_kv_kernels: dict[tuple, tuple[jit.Launcher, Variant]] = {}
-_append_kernels: dict[tuple, tuple[jit.Launcher, Variant]] = {}
-_pack_kernels: dict[tuple, tuple[jit.Launcher, Variant]] = {}
+_main_kernels: dict[tuple, tuple[launch.Launcher, Variant]] = {}
+_kv_kernels: dict[tuple, tuple[launch.Launcher, Variant]] = {}
+_append_kernels: dict[tuple, tuple[launch.Launcher, Variant]] = {}
+_pack_kernels: dict[tuple, tuple[launch.Launcher, Variant]] = {}
 
 
-def _bind(table: dict, key: tuple, variant: Variant) -> tuple[jit.Launcher, Variant]:
-    found = table[key] = (jit.kernel_cache().launcher(key[0], variant), variant)
+def _bind(table: dict, key: tuple, variant: Variant) -> tuple[launch.Launcher, Variant]:
+    found = table[key] = (kernel_cache.default().launcher(key[0], variant), variant)
     return found
 
 
@@ -110,7 +110,7 @@ def _launch(
     num_pages, page_size, page_stride = geometry
     launcher.launch(
         variant.blocks(num_units),
-        jit.current_raw_stream(cache.get_device()),
+        launch.current_raw_stream(cache.get_device()),
         q,
         q_out,
         kv,

@@ -16,8 +16,9 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
-from . import abi, jit, reference, validation
+from . import abi, kernel_cache, reference, validation
 from .jit import Template
+from .launch import Launcher, current_raw_stream
 
 TEAM_THREADS = 16  # threads that read one row together (the kernel's TEAM)
 BLOCK_THREADS = 256
@@ -89,7 +90,7 @@ def fill_pattern(invalid: float, out_fp32: bool) -> int:
     return bf16 * 0x10001
 
 
-def launch(launcher: jit.Launcher, rows_per_block: int, device: int, cache, slots_ptr, out, geometry, num_rows, fill):
+def launch(launcher: Launcher, rows_per_block: int, device: int, cache, slots_ptr, out, geometry, num_rows, fill):
     """One launch reading ``num_rows > 0`` rows into ``out`` (arguments already checked), on the
     current stream of CUDA device ``device``; the kernel's ``Params`` in order."""
     num_pages, page_size, page_stride = geometry
@@ -98,7 +99,7 @@ def launch(launcher: jit.Launcher, rows_per_block: int, device: int, cache, slot
         1,
         1,
         0,
-        jit.current_raw_stream(device),
+        current_raw_stream(device),
         cache.data_ptr(),
         slots_ptr,
         out.data_ptr(),
@@ -110,7 +111,7 @@ def launch(launcher: jit.Launcher, rows_per_block: int, device: int, cache, slot
 
 
 # Keyed on (device, page size, slot dtype or None, output dtype): the only lookup a warm call does.
-_kernels: dict[tuple, tuple[jit.Launcher, int]] = {}
+_kernels: dict[tuple, tuple[Launcher, int]] = {}
 _NAN_FILLS = {torch.float32: _F32_NAN, torch.bfloat16: _BF16_NAN * 0x10001}
 
 
@@ -135,7 +136,7 @@ def _dequantize_cuda(cache, slots, dtype, invalid, out):
     found = _kernels.get(key)
     if found is None:
         variant = ReaderVariant.of(*key[1:])
-        found = _kernels[key] = (jit.kernel_cache().launcher(device, variant), variant.rows_per_block)
+        found = _kernels[key] = (kernel_cache.default().launcher(device, variant), variant.rows_per_block)
     fill = _NAN_FILLS[dtype] if invalid != invalid else fill_pattern(invalid, dtype is torch.float32)
     launch(found[0], found[1], device, cache, slots_ptr, out, geometry, num_rows, fill)
     if given:

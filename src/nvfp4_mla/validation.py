@@ -87,8 +87,7 @@ def check_mutable(t: torch.Tensor, name: str) -> None:
         )
     if t.is_inference() and not torch.is_inference_mode_enabled():
         _fail(
-            f"{name} is an inference tensor written in place outside inference mode; "
-            "call inside torch.inference_mode()"
+            f"{name} is an inference tensor written in place outside inference mode; call inside torch.inference_mode()"
         )
 
 

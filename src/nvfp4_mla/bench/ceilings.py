@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import jit
+from ..launch import current_raw_stream
 from .results import Ceilings, reason
 from .timing import Timer
 
@@ -30,7 +30,7 @@ def empty_kernel_launcher(device: torch.device) -> Callable[[object], None]:
         function = cupy.RawKernel(EMPTY_KERNEL_SOURCE, EMPTY_KERNEL_NAME).kernel.ptr
 
     def launch(_: object) -> None:
-        driver.launchKernel(function, 1, 1, 1, 32, 1, 1, 0, jit.current_raw_stream(index), 0, 0)
+        driver.launchKernel(function, 1, 1, 1, 32, 1, 1, 0, current_raw_stream(index), 0, 0)
 
     return launch
 

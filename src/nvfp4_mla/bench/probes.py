@@ -19,7 +19,7 @@ import torch
 
 import nvfp4_mla
 
-from .. import jit, ops
+from .. import jit, launch, ops
 from ..testing import rope_table
 from ..variant import Variant
 from .arms import fused_call
@@ -49,7 +49,7 @@ def first_call_probe(mode: str) -> dict[str, float]:
         row = PROBE_ROW
         variant = Variant.main(row.page_size, row.slot_dtype, row.num_heads, row.q_head_padded, True, False)
         began = time.perf_counter()
-        jit.compile_kernel(variant, jit.device_arch(device.index))
+        jit.compile_kernel(variant, launch.device_arch(device.index))
         report["compile_kernel_s"] = time.perf_counter() - began
     return report
 

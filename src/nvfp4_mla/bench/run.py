@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .. import jit, ops
+from .. import launch, ops
 from ..testing import rope_table
 from .arms import ARM_TITLES, Call, Library, compiled_reference, fused_call, same_outputs, unfused_call
 from .ceilings import measure_ceilings
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.first_call_probe:
         print(json.dumps(first_call_probe(args.first_call_probe)))
         return 0
-    unavailable = jit.gpu_unavailable_reason()
+    unavailable = launch.gpu_unavailable_reason()
     if unavailable is not None:
         raise SystemExit(f"nvfp4-mla bench needs a CUDA GPU (sm_80 or newer) with CuPy: {unavailable}")
 

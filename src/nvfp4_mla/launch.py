@@ -1,0 +1,130 @@
+"""Devices and launches: which GPU can run the kernels, and a loaded kernel's launch with raw pointers."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .jit import CUPY_FIX, MIN_ARCH, Template
+
+PARAMS_CAPACITY = 256  # bytes of the per-thread launch buffer; every template's Params fits
+
+
+def _cupy_driver() -> Any:
+    try:
+        from cupy.cuda import driver
+    except ImportError as exc:
+        raise RuntimeError(f"nvfp4_mla's GPU entries need CuPy: {CUPY_FIX} ({exc})") from exc
+    return driver
+
+
+def gpu_unavailable_reason(device_index: int | None = None) -> str | None:
+    """Why the GPU entries cannot run here (no CUDA device, one older than sm_80, or CuPy unable to
+    reach it), or None when they can. The one such check: tests, the CLI and the benchmark use it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
+    index = torch.cuda.current_device() if device_index is None else device_index
+    major, minor = torch.cuda.get_device_capability(index)
+    if major * 10 + minor < MIN_ARCH:
+        return f"GPU {index} is sm_{major}{minor}; the kernels need sm_80 or newer"
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CuPy missing, or its CUDA runtime unusable
+        return f"CuPy cannot reach the GPU: {exc}"
+    return None
+
+
+def device_arch(device_index: int) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major * 10 + minor < MIN_ARCH:
+        name = torch.cuda.get_device_name(device_index)
+        raise RuntimeError(f"{name} is sm_{major}{minor}; nvfp4_mla's kernels need an sm_80 or newer GPU")
+    return f"sm_{major}{minor}"
+
+
+def _stream_getter() -> Callable[[int], int]:
+    import torch
+
+    fast = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the handle, no Stream object
+    if fast is not None:
+        return fast
+    return lambda device_index: torch.cuda.current_stream(device_index).cuda_stream  # CPU-only builds
+
+
+current_raw_stream = _stream_getter()
+
+
+class _LaunchStorage(threading.local):
+    """Per-thread parameter buffer: cuLaunchKernel copies it at the call, so threads never share one."""
+
+    def __init__(self) -> None:
+        self.buffer = ctypes.create_string_buffer(PARAMS_CAPACITY)
+        self._pointers = (ctypes.c_void_p * 1)(ctypes.addressof(self.buffer))
+        self.argv = ctypes.addressof(self._pointers)
+
+
+_storage = _LaunchStorage()
+
+
+class Launcher:
+    """A kernel loaded on one device from verified bytes: packs the parameters and launches."""
+
+    __slots__ = ("_driver", "_module", "context", "function", "pack_into", "threads")
+
+    def __init__(self, cubin: bytes, template: Template, device_index: int):
+        assert template.params.size <= PARAMS_CAPACITY
+        self._driver = driver = _cupy_driver()
+        import cupy
+
+        # Load under the device's primary context, made current explicitly: a thread that has
+        # not touched CUDA yet has no current context, and cupy.cuda.Device would not set one.
+        previous = driver.ctxGetCurrent()
+        cupy.cuda.runtime.setDevice(device_index)
+        try:
+            self._module = cupy.cuda.function.Module()
+            self._module.load(cubin)  # the bytes that were verified: no second read of the file
+            self.function = self._module.get_function(template.function).ptr
+            self.context = driver.ctxGetCurrent()
+        finally:
+            driver.ctxSetCurrent(previous)
+        if template.max_shared_bytes > 48 * 1024:
+            attribute = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.funcSetAttribute(self.function, attribute, template.max_shared_bytes)
+        self.pack_into = template.params.pack_into
+        self.threads = template.threads
+
+    @property
+    def local_size_bytes(self) -> int:
+        """Local memory per thread (0 unless registers spilled)."""
+        driver = self._driver
+        return driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, self.function)
+
+    def launch(self, blocks: int, stream: int, *params: int) -> None:
+        """Launches ``blocks`` blocks on ``stream``; ``params`` are the kernel's Params fields."""
+        self.launch_grid(blocks, 1, 1, 0, stream, *params)
+
+    def launch_grid(self, gx: int, gy: int, gz: int, shared_bytes: int, stream: int, *params: int) -> None:
+        """Launches a ``gx x gy x gz`` grid with ``shared_bytes`` of dynamic shared memory."""
+        storage = _storage
+        self.pack_into(storage.buffer, 0, *params)
+        driver = self._driver
+        current = driver.ctxGetCurrent()
+        threads = self.threads
+        if current == self.context:
+            driver.launchKernel(self.function, gx, gy, gz, threads, 1, 1, shared_bytes, stream, storage.argv, 0)
+            return
+        # The tensors' GPU is not current here (another device, or a thread that has not used
+        # CUDA yet): launch under its context, then give the thread its own back.
+        driver.ctxSetCurrent(self.context)
+        try:
+            driver.launchKernel(self.function, gx, gy, gz, threads, 1, 1, shared_bytes, stream, storage.argv, 0)
+        finally:
+            driver.ctxSetCurrent(current)
