@@ -1,0 +1,404 @@
+"""Argument checks of SPEC.md section 6, shared by the reference and the kernel path.
+
+Every public entry calls one of the ``check_*`` functions before anything else happens. They
+raise ``ValueError`` with the phrases SPEC.md lists and return the geometry the caller needs, so
+the shapes are read once. ``need_cuda`` is True on the kernel path (CPU tensors are rejected)
+and False in the reference, which runs on any device.
+
+These run on every decode step of every layer: only attribute reads and comparisons, no
+allocation, no device synchronisation.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from .. import abi
+
+# NVFP4_MLA_CHECK=1 (read at import): every writer entry, kernel and reference, also runs
+# debug_check_rows, which synchronises with the device. Tests and notebooks may flip this attribute.
+DEBUG_CHECKS = os.environ.get("NVFP4_MLA_CHECK", "0") not in ("", "0")
+
+_BF16 = torch.bfloat16
+_SLOT_DTYPES = (torch.int32, torch.int64)
+_READ_DTYPES = (torch.float32, torch.bfloat16)  # what the reader and the decode reference return
+_CUDA_FIX = " (move it with .cuda(), or use nvfp4_mla.reference for CPU tensors)"
+
+
+class CacheGeometry(NamedTuple):
+    num_pages: int
+    page_size: int
+    page_stride: int  # bytes between pages; >= page_size * 384, a multiple of 16
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def check_tensors(tensors: tuple, names: tuple) -> None:
+    """Every argument is a torch tensor (a numpy array or a list gets a message naming it)."""
+    for t, name in zip(tensors, names):
+        if not isinstance(t, torch.Tensor):
+            kind = type(t)
+            _fail(f"{name} must be a torch.Tensor, got {kind.__module__}.{kind.__qualname__}")
+
+
+def check_flag(value: object, name: str) -> None:
+    """A real bool: a string like 'False' would be truthy."""
+    if type(value) is not bool:
+        _fail(f"{name} must be a bool, got {value!r}")
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """First and one-past-last byte of a contiguous tensor."""
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _check_disjoint(written: tuple[int, int], written_name: str, tensors: tuple, names: tuple) -> None:
+    """No input shares a byte with a tensor the call writes (on the GPU that would be a race)."""
+    lo, hi = written
+    if lo == hi:
+        return
+    for t, name in zip(tensors, names):
+        t_lo, t_hi = _extent(t)
+        if t_lo < hi and lo < t_hi:
+            _fail(f"{name} overlaps {written_name} in memory: the call writes {written_name}; pass separate tensors")
+
+
+def cache_extent(cache: torch.Tensor, geometry: CacheGeometry) -> tuple[int, int]:
+    """First and one-past-last byte of a checked cache view."""
+    num_pages, page_size, page_stride = geometry
+    start = cache.data_ptr()
+    return start, start + (num_pages and (num_pages - 1) * page_stride + page_size * abi.RECORD_BYTES)
+
+
+def check_mutable(t: torch.Tensor, name: str) -> None:
+    """A tensor the call writes in place must not be tracked by autograd or be an inference tensor
+    outside inference mode: the kernel's write would be invisible to either."""
+    if t.requires_grad:
+        _fail(
+            f"{name} is written in place but requires grad: autograd cannot see the kernel's write; "
+            f"pass {name}.detach()"
+        )
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        _fail(
+            f"{name} is an inference tensor written in place outside inference mode; call inside torch.inference_mode()"
+        )
+
+
+def _check_device(tensors: tuple, names: tuple, need_cuda: bool) -> None:
+    # get_device() is an int (-1 off CUDA): cheaper than building torch.device objects; the
+    # devices are only looked at closely when something is off, or off CUDA (the reference).
+    indices = [t.get_device() for t in tensors]
+    if indices[0] >= 0 and indices.count(indices[0]) == len(indices):
+        return
+    for t, name in zip(tensors, names):
+        if need_cuda and not t.is_cuda:
+            _fail(f"{name} must be a CUDA tensor, got one on {t.device}{_CUDA_FIX}")
+        if t.device != tensors[0].device:
+            _fail(
+                f"all tensors must be on the same CUDA device (or all on the CPU for the "
+                f"reference): {names[0]} is on {tensors[0].device}, {name} on {t.device}"
+            )
+
+
+def _check_aligned(tensors: tuple, names: tuple) -> None:
+    # The kernels move these with 16-byte vector accesses.
+    combined = 0
+    for t in tensors:
+        combined |= t.data_ptr()
+    if combined % abi.PAGE_ALIGN:
+        for t, name in zip(tensors, names):
+            if t.data_ptr() % abi.PAGE_ALIGN:
+                _fail(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x}); pass a fresh tensor")
+
+
+def check_cache(cache: torch.Tensor) -> CacheGeometry:
+    """Checks a cache view of SPEC section 3 and returns its geometry."""
+    if not isinstance(cache, torch.Tensor):
+        check_tensors((cache,), ("cache",))
+    if cache.dtype is not torch.uint8:
+        _fail(f"cache must have dtype torch.uint8, got {cache.dtype}")
+    shape, strides = cache.shape, cache.stride()
+    ndim = len(shape)
+    if ndim == 3:
+        page_axis = 1
+    elif ndim == 4 and shape[1] == 1:
+        page_axis = 2  # HND
+    elif ndim == 4 and shape[2] == 1:
+        page_axis = 1  # NHD
+    elif ndim == 4:
+        _fail(
+            f"cache must have a singleton latent-head dimension: HND [num_pages, 1, page_size, 384] "
+            f"or NHD [num_pages, page_size, 1, 384], got {list(shape)}"
+        )
+    if ndim not in (3, 4) or shape[-1] != abi.RECORD_BYTES or shape[page_axis] < 1:
+        _fail(
+            "cache must be [num_pages, page_size, 384], HND [num_pages, 1, page_size, 384] or "
+            f"NHD [num_pages, page_size, 1, 384] with page_size >= 1, got {list(shape)}"
+        )
+    num_pages, page_size = shape[0], shape[page_axis]
+    if strides[-1] != 1 or (page_size > 1 and strides[page_axis] != abi.RECORD_BYTES):
+        _fail(
+            "cache must keep each page's page_size * 384 bytes contiguous (stride(-1) == 1 and "
+            f"page-size axis stride 384), got strides {list(strides)}"
+        )
+    page_stride = strides[0] if num_pages > 1 else page_size * abi.RECORD_BYTES
+    if page_stride % abi.PAGE_ALIGN:
+        _fail(f"cache page stride must be a multiple of 16 bytes, got {page_stride}")
+    if page_stride < page_size * abi.RECORD_BYTES:
+        _fail(f"cache pages overlap: page stride {page_stride} < page_size * 384 = {page_size * 384}")
+    return CacheGeometry(num_pages, page_size, page_stride)
+
+
+def _check_slots(slot_mapping: torch.Tensor, num_rows: int) -> None:
+    if slot_mapping.dtype not in _SLOT_DTYPES:
+        _fail(f"slot_mapping must have dtype torch.int32 or torch.int64, got {slot_mapping.dtype}")
+    shape = slot_mapping.shape
+    if len(shape) != 1 or not slot_mapping.is_contiguous():
+        _fail(f"slot_mapping must be a contiguous 1D tensor, got shape {list(shape)}")
+    if shape[0] > num_rows:
+        _fail(
+            f"slot_mapping must hold at most one slot per token row (never longer than the rows): "
+            f"{shape[0]} slots for {num_rows} rows"
+        )
+
+
+def _check_kv_rows(kv: torch.Tensor, name: str) -> int:
+    """Checks BF16 ``[rows, 512]`` and returns the number of rows."""
+    if kv.dtype is not _BF16:
+        _fail(f"{name} must have dtype torch.bfloat16, got {kv.dtype}")
+    shape = kv.shape
+    if len(shape) != 2 or shape[1] != abi.HEAD_DIM:
+        _fail(f"{name} must be [num_tokens, 512], got {list(shape)}")
+    if not kv.is_contiguous():
+        _fail(f"{name} must be contiguous")
+    return shape[0]
+
+
+def _check_rope_inputs(positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_rows: int) -> None:
+    if positions.dtype is not torch.int64:
+        _fail(
+            f"positions must have dtype torch.int64, got {positions.dtype} "
+            "(int32 is rejected, never converted: a conversion would be a hidden launch)"
+        )
+    shape = positions.shape
+    if len(shape) != 1 or not positions.is_contiguous():
+        _fail(f"positions must be a contiguous 1D tensor, got shape {list(shape)}")
+    if shape[0] != num_rows:
+        _fail(f"positions must hold one entry per token row: {shape[0]} for {num_rows} rows")
+    if cos_sin_cache.dtype is not torch.float32:
+        _fail(f"cos_sin_cache must have dtype torch.float32, got {cos_sin_cache.dtype}")
+    shape = cos_sin_cache.shape
+    if len(shape) != 2 or shape[1] != abi.ROPE_DIM:
+        _fail(f"cos_sin_cache must be [max_position, 64], got {list(shape)}")
+    if not cos_sin_cache.is_contiguous():
+        _fail("cos_sin_cache must be contiguous")
+
+
+def check_q_options(num_heads: int, q_head_padded, q_inplace: bool) -> None:
+    """The query options against ``num_heads`` (also what precompile's Geometry checks)."""
+    if type(q_head_padded) is not int or (q_head_padded != 0 and q_head_padded not in abi.Q_HEAD_PADDINGS):
+        _fail(f"q_head_padded must be 0 or one of {abi.Q_HEAD_PADDINGS}, got {q_head_padded!r}")
+    if q_head_padded and q_head_padded < num_heads:
+        _fail(f"q_head_padded must be at least the number of query heads: {q_head_padded} < {num_heads}")
+    if q_inplace:
+        if num_heads not in abi.Q_HEAD_PADDINGS:
+            _fail(f"q_inplace needs num_heads in {abi.Q_HEAD_PADDINGS} (got {num_heads}); pass q_head_padded instead")
+        if q_head_padded not in (0, num_heads):
+            _fail(
+                f"q_inplace needs q_head_padded to be 0 or num_heads ({num_heads}): in place there is "
+                f"no head padding, got {q_head_padded}"
+            )
+
+
+def check_main(
+    q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace, need_cuda
+) -> CacheGeometry:
+    """``cake_dsv4_nvfp4_rope_quantize_insert``."""
+    tensors = (q, kv, cache, slot_mapping, positions, cos_sin_cache)
+    names = ("q", "kv", "cache", "slot_mapping", "positions", "cos_sin_cache")
+    check_tensors(tensors, names)
+    check_flag(apply_q_rope, "apply_q_rope")
+    check_flag(q_inplace, "q_inplace")
+    if q.dtype is not _BF16:
+        _fail(f"q must have dtype torch.bfloat16, got {q.dtype}")
+    shape = q.shape
+    if len(shape) != 3 or shape[2] != abi.HEAD_DIM:
+        _fail(f"q must be [num_tokens, num_heads, 512], got {list(shape)}")
+    if not q.is_contiguous():
+        _fail("q must be contiguous")
+    num_tokens, num_heads = shape[0], shape[1]
+    if num_heads < 1:
+        _fail("q must hold at least one head")
+    kv_rows = _check_kv_rows(kv, "kv")
+    if kv_rows != num_tokens:
+        _fail(f"kv must hold one row per query token: {kv_rows} rows for {num_tokens} tokens")
+    geometry = check_cache(cache)
+    _check_slots(slot_mapping, num_tokens)
+    _check_rope_inputs(positions, cos_sin_cache, num_tokens)
+    _check_device(tensors, names, need_cuda)
+    _check_aligned((q, kv, cache, cos_sin_cache), ("q", "kv", "cache", "cos_sin_cache"))
+    check_q_options(num_heads, q_head_padded, q_inplace)
+    check_mutable(cache, "cache")
+    _check_disjoint(cache_extent(cache, geometry), "cache", tensors[:2] + tensors[3:], names[:2] + names[3:])
+    if q_inplace:
+        check_mutable(q, "q")
+        _check_disjoint(_extent(q), "q", tensors[1:], names[1:])
+    if DEBUG_CHECKS:
+        debug_check_rows(slot_mapping, geometry.num_pages * geometry.page_size, positions, cos_sin_cache.shape[0])
+    return geometry
+
+
+def check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda) -> CacheGeometry:
+    """``cake_dsv4_nvfp4_kv_rope_quantize_insert``."""
+    tensors = (kv, cache, slot_mapping, positions, cos_sin_cache)
+    names = ("kv", "cache", "slot_mapping", "positions", "cos_sin_cache")
+    check_tensors(tensors, names)
+    num_rows = _check_kv_rows(kv, "kv")
+    geometry = check_cache(cache)
+    _check_slots(slot_mapping, num_rows)
+    _check_rope_inputs(positions, cos_sin_cache, num_rows)
+    _check_device(tensors, names, need_cuda)
+    _check_aligned((kv, cache, cos_sin_cache), ("kv", "cache", "cos_sin_cache"))
+    check_compress_ratio(compress_ratio)
+    check_mutable(cache, "cache")
+    _check_disjoint(cache_extent(cache, geometry), "cache", tensors[:1] + tensors[2:], names[:1] + names[2:])
+    if DEBUG_CHECKS:
+        capacity = geometry.num_pages * geometry.page_size
+        used = positions[: slot_mapping.shape[0]]  # only rows with a slot are inserted
+        debug_check_rows(slot_mapping, capacity, used, cos_sin_cache.shape[0], compress_ratio)
+    return geometry
+
+
+def check_compress_ratio(compress_ratio: object) -> None:
+    if type(compress_ratio) is not int or compress_ratio not in abi.COMPRESS_RATIOS:
+        _fail(f"compress_ratio must be one of {abi.COMPRESS_RATIOS}, got {compress_ratio!r}")
+
+
+def check_page_size(page_size: object) -> None:
+    if type(page_size) is not int or page_size < 1:
+        _fail(f"page_size must be a positive int, got {page_size!r}")
+
+
+def check_slot_dtype(slot_dtype: object) -> None:
+    if slot_dtype not in _SLOT_DTYPES:
+        _fail(f"slot_dtype must be torch.int32 or torch.int64, got {slot_dtype!r}")
+
+
+def check_append(latent_kv, slot_mapping, cache, need_cuda) -> CacheGeometry:
+    """``nvfp4_quantize_append_sparse_mla_cache``."""
+    check_tensors((latent_kv, slot_mapping, cache), ("latent_kv", "slot_mapping", "cache"))
+    num_rows = _check_kv_rows(latent_kv, "latent_kv")
+    geometry = check_cache(cache)
+    _check_slots(slot_mapping, num_rows)
+    _check_device((latent_kv, cache, slot_mapping), ("latent_kv", "cache", "slot_mapping"), need_cuda)
+    _check_aligned((latent_kv, cache), ("latent_kv", "cache"))
+    check_mutable(cache, "cache")
+    _check_disjoint(cache_extent(cache, geometry), "cache", (latent_kv, slot_mapping), ("latent_kv", "slot_mapping"))
+    if DEBUG_CHECKS:
+        debug_check_rows(slot_mapping, geometry.num_pages * geometry.page_size)
+    return geometry
+
+
+def check_pack(latent_kv, kv_layout, need_cuda) -> None:
+    """``nvfp4_quantize_pack_sparse_mla_cache``."""
+    check_tensors((latent_kv,), ("latent_kv",))
+    if latent_kv.dtype != _BF16:
+        _fail(f"latent_kv must have dtype torch.bfloat16, got {latent_kv.dtype}")
+    if latent_kv.dim() != 3 or latent_kv.shape[2] != abi.HEAD_DIM or latent_kv.shape[1] < 1:
+        _fail(f"latent_kv must be [num_pages, page_size, 512] with page_size >= 1, got {list(latent_kv.shape)}")
+    if not latent_kv.is_contiguous():
+        _fail("latent_kv must be contiguous")
+    _check_device((latent_kv,), ("latent_kv",), need_cuda)
+    _check_aligned((latent_kv,), ("latent_kv",))
+    if type(kv_layout) is not str or kv_layout not in abi.KV_LAYOUTS:
+        _fail(f"kv_layout must be one of {abi.KV_LAYOUTS}, got {kv_layout!r}")
+
+
+def check_dequantize(
+    cache: torch.Tensor,
+    slots: torch.Tensor | None,
+    dtype: object,
+    invalid: object,
+    out: torch.Tensor | None,
+    need_cuda: bool,
+) -> CacheGeometry:
+    """``nvfp4_dequantize_sparse_mla_cache``. Its output is ``slots.shape + (512,)``, or
+    ``[num_pages * page_size, 512]`` for ``slots=None``."""
+    geometry = check_cache(cache)  # checks that it is a tensor
+    tensors, names = [cache], ["cache"]
+    if slots is None:
+        out_shape: tuple[int, ...] = (geometry.num_pages * geometry.page_size, abi.HEAD_DIM)
+    else:
+        if not isinstance(slots, torch.Tensor):  # on every decode step: the loop only when it fails
+            check_tensors((slots,), ("slots",))
+        if slots.dtype not in _SLOT_DTYPES:
+            _fail(f"slots must have dtype torch.int32 or torch.int64, got {slots.dtype}")
+        if not slots.is_contiguous():
+            _fail("slots must be contiguous (pass slots.contiguous())")
+        tensors.append(slots)
+        names.append("slots")
+        out_shape = (*slots.shape, abi.HEAD_DIM)
+    if dtype not in _READ_DTYPES:
+        _fail(f"dtype must be torch.float32 or torch.bfloat16 (both hold every value exactly), got {dtype!r}")
+    if type(invalid) not in (float, int):
+        _fail(f"invalid must be a Python float (the value of the rows of invalid slots), got {invalid!r}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            check_tensors((out,), ("out",))
+        if out.dtype != dtype:
+            _fail(f"out must have the dtype asked for ({dtype}), got {out.dtype}")
+        if tuple(out.shape) != out_shape:
+            _fail(f"out must be slots.shape + (512,) = {list(out_shape)}, got {list(out.shape)}")
+        if not out.is_contiguous():
+            _fail("out must be contiguous")
+        check_mutable(out, "out")
+        tensors.append(out)
+        names.append("out")
+    _check_device(tuple(tensors), tuple(names), need_cuda)
+    _check_aligned((cache,) if out is None else (cache, out), ("cache", "out"))
+    if out is not None:
+        written = _extent(out)
+        _check_disjoint(written, "out", tuple(tensors[1:-1]), tuple(names[1:-1]))
+        cache_lo, cache_hi = cache_extent(cache, geometry)
+        if written[0] < written[1] and cache_lo < written[1] and written[0] < cache_hi:
+            _fail("cache overlaps out in memory: the call writes out; pass separate tensors")
+    return geometry
+
+
+def debug_check_rows(
+    slot_mapping, capacity: int, positions=None, max_position: int = 0, compress_ratio: int = 1
+) -> None:
+    """The NVFP4_MLA_CHECK=1 checks of the device's unchecked preconditions, naming the first bad
+    row: every RoPE row the call would read (``positions``: the rows it uses) is inside
+    cos_sin_cache, and no valid slot repeats. Copies the index tensors to the host (a
+    synchronisation): a debugging aid only."""
+    if positions is not None:
+        used = positions.cpu()
+        rope_rows = torch.div(used, compress_ratio, rounding_mode="floor") * compress_ratio
+        bad = ((used < 0) | (rope_rows >= max_position)).nonzero()
+        if bad.numel():
+            row = int(bad[0])
+            _fail(
+                f"NVFP4_MLA_CHECK: row {row} has position {int(used[row])}, outside cos_sin_cache "
+                f"[0, {max_position}) (compress_ratio {compress_ratio})"
+            )
+    first_row: dict[int, int] = {}
+    for row, slot in enumerate(slot_mapping.tolist()):
+        if 0 <= slot < capacity:
+            if slot in first_row:
+                _fail(
+                    f"NVFP4_MLA_CHECK: row {row} repeats slot {slot} of row {first_row[slot]}; "
+                    "a valid slot may appear once per call"
+                )
+            first_row[slot] = row
+
+
+# Checks of the attention entry, in their own module; they use the helpers above.
+from .decode import check_decode as check_decode  # noqa: E402
+from .decode import check_decode_out as check_decode_out  # noqa: E402

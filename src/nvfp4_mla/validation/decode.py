@@ -1,0 +1,144 @@
+"""Argument checks of ``sparse_mla_decode`` (docs/format.md section 9): its queries, up to two pools
+with their slot tables and lengths, ``sm_scale``, ``sinks`` and an optional ``out``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import abi
+from . import (
+    _BF16,
+    _SLOT_DTYPES,
+    CacheGeometry,
+    _check_aligned,
+    _check_device,
+    _check_disjoint,
+    _extent,
+    _fail,
+    cache_extent,
+    check_cache,
+    check_mutable,
+    check_tensors,
+)
+
+
+def _check_pool(
+    pool: str, cache: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor | None, batch: int, q_len: int
+) -> CacheGeometry:
+    """One pool of ``sparse_mla_decode``: its cache, its ``[batch, q_len, k]`` slot table and
+    optional int32 ``[batch, q_len]`` valid lengths."""
+    check_tensors((cache, slots), (f"{pool}_cache", f"{pool}_slots"))
+    try:
+        geometry = check_cache(cache)
+    except ValueError as exc:
+        raise ValueError(f"{pool}_cache: {exc}") from None
+    if slots.dtype not in _SLOT_DTYPES:
+        _fail(f"{pool}_slots must have dtype torch.int32 or torch.int64, got {slots.dtype}")
+    shape = slots.shape
+    if len(shape) != 3 or shape[0] != batch or shape[1] != q_len:
+        _fail(f"{pool}_slots must be [batch, q_len, k] = [{batch}, {q_len}, k] like q, got {list(shape)}")
+    if shape[2] < 1:
+        _fail(f"{pool}_slots must hold at least one slot per query row (k >= 1); mask entries with -1 or {pool}_lens")
+    if not slots.is_contiguous():
+        _fail(f"{pool}_slots must be contiguous (pass {pool}_slots.contiguous())")
+    if lens is not None:
+        check_tensors((lens,), (f"{pool}_lens",))
+        if lens.dtype is not torch.int32:
+            _fail(f"{pool}_lens must have dtype torch.int32, got {lens.dtype}")
+        if tuple(lens.shape) != (batch, q_len):
+            _fail(f"{pool}_lens must be [batch, q_len] = [{batch}, {q_len}], got {list(lens.shape)}")
+        if not lens.is_contiguous():
+            _fail(f"{pool}_lens must be contiguous")
+    return geometry
+
+
+def check_decode(
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa_slots: torch.Tensor,
+    swa_lens: torch.Tensor | None,
+    extra_cache: torch.Tensor | None,
+    extra_slots: torch.Tensor | None,
+    extra_lens: torch.Tensor | None,
+    sm_scale: object,
+    sinks: torch.Tensor | None,
+    need_cuda: bool,
+) -> tuple[CacheGeometry, CacheGeometry | None]:
+    """``sparse_mla_decode``: returns the geometry of the sliding-window pool and of the extra
+    pool (None without one)."""
+    check_tensors((q,), ("q",))
+    if q.dtype is not _BF16:
+        _fail(f"q must have dtype torch.bfloat16, got {q.dtype}")
+    shape = q.shape
+    if len(shape) != 4 or shape[3] != abi.HEAD_DIM:
+        _fail(f"q must be [batch, q_len, num_heads, 512], got {list(shape)}")
+    if not q.is_contiguous():
+        _fail("q must be contiguous")
+    batch, q_len, num_heads = shape[0], shape[1], shape[2]
+    if num_heads < 1:
+        _fail("q must hold at least one head")
+    swa = _check_pool("swa", swa_cache, swa_slots, swa_lens, batch, q_len)
+    tensors, names = [q, swa_cache, swa_slots], ["q", "swa_cache", "swa_slots"]
+    if swa_lens is not None:
+        tensors.append(swa_lens)
+        names.append("swa_lens")
+    extra = None
+    if extra_cache is None and extra_slots is None:
+        if extra_lens is not None:
+            _fail("extra_lens needs extra_cache and extra_slots")
+    elif extra_cache is None or extra_slots is None:
+        _fail("extra_cache and extra_slots come together: pass both, or neither")
+    else:
+        extra = _check_pool("extra", extra_cache, extra_slots, extra_lens, batch, q_len)
+        tensors += [extra_cache, extra_slots]
+        names += ["extra_cache", "extra_slots"]
+        if extra_lens is not None:
+            tensors.append(extra_lens)
+            names.append("extra_lens")
+    if not isinstance(sm_scale, (float, int)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
+        _fail(f"sm_scale must be a finite Python float, got {sm_scale!r}")
+    if sinks is not None:
+        check_tensors((sinks,), ("sinks",))
+        if sinks.dtype is not torch.float32:
+            _fail(f"sinks must have dtype torch.float32, got {sinks.dtype}")
+        if tuple(sinks.shape) != (num_heads,) or not sinks.is_contiguous():
+            _fail(f"sinks must be a contiguous [num_heads] = [{num_heads}] tensor, got {list(sinks.shape)}")
+        tensors.append(sinks)
+        names.append("sinks")
+    _check_device(tuple(tensors), tuple(names), need_cuda)
+    caches = (q, swa_cache) if extra_cache is None else (q, swa_cache, extra_cache)
+    _check_aligned(caches, ("q", "swa_cache", "extra_cache"))
+    return swa, extra
+
+
+def check_decode_out(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa: CacheGeometry,
+    extra_cache: torch.Tensor | None,
+    extra: CacheGeometry | None,
+) -> None:
+    """The optional ``out`` of ``sparse_mla_decode`` (after :func:`check_decode`): BF16 with q's
+    shape, contiguous, on q's device, 16-byte aligned, writable, sharing no memory with q or a cache."""
+    check_tensors((out,), ("out",))
+    if out.dtype is not _BF16:
+        _fail(f"out must have dtype torch.bfloat16, got {out.dtype}")
+    if out.shape != q.shape:
+        _fail(f"out must have q's shape {list(q.shape)}, got {list(out.shape)}")
+    if not out.is_contiguous():
+        _fail("out must be contiguous")
+    check_mutable(out, "out")
+    _check_device((q, out), ("q", "out"), need_cuda=False)  # q's device was checked with the rest
+    _check_aligned((out,), ("out",))
+    written = _extent(out)
+    _check_disjoint(written, "out", (q,), ("q",))
+    pools = [(swa_cache, swa, "swa_cache")] + (
+        [] if extra_cache is None or extra is None else [(extra_cache, extra, "extra_cache")]
+    )
+    for cache, geometry, name in pools:
+        lo, hi = cache_extent(cache, geometry)
+        if written[0] < written[1] and lo < written[1] and written[0] < hi:
+            _fail(f"{name} overlaps out in memory: the call writes out; pass separate tensors")
