@@ -1,7 +1,7 @@
-// Bit-exact numerics of SPEC.md section 4, shared by every kernel.
+// Bit-exact numerics of docs/format.md section 4, shared by every kernel.
 //
 // Self-contained (no CUDA headers) so NVRTC needs no include path. Every floating-point
-// operation is an explicit round-to-nearest intrinsic (flush-to-zero only where SPEC.md says so,
+// operation is an explicit round-to-nearest intrinsic (flush-to-zero only where docs/format.md says so,
 // in inline PTX): the bytes must not depend on compiler contraction or fast-math flags.
 #pragma once
 

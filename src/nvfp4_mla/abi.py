@@ -1,4 +1,4 @@
-"""The record ABI of the DeepSeek-V4 NVFP4 paged latent-KV cache (SPEC.md section 3), defined once.
+"""The record ABI of the DeepSeek-V4 NVFP4 paged latent-KV cache (docs/format.md section 3), defined once.
 
 A token's record is 384 bytes: a 352-byte data row (448 NoPE values as packed E2M1 codes, then the
 64 RoPE values as BF16) kept with the page's other data rows, and a 32-byte scale slot (28 E4M3

@@ -1,4 +1,4 @@
-"""Pure-torch reference of every entry: the definition of the correct bytes (SPEC.md sections 2-5).
+"""Pure-torch reference of every entry: the definition of the correct bytes (docs/format.md sections 2-5).
 
 Readable and vectorized over rows, heads and groups; runs on the CPU or on CUDA tensors, and
 every GPU entry is tested byte for byte against it.

@@ -1,4 +1,4 @@
-"""The numerics of the record, step by step (SPEC.md section 4): scalar formats, RoPE, NVFP4.
+"""The numerics of the record, step by step (docs/format.md section 4): scalar formats, RoPE, NVFP4.
 
 Vectorized pure torch on any device. fp32 operations that torch cannot express with one rounding
 (the fused multiply-add of RoPE) are emulated exactly in fp64.

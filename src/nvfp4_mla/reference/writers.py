@@ -1,4 +1,4 @@
-"""Reference writers: the four entries that quantize rows into the cache (SPEC.md sections 3 and 5)."""
+"""Reference writers: the four entries that quantize rows into the cache (docs/format.md sections 3 and 5)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _roped(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def cake_dsv4_nvfp4_rope_quantize_insert(
     q, kv, cache, slot_mapping, positions, cos_sin_cache, *, q_head_padded=0, apply_q_rope=True, q_inplace=False
 ):
-    """Reference of the main fused entry (SPEC section 5)."""
+    """Reference of the main fused entry (docs/format.md section 5)."""
     geometry = validation.check_main(
         q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace, need_cuda=False
     )

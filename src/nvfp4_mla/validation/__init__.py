@@ -1,7 +1,7 @@
-"""Argument checks of SPEC.md section 6, shared by the reference and the kernel path.
+"""Argument checks of docs/format.md section 6, shared by the reference and the kernel path.
 
 Every public entry calls one of the ``check_*`` functions before anything else happens. They
-raise ``ValueError`` with the phrases SPEC.md lists and return the geometry the caller needs, so
+raise ``ValueError`` with the phrases docs/format.md lists and return the geometry the caller needs, so
 the shapes are read once. ``need_cuda`` is True on the kernel path (CPU tensors are rejected)
 and False in the reference, which runs on any device.
 
@@ -118,7 +118,7 @@ def _check_aligned(tensors: tuple, names: tuple) -> None:
 
 
 def check_cache(cache: torch.Tensor) -> CacheGeometry:
-    """Checks a cache view of SPEC section 3 and returns its geometry."""
+    """Checks a cache view of docs/format.md section 3 and returns its geometry."""
     if not isinstance(cache, torch.Tensor):
         check_tensors((cache,), ("cache",))
     if cache.dtype is not torch.uint8:
