@@ -4,7 +4,8 @@
 # proof that memcheck sees a seeded out-of-bounds write, the soak and the benchmarks. Runs from
 # the source tree with $GPU_PYTHON (default python3, which must have torch and CuPy); full logs
 # under $OUT (default ./gpu-logs); a short table last. Exits non-zero when any step fails.
-#   STEPS="pytest sanitizers oob soak bench reader decode"  (default: all); TESTS: test paths (default tests)
+#   STEPS="pytest sanitizers oob soak bench reader decode"  (default: all); TESTS: test paths (default tests);
+#   STEP_TIMEOUT: seconds a step may take (default 900)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PYTHON:-python3}
@@ -19,7 +20,7 @@ failed=0
 step() {  # step NAME LOG EXPECTED_RC COMMAND...: runs, logs, records pass/fail and the log's last line
     local name=$1 log=$2 expected=$3; shift 3
     local start=$SECONDS
-    "$@" >>"$log" 2>&1
+    timeout "${STEP_TIMEOUT:-900}" "$@" >>"$log" 2>&1
     local rc=$?
     local verdict=ok
     [ "$rc" = "$expected" ] || { verdict=FAIL; failed=1; }
@@ -35,6 +36,13 @@ if wants sanitizers; then
         step "$tool" "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
             compute-sanitizer --tool "$tool" --error-exitcode 9 $PY benchmarks/sanitizer_workload.py
     done
+fi
+if wants sanitizers; then  # the reader and the attention kernel: invalid slots, masks, lonely rows, NaN records
+    step memcheck-rd "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_reader.py tests/test_gpu_decode.py \
+        -k "invalid or lonely or nan or two_pools or random or split"
+    step racecheck-d "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck \
+        --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_decode.py -k "lonely or two_pools"
 fi
 # The seeded out-of-bounds write must be reported (exit 9), else the sanitizer step proves nothing.
 wants oob && step seeded-oob "$OUT/seeded_oob.log" 9 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
