@@ -322,7 +322,7 @@ def test_output_shapes_of_empty_batch(padded):
 def test_concurrent_first_calls_compile_once(seed, tmp_path, monkeypatch):
     """16 threads make the first call of one new geometry at the same moment: the kernel is
     compiled once and every thread's call writes the reference's bytes."""
-    monkeypatch.setattr(jit, "_kernel_cache", kernel_cache.KernelCache([tmp_path / "kernels"]))  # as in a fresh process
+    monkeypatch.setattr(kernel_cache, "_default", kernel_cache.KernelCache([tmp_path / "kernels"]))  # a fresh process
     compiles, real_compile = [], jit.compile_kernel
 
     def counting_compile(spec, arch, key=None):
