@@ -8,7 +8,7 @@ import math
 import torch
 
 from .. import abi
-from . import (
+from .core import (
     _BF16,
     _SLOT_DTYPES,
     CacheGeometry,
