@@ -231,6 +231,16 @@ def test_precompile_counts_unique_kernels(tmp_path):
     assert progress == ["[1/1] sm_90 kv ratio 1 page_size=16 int64"]
 
 
+def test_precompile_reader_and_decode_kernels(tmp_path):
+    """--read builds the reader for both output dtypes, --decode every kernel of sparse_mla_decode
+    (three head tiles and the split combine)."""
+    argv = ["precompile", "--page-size", "16", "--read", "--decode", "--arch", "sm_90", "--cache-dir", str(tmp_path)]
+    done = run_module(*argv, env=cache_env(tmp_path / "unused"), capture_output=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == f"6 kernels ready in {tmp_path}"
+    assert len(list(tmp_path.glob("*.cubin"))) == 6
+
+
 def test_precompile_cache_dir_unusable(capsys, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

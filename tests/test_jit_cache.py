@@ -215,17 +215,33 @@ def test_precompile_counts_unique_kernels(kdir):
     assert len(paths) == 2 and all(p.parent == kdir for p in paths)
 
 
+def test_precompile_builds_the_reader_and_decode_kernels(kdir):
+    from nvfp4_mla import decode
+
+    paths = precompile(
+        [Geometry("read", 16, slot_dtype=None, dtype=torch.bfloat16), Geometry("decode"), Geometry("decode")],
+        arch=ARCH,
+        directory=kdir,
+    )
+    specs = (Geometry("read", 16, slot_dtype=None, dtype=torch.bfloat16).specs()[0], *decode.ALL_SPECS)
+    assert len(paths) == len(specs) == 5
+    for path, spec in zip(paths, specs):
+        assert path is not None and proves(path.read_bytes(), spec)
+
+
 @pytest.mark.parametrize(
     "geometry, match",
     [
         (Geometry("main", 64, 8, 12), "q_head_padded must be"),
-        (Geometry("decode", 64), "entry must be one of"),
+        (Geometry("prefill", 64), "entry must be one of"),
         (Geometry("kv", 0), "page_size must be a positive int"),
         (Geometry("kv", -3), "page_size must be a positive int"),
         (Geometry("kv", 16, compress_ratio=3), "compress_ratio must be one of"),
         (Geometry("kv", 16, slot_dtype="int64"), "slot_dtype must be torch.int32 or torch.int64"),  # type: ignore[arg-type]
         (Geometry("main", 16, 8, 16, apply_q_rope="False"), "apply_q_rope must be a bool"),  # type: ignore[arg-type]
         (Geometry("main", 16, 0, 16), "num_heads must be a positive int"),
+        (Geometry("read", 16, dtype=torch.float16), "dtype must be torch.float32 or torch.bfloat16"),
+        (Geometry("read", 0), "page_size must be a positive int"),
     ],
     ids=str,
 )

@@ -128,6 +128,12 @@ def _geometries(args: argparse.Namespace) -> list:
     geometries += [Geometry("kv", args.page_size, compress_ratio=r, slot_dtype=slot_dtype) for r in args.kv_ratio]
     if args.append:
         geometries.append(Geometry("append", args.page_size, slot_dtype=slot_dtype))
+    if args.read:
+        geometries += [
+            Geometry("read", args.page_size, slot_dtype=slot_dtype, dtype=d) for d in validation._READ_DTYPES
+        ]
+    if args.decode:
+        geometries.append(Geometry("decode"))
     return geometries
 
 
@@ -158,11 +164,11 @@ def cmd_precompile(args: argparse.Namespace) -> int:
         parser.error("--q-head-padded and --inplace describe the main entry: give --heads too")
     geometries = _geometries(args)
     if not geometries:
-        parser.error("nothing to build: give --heads (main entry), --kv-ratio and/or --append")
+        parser.error("nothing to build: give --heads (main entry), --kv-ratio, --append, --read and/or --decode")
     try:
         # Different geometries can share a kernel (the main entry without q_out is the KV entry
         # with ratio 1): build and count each kernel once.
-        geometries = list({g.variant(): g for g in geometries}.values())  # argument errors before any compile
+        geometries = list({g.specs(): g for g in geometries}.values())  # argument errors before any compile
     except ValueError as exc:
         parser.error(str(exc))
     archs = args.arch
@@ -178,7 +184,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
         archs = [launch.device_arch(torch.cuda.current_device())]
 
     jobs = [(arch, g) for arch in archs for g in geometries]
-    labels = [f"{arch} {g.variant().describe()}" for arch, g in jobs]
+    labels = [f"{arch} {', '.join(s.describe() for s in g.specs())}" for arch, g in jobs]
     paths = []
     for arch, g in _progress(jobs, labels):
         try:
@@ -393,6 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="also build the KV entry for these compress ratios",
     )
     p.add_argument("--append", action="store_true", help="also build the unfused append entry")
+    p.add_argument(
+        "--read", action="store_true", help="also build the GPU reader (float32 and bfloat16 out, this slot dtype)"
+    )
+    p.add_argument("--decode", action="store_true", help="also build the kernels of sparse_mla_decode")
     p.set_defaults(func=cmd_precompile, parser=p)
 
     sub.add_parser("bench", help="the benchmark on this GPU (nvfp4-mla bench -h for its options)", add_help=False)
