@@ -9,13 +9,12 @@ import logging
 
 from . import abi, reference, validation
 from .decode import sparse_mla_decode
+from .geometry import Geometry, precompile
 from .ops import (
-    Geometry,
     cake_dsv4_nvfp4_kv_rope_quantize_insert,
     cake_dsv4_nvfp4_rope_quantize_insert,
     nvfp4_quantize_append_sparse_mla_cache,
     nvfp4_quantize_pack_sparse_mla_cache,
-    precompile,
 )
 from .reader import nvfp4_dequantize_sparse_mla_cache
 

@@ -110,7 +110,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _geometries(args: argparse.Namespace) -> list:
-    from .ops import Geometry
+    from .geometry import Geometry
 
     slot_dtype = getattr(torch, args.slot_dtype)
     geometries = []
@@ -155,7 +155,7 @@ def _progress(jobs: list, labels: list[str]) -> Iterator:
 
 
 def cmd_precompile(args: argparse.Namespace) -> int:
-    from .ops import precompile
+    from .geometry import precompile
 
     parser = args.parser
     if args.page_size < 1:
