@@ -19,6 +19,8 @@ from typing import NoReturn
 import torch
 
 from . import __version__, abi, jit, kernel_cache, launch, reference, validation
+from .reader import nvfp4_dequantize_sparse_mla_cache
+from .reference.reader import e4m3_signed_value
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
@@ -260,8 +262,8 @@ def format_record(cache: torch.Tensor, slot: int) -> str:
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten()  # element 2j: low nibble
     code_values = reference.e2m1_value(codes).tolist()
     scales = scale_slot[: abi.NUM_GROUPS]
-    scale_values = reference.e4m3_value(scales).tolist()
-    values = reference.nvfp4_dequantize_sparse_mla_cache(cache, torch.tensor([slot]))[0]
+    scale_values = e4m3_signed_value(scales).tolist()  # the reader's reading of any scale byte
+    values = nvfp4_dequantize_sparse_mla_cache(cache, torch.tensor([slot], device=cache.device))[0].cpu()
     padding = " ".join(f"{b:02X}" for b in scale_slot[abi.NUM_GROUPS :].tolist())
     lines += [
         f"data row at page byte {data_at}, scale slot at page byte {scale_at} (padding bytes {padding})",
@@ -340,7 +342,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     row, slot = 0, int(slots[0])
     print(format_record(cache, slot))
-    decoded = reference.nvfp4_dequantize_sparse_mla_cache(cache, slots[row : row + 1])[0]
+    decoded = nvfp4_dequantize_sparse_mla_cache(cache, slots[row : row + 1])[0]
     nope_in = kv[row, : abi.NOPE_DIM].float()
     error = (decoded[: abi.NOPE_DIM] - nope_in).abs().max().item()
     print(
