@@ -49,8 +49,8 @@ wants oob && step seeded-oob "$OUT/seeded_oob.log" 9 env PYTORCH_NO_CUDA_MEMORY_
     compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/seeded_oob.py
 wants soak && step soak "$OUT/soak.log" 0 $PY benchmarks/soak.py ${SOAK_ARGS:-}
 wants bench && step bench "$OUT/bench.log" 0 $PY -m nvfp4_mla.bench --out "$OUT/bench" ${BENCH_ARGS:-}
-wants reader && step reader "$OUT/bench_reader.log" 0 $PY benchmarks/bench_reader.py --out "$OUT/reader"
-wants decode && step decode "$OUT/bench_decode.log" 0 $PY benchmarks/bench_decode.py --out "$OUT/decode"
+wants reader && step reader "$OUT/bench_reader.log" 0 $PY -m nvfp4_mla.bench reader --out "$OUT/reader"
+wants decode && step decode "$OUT/bench_decode.log" 0 $PY -m nvfp4_mla.bench decode --out "$OUT/decode"
 
 grep -E "passed|failed" "$OUT/pytest.log" 2>/dev/null | tail -n 1
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizers.log" "$OUT/seeded_oob.log" 2>/dev/null

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import csv
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from .arms import ARM_TITLES
@@ -79,11 +79,17 @@ FULL_COLUMNS: list[Column] = [
 
 def markdown_table(results: list[RowResult], ceilings: Ceilings, columns: list[Column]) -> str:
     """A markdown table of ``columns``, one line per result."""
-    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    cells = []
     for result in results:
         metrics = row_metrics(result, ceilings)
-        lines.append("| " + " | ".join(cell(result, metrics).replace("|", "/") for _, cell in columns) + " |")
-    return "\n".join(lines)
+        cells.append([cell(result, metrics).replace("|", "/") for _, cell in columns])
+    return "\n".join(markdown_grid([header for header, _ in columns], cells))
+
+
+def markdown_grid(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """The lines of a markdown table: ``header``, the rule, then one line per row of cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
 def _csv_number(value: float | None, scale: float = 1.0, digits: int = 4) -> str:
@@ -140,8 +146,13 @@ def csv_rows(results: list[RowResult], ceilings: Ceilings) -> list[dict[str, obj
 def write_csv(path: Path, results: list[RowResult], ceilings: Ceilings) -> None:
     """Writes :func:`csv_rows` with a header line."""
     rows = csv_rows(results, ceilings)
+    write_dicts_csv(path, rows, list(rows[0]) if rows else ["entry"])
+
+
+def write_dicts_csv(path: Path, rows: Sequence[Mapping[str, object]], columns: list[str]) -> None:
+    """``rows`` as CSV with a header line of ``columns`` (keys outside ``columns`` are left out)."""
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["entry"])
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
 

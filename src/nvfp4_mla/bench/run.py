@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import sys
 import time
@@ -33,6 +34,12 @@ DEFAULT_COMPILE_BUDGET_S = 90.0
 DEFAULT_L2_BYTES = 50 * 2**20  # when torch does not report the device's L2 size
 RESULTS_DIR = Path("bench-results")  # default output: RESULTS_DIR/<GPU name>/
 OUTPUT_STEM = "bench"  # bench.csv, bench.md, bench.png
+# ``nvfp4-mla bench <suite>``: modules of this package with their own ``main(argv)``; no suite
+# name: the writers' grid.
+SUITES = {
+    "reader": "[--out DIR]: the GPU reader (nvfp4_dequantize_sparse_mla_cache)",
+    "decode": "[--out DIR] [--quick] [--head-tiles]: the fused sparse decode (sparse_mla_decode)",
+}
 
 
 @dataclass
@@ -146,6 +153,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "torch.compile of the reference, with the copy and launch ceilings and the performance "
         "targets. Needs a CUDA GPU; about 4 minutes (--quick: under 1). "
         "Also: python -m nvfp4_mla.bench.",
+        epilog="Other suites, each with its own -h: "
+        + "; ".join(f"nvfp4-mla bench {name} {usage}" for name, usage in SUITES.items())
+        + ".",
     )
     parser.add_argument(
         "--quick",
@@ -184,6 +194,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def require_gpu(command: str) -> None:
+    """Exits with the reason when the GPU path cannot run here."""
+    unavailable = launch.gpu_unavailable_reason()
+    if unavailable is not None:
+        raise SystemExit(f"{command} needs a CUDA GPU (sm_80 or newer) with CuPy: {unavailable}")
+
+
 def results_dir(out: Path | None, gpu_name: str) -> Path:
     """``out``, else ``bench-results/<gpu slug>/`` under the current directory."""
     return out if out is not None else RESULTS_DIR / gpu_slug(gpu_name)
@@ -208,14 +225,18 @@ def write_outputs(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark (``argv`` as after ``nvfp4-mla bench``); returns the exit status."""
+    """Runs the benchmark (``argv`` as after ``nvfp4-mla bench``; a first argument naming one of
+    :data:`SUITES` runs that suite instead); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in SUITES:
+        suite = importlib.import_module(f"{__package__}.{argv[0]}")  # imported only when asked for
+        status: int = suite.main(argv[1:])
+        return status
     args = parse_args(argv)
     if args.first_call_probe:
         print(json.dumps(first_call_probe(args.first_call_probe)))
         return 0
-    unavailable = launch.gpu_unavailable_reason()
-    if unavailable is not None:
-        raise SystemExit(f"nvfp4-mla bench needs a CUDA GPU (sm_80 or newer) with CuPy: {unavailable}")
+    require_gpu("nvfp4-mla bench")
 
     began = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

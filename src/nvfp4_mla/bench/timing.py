@@ -4,7 +4,9 @@
   batches of back-to-back calls, so eager times at small T are bounded by the host's launch rate;
 - graph-replayed: ``triton.testing.do_bench_cudagraph`` (a CUDA graph of back-to-back calls,
   replayed), the device time without host launch cost: the primary number;
-- host: the same ``Timer`` on the host clock alone, no device synchronization.
+- host: the same ``Timer`` on the host clock alone, no device synchronization, over batches that
+  each start from an idle device (:func:`host_batches`; the median for the writers' grid, the
+  best batch for the reader's parts).
 
 Calls rotate over input sets (see ``grid.input_set_count``) so that they do not find their data
 in L2. The measuring code takes any object with :class:`Timer`'s methods; the CPU tests give it
@@ -27,6 +29,10 @@ MAX_CALLS_PER_BATCH = 200
 PROBE_CALLS = 4  # calls of the batch that estimates one call's time
 HOST_CALLS = 200  # host time: calls per batch
 HOST_BATCHES = 9
+# The reader and decode suites: graphs of about 20 ms and the median of 5 eager batches, as in
+# their first measurements on the H200.
+SUITE_GRAPH_S = 20e-3
+SUITE_REPS = 5
 
 
 class Timer(Protocol):
@@ -37,7 +43,7 @@ class Timer(Protocol):
         ...
 
     def graph(self, call: Callable[[Any], object], sets: list[Any]) -> float:
-        """Seconds per call replayed from a CUDA graph (calls already made eagerly)."""
+        """Seconds per call replayed from a CUDA graph."""
         ...
 
     def host(self, call: Callable[[Any], object], inputs: Any) -> float:
@@ -51,6 +57,22 @@ def rotation(call: Callable[[Any], object], sets: list[Any]) -> Callable[[], obj
     return lambda: call(next_set())
 
 
+def host_batches(call: Callable[[Any], object], inputs: Any, calls: int, batches: int) -> list[float]:
+    """Host seconds per call of ``batches`` batches of ``calls`` eager calls, host clock.
+
+    After one untimed batch, so that first-call effects (interpreter specialisation, allocator)
+    stay out; each batch starts from an idle device, so it keeps up with small calls and the host
+    cost, not a full launch queue, is measured.
+    """
+    timer = benchmark.Timer(stmt="call(inputs)", globals={"call": call, "inputs": inputs}, timer=timeit.default_timer)
+    timer.timeit(calls)
+    samples = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        samples.append(timer.timeit(calls).median)
+    return samples
+
+
 class DeviceTimer:
     """The benchmark's :class:`Timer` on the current CUDA device.
 
@@ -59,10 +81,13 @@ class DeviceTimer:
     reps
         Timed batches of an eager arm; the median is reported. A graph is replayed triton's fixed
         number of times (10).
+    graph_s
+        About how long one graph's calls take (triton's ``rep``): it sets the calls captured.
     """
 
-    def __init__(self, reps: int):
+    def __init__(self, reps: int, graph_s: float = TARGET_BATCH_S):
         self.reps = reps
+        self.graph_s = graph_s
 
     def eager(self, call: Callable[[Any], object], sets: list[Any]) -> tuple[float, int]:
         for inputs in sets:  # warm-up: compiles and loads the kernel, touches every set once
@@ -75,20 +100,11 @@ class DeviceTimer:
     def graph(self, call: Callable[[Any], object], sets: list[Any]) -> float:
         from triton.testing import do_bench_cudagraph  # triton comes with torch's CUDA builds only
 
+        call(sets[0])  # compiles, loads and allocates on this stream, outside the capture
         # triton captures and replays on a new stream: the inputs, made on this one, must be ready.
         torch.cuda.synchronize()
-        return do_bench_cudagraph(rotation(call, sets), rep=TARGET_BATCH_S * 1e3, return_mode="median") * 1e-3
+        return do_bench_cudagraph(rotation(call, sets), rep=self.graph_s * 1e3, return_mode="median") * 1e-3
 
     def host(self, call: Callable[[Any], object], inputs: Any) -> float:
-        """After one untimed batch, so that first-call effects (interpreter specialisation,
-        allocator) stay out; each batch starts from an idle device, so it keeps up with small
-        calls and the host cost, not a full launch queue, is measured."""
-        timer = benchmark.Timer(
-            stmt="call(inputs)", globals={"call": call, "inputs": inputs}, timer=timeit.default_timer
-        )
-        timer.timeit(HOST_CALLS)
-        samples = []
-        for _ in range(HOST_BATCHES):
-            torch.cuda.synchronize()
-            samples.append(timer.timeit(HOST_CALLS).median)
-        return statistics.median(samples)
+        """The median of :func:`host_batches`."""
+        return statistics.median(host_batches(call, inputs, HOST_CALLS, HOST_BATCHES))

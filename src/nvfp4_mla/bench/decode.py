@@ -1,9 +1,9 @@
 """Benchmark of the fused sparse decode, ``nvfp4_mla.sparse_mla_decode`` on CUDA tensors, against the
-paths a user writes without it and the same run's ceilings. Run on a GPU from the repository root::
+paths a user writes without it and the same run's ceilings:
+``nvfp4-mla bench decode [--out DIR] [--quick] [--head-tiles]`` (also ``python -m nvfp4_mla.bench decode``).
 
-    PYTHONPATH=src python benchmarks/bench_decode.py --out DIR [--quick] [--head-tiles]
-
-It prints a table and writes ``decode_bench.csv`` and ``decode_bench.md`` into DIR.
+It prints a table and writes ``decode_bench.csv`` and ``decode_bench.md`` into DIR (default
+``bench-results/<GPU name>/``).
 
 **Shapes** (issue 13): batch 1, 8, 64, 128; q_len 1, 2; heads 16, 64, 128; 128 sliding-window
 plus 512 or 1024 compressed selections, every selection live, int32 slots, per-head sinks,
@@ -12,8 +12,9 @@ tokens, the compressed pool 2^20 (96 and 384 MiB of records; 0.25 and 1 GiB as B
 written from the same random BF16 rows by the pack entry, page size 64. Calls rotate over up to
 8 slot sets, so small calls do not find their records in L2 from the previous call.
 
-**Arms**, each timed graph-replayed (``triton.testing.do_bench_cudagraph``, median; else CUDA
-events over a replayed graph) and eager (back-to-back calls between CUDA events):
+**Arms**, each timed graph-replayed (``triton.testing.do_bench_cudagraph`` over graphs of about
+20 ms, median) and eager (back-to-back calls, median of 5 batches; both
+:class:`~nvfp4_mla.bench.timing.DeviceTimer`):
 
 - ``fused``: this kernel on the NVFP4 caches;
 - ``torch_bf16``: what a user writes on a BF16 cache: ``index_select`` the rows of both pools,
@@ -23,11 +24,13 @@ events over a replayed graph) and eager (back-to-back calls between CUDA events)
   (``nvfp4_dequantize_sparse_mla_cache(..., dtype=bfloat16, invalid=0.0)`` per pool).
 
 **Rooflines** of each shape, from the same run: bytes (q, out, lse, 384 per selected token,
-the int32 slots) over the copy ceiling (eager ``copy_`` of 1 GiB, read + write), and the useful
-MMA flops ``4 * 512 * selected tokens * heads`` per query row over a large BF16 ``matmul``
-(8192^3). ``% roofline`` is the binding one's time over the measured time. ``diff`` is the
-largest ``|fused - torch_reader|`` over the largest ``|torch_reader|`` (a sanity check: both read
-the same records; BF16 weights make it about 1e-2 at most).
+the int32 slots) over the copy ceiling (eager ``copy_`` of 1 GiB, read + write:
+:func:`~nvfp4_mla.bench.ceilings.copy_bandwidth`), and the useful MMA flops
+``4 * 512 * selected tokens * heads`` per query row over a large BF16 ``matmul`` (8192^3,
+graph-replayed: :func:`~nvfp4_mla.bench.ceilings.matmul_flops`). ``% roofline`` is the binding
+one's time over the measured time. ``diff`` is the largest ``|fused - torch_reader|`` over the
+largest ``|torch_reader|`` (a sanity check: both read the same records; BF16 weights make it
+about 1e-2 at most).
 
 **Predictions** (written before the first measurement; H200, about 4.3 TB/s copy and 790
 TFLOP/s matmul). The kernel's model: per tile of 32 tokens a block issues 4 x HT / 16 x 32 +
@@ -53,134 +56,70 @@ costs about 500 issue slots per SM whatever the head count.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
-import statistics
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, decode, launch, validation
+
+from .. import abi, validation
+from .. import decode as decode_kernel
+from .ceilings import copy_bandwidth, matmul_flops
+from .report import markdown_grid, write_dicts_csv
+from .run import require_gpu, results_dir
+from .timing import SUITE_GRAPH_S, SUITE_REPS, DeviceTimer, Timer
 
 PAGE_SIZE = 64
 SWA_K = 128
 SWA_TOKENS, EXTRA_TOKENS = 1 << 18, 1 << 20
 SM_SCALE = (abi.HEAD_DIM + abi.ROPE_DIM) ** -0.5
 MAX_SETS = 8
+DEFAULT_L2_BYTES = 50 << 20  # when torch does not report the device's L2 size
 BF16 = torch.bfloat16
+OUTPUT_STEM = "decode_bench"  # decode_bench.csv, decode_bench.md
 TARGETS = {  # issue 13
     "speedup_small_heads": 4.0,  # vs torch_bf16, heads <= 32
     "speedup_128_heads": 2.0,  # vs torch_bf16, heads 128
     "roofline_batch32": 0.40,  # batch >= 32, % of the binding roofline
     "batch1_128_heads_us": 15.0,  # graph-replayed
 }
-
-
-# ---------------------------------------------------------------- timing
-
-
-def device_seconds(fn: Callable[[], object]) -> float:
-    """Median device seconds of one call of ``fn``, replayed from a CUDA graph."""
-    fn()  # compile, plan, allocate outside the capture
-    torch.cuda.synchronize()
-    try:
-        from triton.testing import do_bench_cudagraph
-    except ImportError:
-        do_bench_cudagraph = None
-    if do_bench_cudagraph is not None:
-        return do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e-3
-    calls = 20
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    samples = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3 / calls)
-    return statistics.median(samples)
-
-
-def eager_seconds(fn: Callable[[], object], calls: int = 20) -> float:
-    """Back-to-back eager calls, CUDA events around them, per call (median of 5)."""
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3 / calls)
-    return statistics.median(samples)
-
-
-def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
-    """One call that runs ``calls`` in turn (captured in a graph, the turns are baked in)."""
-    state = [0]
-
-    def call():
-        state[0] = (state[0] + 1) % len(calls)
-        return calls[state[0]]()
-
-    return call
-
-
-def copy_ceiling() -> float:
-    """Bytes read + written per second by eager ``copy_`` of a 1 GiB tensor (a captured copy
-    becomes a slower memcpy node)."""
-    source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
-    return 2 * source.numel() / eager_seconds(lambda: target.copy_(source), calls=10)
-
-
-def matmul_ceiling() -> float:
-    """Flops per second of an 8192^3 BF16 ``matmul``, graph-replayed."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=BF16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=BF16)
-    return 2 * 8192**3 / device_seconds(lambda: a @ b)
+Shape = tuple[int, int, int, int]  # batch, q_len, heads, extra_k
 
 
 # ---------------------------------------------------------------- inputs and arms
 
 
 class Pools:
-    """The two pools, as BF16 tables and as NVFP4 caches holding the same rows."""
+    """The two pools, as BF16 tables and as NVFP4 caches holding the same rows (the tests give
+    small pools on the CPU)."""
 
-    def __init__(self) -> None:
-        self.tables, self.caches = [], []
-        for tokens in (SWA_TOKENS, EXTRA_TOKENS):
-            table = torch.randn(tokens // PAGE_SIZE, PAGE_SIZE, abi.HEAD_DIM, device="cuda", dtype=BF16)
+    def __init__(self, device: torch.device | str = "cuda", tokens: tuple[int, int] = (SWA_TOKENS, EXTRA_TOKENS)):
+        self.tables: list[torch.Tensor] = []
+        self.caches: list[torch.Tensor] = []
+        for count in tokens:
+            table = torch.randn(count // PAGE_SIZE, PAGE_SIZE, abi.HEAD_DIM, device=device, dtype=BF16)
             self.caches.append(nvfp4_mla.nvfp4_quantize_pack_sparse_mla_cache(table))
-            self.tables.append(table.view(tokens, abi.HEAD_DIM))
+            self.tables.append(table.view(count, abi.HEAD_DIM))
 
 
 class Inputs:
-    """One call's arguments."""
+    """One call's arguments, slots drawn over the pools' tokens."""
 
-    def __init__(self, batch: int, q_len: int, heads: int, extra_k: int, g: torch.Generator) -> None:
-        self.q = torch.randn(batch, q_len, heads, abi.HEAD_DIM, generator=g).to("cuda", BF16)
+    def __init__(self, batch: int, q_len: int, heads: int, extra_k: int, g: torch.Generator, pools: Pools) -> None:
+        device = pools.tables[0].device
+        self.q = torch.randn(batch, q_len, heads, abi.HEAD_DIM, generator=g).to(device, BF16)
         self.slots = [
-            torch.randint(0, tokens, (batch, q_len, k), generator=g, dtype=torch.int32).cuda()
-            for tokens, k in ((SWA_TOKENS, SWA_K), (EXTRA_TOKENS, extra_k))
+            torch.randint(0, len(table), (batch, q_len, k), generator=g, dtype=torch.int32).to(device)
+            for table, k in zip(pools.tables, (SWA_K, extra_k))
         ]
-        self.sinks = torch.randn(heads, generator=g).cuda()
+        self.sinks = torch.randn(heads, generator=g).to(device)
 
 
-def fused(pools: Pools, x: Inputs):
+def fused(pools: Pools, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """This kernel on the NVFP4 caches."""
     return nvfp4_mla.sparse_mla_decode(
         x.q,
         pools.caches[0],
@@ -192,7 +131,9 @@ def fused(pools: Pools, x: Inputs):
     )
 
 
-def attend(q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor):
+def attend(
+    q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch attention a user writes on gathered BF16 rows ``[batch, q_len, k, 512]``."""
     scores = torch.matmul(q, rows.transpose(-1, -2)).float() * SM_SCALE
     scores = scores.masked_fill(~valid[:, :, None, :], -math.inf)
@@ -202,7 +143,8 @@ def attend(q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, sinks: torc
     return out.to(BF16), lse
 
 
-def torch_bf16(pools: Pools, x: Inputs):
+def torch_bf16(pools: Pools, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``index_select`` of the BF16 tables, then :func:`attend`."""
     parts, valid = [], []
     for table, slots in zip(pools.tables, x.slots):
         ok = (slots >= 0) & (slots < table.shape[0])
@@ -212,7 +154,8 @@ def torch_bf16(pools: Pools, x: Inputs):
     return attend(x.q, torch.cat(parts, dim=2), torch.cat(valid, dim=2), x.sinks)
 
 
-def torch_reader(pools: Pools, x: Inputs):
+def torch_reader(pools: Pools, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reader on each NVFP4 cache, then :func:`attend`."""
     parts, valid = [], []
     for cache, slots, table in zip(pools.caches, x.slots, pools.tables):
         parts.append(nvfp4_mla.nvfp4_dequantize_sparse_mla_cache(cache, slots, dtype=BF16, invalid=0.0))
@@ -220,10 +163,17 @@ def torch_reader(pools: Pools, x: Inputs):
     return attend(x.q, torch.cat(parts, dim=2), torch.cat(valid, dim=2), x.sinks)
 
 
-ARMS = {"fused": fused, "torch_bf16": torch_bf16, "torch_reader": torch_reader}
+Arm = Callable[[Pools, Inputs], tuple[torch.Tensor, torch.Tensor]]
+ARMS: dict[str, Arm] = {"fused": fused, "torch_bf16": torch_bf16, "torch_reader": torch_reader}
 
 
-# ---------------------------------------------------------------- measurement
+# ---------------------------------------------------------------- models, measurement, verdicts
+
+
+def shapes(quick: bool) -> list[Shape]:
+    """The issue's shapes (``quick``: batch 1 and 64 only)."""
+    batches = (1, 64) if quick else (1, 8, 64, 128)
+    return [(b, q, h, k) for b in batches for q in (1, 2) for h in (16, 64, 128) for k in (512, 1024)]
 
 
 def useful(batch: int, q_len: int, heads: int, extra_k: int) -> tuple[int, int]:
@@ -233,21 +183,16 @@ def useful(batch: int, q_len: int, heads: int, extra_k: int) -> tuple[int, int]:
     return q_out + rows * tokens * (abi.RECORD_BYTES + 4), 4 * abi.HEAD_DIM * tokens * heads * rows
 
 
-def measure(pools: Pools, shape: tuple[int, int, int, int], ceilings: dict, g: torch.Generator, head_tile=None) -> dict:
-    batch, q_len, heads, extra_k = shape
-    nbytes, flops = useful(*shape)
+def set_count(shape: Shape, l2_bytes: int) -> int:
+    """Slot sets to rotate over: enough that a set's records are gone from L2 when it comes back."""
+    batch, q_len, _, extra_k = shape
     record_bytes = batch * q_len * (SWA_K + extra_k) * abi.RECORD_BYTES
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
-    sets = [Inputs(*shape, g) for _ in range(max(1, min(MAX_SETS, -(-2 * l2 // record_bytes))))]
-    arms = dict(ARMS)
-    if head_tile is not None:
-        arms = {"fused": lambda p, x: forced(p, x, head_tile)}
-    row = {"batch": batch, "q_len": q_len, "heads": heads, "tokens": SWA_K + extra_k, "sets": len(sets)}
-    for name, arm in arms.items():
-        calls = [lambda x=x, arm=arm: arm(pools, x) for x in sets]
-        row[f"{name}_graph_us"] = device_seconds(rotating(calls)) * 1e6
-        row[f"{name}_eager_us"] = eager_seconds(rotating(calls)) * 1e6
-        torch.cuda.empty_cache()
+    return max(1, min(MAX_SETS, -(-2 * l2_bytes // record_bytes)))
+
+
+def add_rooflines(row: dict[str, Any], shape: Shape, ceilings: dict[str, float]) -> None:
+    """The fused arm's rate and its shares of the byte and flop rooflines, into ``row``."""
+    nbytes, flops = useful(*shape)
     t = row["fused_graph_us"] * 1e-6
     bytes_time, flops_time = nbytes / ceilings["copy"], flops / ceilings["matmul"]
     row["fused_tflops"] = flops / t / 1e12
@@ -255,8 +200,32 @@ def measure(pools: Pools, shape: tuple[int, int, int, int], ceilings: dict, g: t
     row["flops_pct"] = 100 * flops_time / t
     row["binding"] = "flops" if flops_time > bytes_time else "bytes"
     row["roofline_pct"] = max(row["bytes_pct"], row["flops_pct"])
+
+
+def measure(
+    pools: Pools,
+    shape: Shape,
+    ceilings: dict[str, float],
+    g: torch.Generator,
+    timer: Timer,
+    head_tile: int | None = None,
+) -> dict[str, Any]:
+    """One shape's row: every arm (``head_tile``: the fused arm alone with that head tile)."""
+    batch, q_len, heads, extra_k = shape
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", DEFAULT_L2_BYTES)
+    sets = [Inputs(*shape, g, pools) for _ in range(set_count(shape, l2))]
+    arms = dict(ARMS)
+    if head_tile is not None:
+        arms = {"fused": lambda p, x: forced(p, x, head_tile)}
+    row: dict[str, Any] = {"batch": batch, "q_len": q_len, "heads": heads, "tokens": SWA_K + extra_k, "sets": len(sets)}
+    for name, arm in arms.items():
+        call = lambda x, arm=arm: arm(pools, x)  # noqa: E731
+        row[f"{name}_graph_us"] = timer.graph(call, sets) * 1e6
+        row[f"{name}_eager_us"] = timer.eager(call, sets)[0] * 1e6
+        torch.cuda.empty_cache()
+    add_rooflines(row, shape, ceilings)
     key = (0, heads, batch * q_len, SWA_K, extra_k)
-    plan = decode._plans.get(key)
+    plan = decode_kernel._plans.get(key)
     if head_tile is None and plan is not None:
         row["head_tile"], row["splits"] = plan.spec.head_tile, plan.num_splits
         row["vs_torch_bf16"] = row["torch_bf16_graph_us"] / row["fused_graph_us"]
@@ -268,20 +237,22 @@ def measure(pools: Pools, shape: tuple[int, int, int, int], ceilings: dict, g: t
     return row
 
 
-def forced(pools: Pools, x: Inputs, head_tile: int):
+def forced(pools: Pools, x: Inputs, head_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused decode with a forced head tile (its own split choice)."""
     batch, q_len, heads = x.q.shape[:3]
     key = ("forced", head_tile, heads, batch * q_len, x.slots[1].shape[2])
     plan = _forced_plans.get(key)
     if plan is None:
-        plan = _forced_plans[key] = decode.make_plan(0, heads, batch * q_len, SWA_K + x.slots[1].shape[2], head_tile)
+        plan = _forced_plans[key] = decode_kernel.make_plan(
+            0, heads, batch * q_len, SWA_K + x.slots[1].shape[2], head_tile
+        )
     out, lse = torch.empty_like(x.q), x.q.new_empty((batch, q_len, heads), dtype=torch.float32)
     pools_args = [(cache, slots, None, validation.check_cache(cache)) for cache, slots in zip(pools.caches, x.slots)]
-    decode.launch(plan, x.q, out, lse, SM_SCALE, x.sinks, pools_args[0], pools_args[1])
+    decode_kernel.launch(plan, x.q, out, lse, SM_SCALE, x.sinks, pools_args[0], pools_args[1])
     return out, lse
 
 
-_forced_plans: dict[tuple, decode.Plan] = {}
+_forced_plans: dict[tuple, decode_kernel.Plan] = {}
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -319,56 +290,74 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def write(rows: list[dict], ceilings: dict, lines: list[str], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "decode_bench.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+def markdown(rows: list[dict[str, Any]], ceilings: dict[str, float], lines: list[str], device_name: str) -> str:
+    """The report: the ceilings, the verdict ``lines`` and the table of :data:`COLUMNS`."""
 
-    def cell(value) -> str:
+    def cell(value: object) -> str:
         return f"{value:.3g}" if isinstance(value, float) else str(value)
 
     md = [
-        f"# Fused sparse decode on {torch.cuda.get_device_name(0)}",
+        f"# Fused sparse decode on {device_name}",
         "",
         f"copy ceiling {ceilings['copy'] / 1e12:.2f} TB/s, matmul ceiling {ceilings['matmul'] / 1e12:.0f} TFLOP/s",
         "",
         *[f"- {line}" for line in lines],
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-        *["| " + " | ".join(cell(r.get(c, "")) for c in COLUMNS) + " |" for r in rows],
+        *markdown_grid(COLUMNS, [[cell(r.get(c, "")) for c in COLUMNS] for r in rows]),
     ]
-    (out / "decode_bench.md").write_text("\n".join(md) + "\n")
+    return "\n".join(md) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for decode_bench.csv and .md")
+def write(
+    rows: list[dict[str, Any]], ceilings: dict[str, float], lines: list[str], out: Path, device_name: str
+) -> None:
+    """``decode_bench.csv`` and ``decode_bench.md`` in ``out`` (created when missing)."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_dicts_csv(out / f"{OUTPUT_STEM}.csv", rows, COLUMNS)
+    (out / f"{OUTPUT_STEM}.md").write_text(markdown(rows, ceilings, lines, device_name))
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The suite's options (``out`` stays None: it depends on the GPU)."""
+    parser = argparse.ArgumentParser(prog="nvfp4-mla bench decode", description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"directory for {OUTPUT_STEM}.csv and .md (default: bench-results/<GPU name>/ in the current directory)",
+    )
     parser.add_argument("--quick", action="store_true", help="batch 1 and 64 only")
     parser.add_argument(
         "--head-tiles", action="store_true", help="also every head tile at 64 and 128 heads, fused only"
     )
-    args = parser.parse_args()
-    reason = launch.gpu_unavailable_reason()
-    if reason:
-        raise SystemExit(f"bench_decode needs a GPU: {reason}")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the suite (``argv`` as after ``nvfp4-mla bench decode``); returns the exit status."""
+    args = parse_args(argv)
+    require_gpu("nvfp4-mla bench decode")
     torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    name = torch.cuda.get_device_name(device)
+    out = results_dir(args.out, name)
+    timer = DeviceTimer(SUITE_REPS, SUITE_GRAPH_S)
     g = torch.Generator().manual_seed(0)
-    ceilings = {"copy": copy_ceiling()}
+    ceilings = {"copy": copy_bandwidth(device, timer)}
     torch.cuda.empty_cache()
-    ceilings["matmul"] = matmul_ceiling()
+    ceilings["matmul"] = matmul_flops(device, timer)
     torch.cuda.empty_cache()
     print(f"copy {ceilings['copy'] / 1e12:.2f} TB/s, matmul {ceilings['matmul'] / 1e12:.0f} TFLOP/s")
-    pools = Pools()
-    batches = (1, 64) if args.quick else (1, 8, 64, 128)
-    shapes = [(b, q, h, k) for b in batches for q in (1, 2) for h in (16, 64, 128) for k in (512, 1024)]
+    pools = Pools(device)
     header = f"{'batch':>5} {'q':>2} {'heads':>5} {'tok':>5} {'tile':>4} {'spl':>3} {'fused':>8} {'bf16':>8} "
     print(header + f"{'reader':>8} {'xbf16':>6} {'TF/s':>6} {'roof%':>6} {'diff':>8}")
     rows = []
-    for shape in shapes:
-        r = measure(pools, shape, ceilings, g)
+    for shape in shapes(args.quick):
+        r = measure(pools, shape, ceilings, g, timer)
         rows.append(r)
         print(
             f"{r['batch']:5d} {r['q_len']:2d} {r['heads']:5d} {r['tokens']:5d} {r.get('head_tile', 0):4d} "
@@ -380,17 +369,14 @@ def main() -> None:
         from cupy.cuda import runtime
 
         optin = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, 0)
-        tiles = [t for t in decode.HEAD_TILES[1:] if decode.shared_bytes(t) <= optin]
-        for shape in [s for s in shapes if s[2] >= 64 and s[1] == 2]:
+        tiles = [t for t in decode_kernel.HEAD_TILES[1:] if decode_kernel.shared_bytes(t) <= optin]
+        for shape in [s for s in shapes(args.quick) if s[2] >= 64 and s[1] == 2]:
             for tile in tiles:
-                r = measure(pools, shape, ceilings, g, head_tile=tile)
+                r = measure(pools, shape, ceilings, g, timer, head_tile=tile)
                 rows.append(r)
                 print(f"head tile {tile}: {shape} fused {r['fused_graph_us']:.1f} us, {r['fused_tflops']:.1f} TFLOP/s")
     lines = verdicts(rows)
     print("\n".join(lines))
-    write(rows, ceilings, lines, args.out)
-    print(f"wrote {args.out / 'decode_bench.csv'} and {args.out / 'decode_bench.md'}")
-
-
-if __name__ == "__main__":
-    main()
+    write(rows, ceilings, lines, out, name)
+    print(f"wrote {out / f'{OUTPUT_STEM}.csv'} and {out / f'{OUTPUT_STEM}.md'}")
+    return 0
