@@ -5,20 +5,27 @@ Timing itself needs a GPU and is not run here."""
 from __future__ import annotations
 
 import csv
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from nvfp4_mla import launch, reference
+from nvfp4_mla import cli, launch, reference
 from nvfp4_mla.bench import arms, ceilings, grid, inputs, probes, report, run, targets
+from nvfp4_mla.bench import decode as bench_decode
+from nvfp4_mla.bench import reader as bench_reader
 from nvfp4_mla.bench.grid import Row
 from nvfp4_mla.bench.plot import write_plot
 from nvfp4_mla.bench.results import Ceilings, FirstUse, RowResult
 from nvfp4_mla.bench.timing import rotation
 from nvfp4_mla.testing import rope_table
 
-PUBLISHED_CSV = Path(__file__).resolve().parents[1] / "docs" / "bench_h200.csv"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+PUBLISHED_CSV = DOCS / "bench_h200.csv"
+PUBLISHED_READER_MD = DOCS / "bench_reader_h200.md"
+PUBLISHED_DECODE_MD = DOCS / "bench_decode_h200.md"
 GPU_USABLE = launch.gpu_unavailable_reason() is None
 
 # ---------------------------------------------------------------- grid and bytes model
@@ -520,3 +527,195 @@ def test_first_use_probe_subprocess_reports_its_failure_without_a_gpu():
     first_use = probes.measure_first_use()
     assert first_use.cold_first_call_s is None and first_use.error is not None
     assert first_use.error.startswith("RuntimeError: cold probe exited with 1")
+
+
+# ---------------------------------------------------------------- the reader and decode suites
+
+
+def test_top_level_help_names_every_suite(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["-h"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the epilog
+    assert "nvfp4-mla bench reader [--out DIR]" in out
+    assert "nvfp4-mla bench decode [--out DIR] [--quick] [--head-tiles]" in out
+
+
+@pytest.mark.parametrize(
+    ("suite", "options"), [("reader", ("--out",)), ("decode", ("--out", "--quick", "--head-tiles"))]
+)
+def test_suite_help_through_the_command_line(suite, options, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", suite, "-h"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: nvfp4-mla bench {suite} [-h]")
+    assert all(option in out for option in options)
+    assert "--reps" not in out and "--compile-budget" not in out  # the writers' options stay theirs
+
+
+def test_python_m_reaches_a_suite():
+    done = subprocess.run(
+        [sys.executable, "-m", "nvfp4_mla.bench", "decode", "-h"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: nvfp4-mla bench decode")
+
+
+@pytest.mark.parametrize("suite", [bench_reader, bench_decode], ids=["reader", "decode"])
+def test_a_suite_name_dispatches_with_the_rest_of_the_arguments(suite, monkeypatch):
+    seen: list[list[str]] = []
+    monkeypatch.setattr(suite, "main", lambda argv: seen.append(argv) or 3)
+    name = suite.__name__.rsplit(".", 1)[1]
+    assert run.main([name, "--out", "x"]) == 3
+    assert seen == [["--out", "x"]]
+    with pytest.raises(SystemExit):  # a suite's options are not the writers' grid's
+        run.parse_args(["--head-tiles"])
+
+
+def test_suite_options():
+    assert bench_reader.parse_args([]).out is None
+    assert bench_reader.parse_args(["--out", "d"]).out == Path("d")
+    args = bench_decode.parse_args([])
+    assert (args.out, args.quick, args.head_tiles) == (None, False, False)
+    args = bench_decode.parse_args(["--quick", "--head-tiles", "--out", "d"])
+    assert (args.out, args.quick, args.head_tiles) == (Path("d"), True, True)
+    with pytest.raises(SystemExit):
+        bench_reader.parse_args(["--quick"])
+
+
+@pytest.mark.skipif(GPU_USABLE, reason="would run the benchmark")
+@pytest.mark.parametrize("argv", [["reader"], ["decode", "--quick"]])
+def test_suites_say_they_need_a_gpu(argv):
+    with pytest.raises(SystemExit, match=f"nvfp4-mla bench {argv[0]} needs a CUDA GPU"):
+        run.main(argv)
+
+
+def test_reader_bytes_model_matches_the_published_run():
+    assert bench_reader.row_bytes(torch.bfloat16) == 384 + 512 * 2 + 8
+    assert bench_reader.row_bytes(torch.float32) == 384 + 512 * 4 + 8
+    # docs/bench_reader_h200.md: 65536 rows bf16 in 28.6 us at a 4.230 TB/s copy ceiling: 76.742%.
+    assert bench_reader.copy_percent(65_536, torch.bfloat16, 28.6e-6, 4.230e12) == pytest.approx(76.742, rel=2e-3)
+
+
+def _published_rows(path: Path) -> tuple[list[str], list[list[str]]]:
+    """The first markdown table of a published result: header and rows of cells."""
+    table = [line for line in path.read_text().splitlines() if line.startswith("| ")]
+    cells = [line[2:-2].split(" | ") for line in table]  # a cell's own leading spaces stay
+    return cells[0], cells[1:]
+
+
+def test_reader_writer_reproduces_the_published_table(tmp_path, capsys):
+    header, published = _published_rows(PUBLISHED_READER_MD)
+    assert header == bench_reader.COLUMNS
+    results = bench_reader.Results()
+    for measure, value, unit, target, note in published:
+        results.add(measure, float(value), unit, target, note)
+    assert "1 row, graph-replayed" in capsys.readouterr().out
+    bench_reader.write(results, tmp_path / "out", "NVIDIA H200")
+    assert (tmp_path / "out" / "reader_bench.md").read_text() == PUBLISHED_READER_MD.read_text()
+    with (tmp_path / "out" / "reader_bench.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == bench_reader.COLUMNS and len(rows) == len(published)
+    assert rows[-1]["measure"] == "4096 rows: reference / kernel (eager, back to back)"
+    assert float(rows[-1]["value"]) == pytest.approx(29.021) and rows[-1]["target"] == ">= 20"
+
+
+def test_decode_shapes_and_set_counts():
+    full, quick = bench_decode.shapes(False), bench_decode.shapes(True)
+    assert len(full) == 4 * 2 * 3 * 2 == len(set(full)) and set(quick) <= set(full)
+    assert {s[0] for s in quick} == {1, 64} and {s[0] for s in full} == {1, 8, 64, 128}
+    # The published H200 run (60 MiB of L2): the sets column of docs/bench_decode_h200.md.
+    l2 = 60 << 20
+    assert bench_decode.set_count((1, 1, 128, 512), l2) == bench_decode.MAX_SETS == 8  # 240 KiB of records
+    assert bench_decode.set_count((64, 1, 16, 512), l2) == 8
+    assert bench_decode.set_count((64, 2, 16, 512), l2) == 4
+    assert bench_decode.set_count((128, 2, 16, 1024), l2) == 2
+    assert bench_decode.set_count((128, 2, 16, 1024), 10 << 20) == 1
+
+
+def test_decode_bytes_flops_and_rooflines_match_the_published_run():
+    # batch 1, q_len 1, 128 heads, 128 + 512 tokens: q and out in BF16, lse in fp32; 384 B of
+    # record and a 4-byte slot per selected token; 2 MMAs of 2 x 512 flops per token and head.
+    nbytes, flops = bench_decode.useful(1, 1, 128, 512)
+    assert nbytes == 2 * 128 * 512 * 2 + 128 * 4 + 640 * (384 + 4)
+    assert flops == 4 * 512 * 640 * 128
+    # docs/bench_decode_h200.md: 16.2 us -> 10.3 TFLOP/s, 0.746% bytes, 1.46% flops (binding).
+    row = {"fused_graph_us": 16.2}
+    bench_decode.add_rooflines(row, (1, 1, 128, 512), {"copy": 4.22e12, "matmul": 708e12})
+    assert row["fused_tflops"] == pytest.approx(10.36, rel=1e-3)
+    assert row["bytes_pct"] == pytest.approx(0.747, rel=1e-3) and row["flops_pct"] == pytest.approx(1.463, rel=1e-3)
+    assert row["binding"] == "flops" and row["roofline_pct"] == row["flops_pct"]
+    row = {"fused_graph_us": 13.9}
+    bench_decode.add_rooflines(row, (1, 1, 16, 512), {"copy": 4.22e12, "matmul": 708e12})
+    assert row["binding"] == "bytes" and row["roofline_pct"] == row["bytes_pct"] == pytest.approx(0.48, rel=1e-2)
+
+
+def _decode_row(batch: int, heads: int, **values: float) -> dict:
+    return {"batch": batch, "q_len": 1, "heads": heads, "tokens": 640, **values}
+
+
+def test_decode_verdicts():
+    rows = [
+        _decode_row(1, 16, vs_torch_bf16=4.5, roofline_pct=1.0, fused_graph_us=13.0),
+        _decode_row(64, 16, vs_torch_bf16=3.9, roofline_pct=45.0, fused_graph_us=40.0),
+        _decode_row(1, 128, vs_torch_bf16=2.5, roofline_pct=2.0, fused_graph_us=16.0),
+        _decode_row(64, 128, vs_torch_bf16=2.0, roofline_pct=41.0, fused_graph_us=90.0),
+        _decode_row(64, 128, fused_graph_us=1.0, roofline_pct=1.0),  # a head-tile row: no comparison
+    ]
+    assert bench_decode.verdicts(rows) == [
+        "vs torch_bf16, heads <= 32 (min speedup): 3.9 (goal 4) MISSED",
+        "vs torch_bf16, heads 128 (min speedup): 2 (goal 2) met",
+        "batch >= 32, % of binding roofline (min): 41 (goal 40) met",
+        "batch 1, heads 128, graph us (max): 16 (goal 15) MISSED",
+    ]
+    assert bench_decode.verdicts(rows[2:3]) == [
+        "vs torch_bf16, heads 128 (min speedup): 2.5 (goal 2) met",
+        "batch 1, heads 128, graph us (max): 16 (goal 15) MISSED",
+    ]  # a target without rows has no verdict
+
+
+def _cell_value(text: str) -> object:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def test_decode_writer_reproduces_the_published_report(tmp_path):
+    header, published = _published_rows(PUBLISHED_DECODE_MD)
+    assert header == bench_decode.COLUMNS
+    rows = [{c: _cell_value(v) for c, v in zip(header, cells) if v != ""} for cells in published]
+    for row in rows:  # the writer prints integers as written and every other number with 3 digits
+        for column in ("fused_graph_us", "vs_torch_bf16", "roofline_pct", "diff"):
+            if isinstance(row.get(column), int):
+                row[column] = float(row[column])
+    ceilings = {"copy": 4.22e12, "matmul": 708e12}
+    bench_decode.write(rows, ceilings, bench_decode.verdicts(rows), tmp_path, "NVIDIA H200")
+    assert (tmp_path / "decode_bench.md").read_text() == PUBLISHED_DECODE_MD.read_text()
+    with (tmp_path / "decode_bench.csv").open() as f:
+        written = list(csv.DictReader(f))
+    assert list(written[0]) == bench_decode.COLUMNS and len(written) == len(rows)
+    assert written[0]["binding"] == "bytes" and float(written[0]["fused_graph_us"]) == 13.9
+
+
+def test_decode_torch_arms_do_the_same_work_as_the_reference(seed):
+    pools = bench_decode.Pools("cpu", (256, 512), reference)
+    # Not the global seed: q would repeat the tables' first rows.
+    x = bench_decode.Inputs(2, 2, 16, 64, torch.Generator().manual_seed(seed + 1), pools)
+    # Invalid slots, enough that scoring them as zero rows would move lse by about 0.3.
+    x.slots[0][0, 0, :64] = -1
+    x.slots[1][1, 1, -32:] = 512
+    fused_out, fused_lse = bench_decode.fused(pools, x)  # the reference on the CPU
+    reader_out, reader_lse = bench_decode.torch_reader(pools, x)
+    assert fused_out.shape == reader_out.shape == x.q.shape and fused_lse.shape == reader_lse.shape == x.q.shape[:3]
+    torch.testing.assert_close(reader_out.float(), fused_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(reader_lse, fused_lse, atol=1e-2, rtol=1e-2)  # BF16 scores in the torch arm
+    # On tables holding exactly the records' values, the BF16-cache arm is the reader arm.
+    pools.tables = [
+        reference.nvfp4_dequantize_sparse_mla_cache(c, dtype=torch.bfloat16).view(-1, 512) for c in pools.caches
+    ]
+    bf16_out, bf16_lse = bench_decode.torch_bf16(pools, x)
+    assert torch.equal(bf16_out, reader_out) and torch.equal(bf16_lse, reader_lse)

@@ -11,11 +11,16 @@ become PASS/MISS verdicts. Outputs: ``bench.csv``, ``bench.md`` (environment, ce
 targets, table) and ``bench.png`` under ``bench-results/<GPU name>/`` (or ``--out``); the target
 summary and a short table go to stdout last.
 
+Two more suites, each with its own options and outputs in the same folder:
+``nvfp4-mla bench reader`` (:mod:`.reader`: the GPU reader's bandwidth, latency and host time) and
+``nvfp4-mla bench decode`` (:mod:`.decode`: the fused sparse decode against torch attention on a
+BF16 cache and through the reader, with byte and matmul rooflines).
+
 Modules: :mod:`.grid` (rows and the bytes model), :mod:`.inputs`, :mod:`.arms`, :mod:`.timing`,
 :mod:`.ceilings`, :mod:`.results`, :mod:`.targets`, :mod:`.report` and :mod:`.plot` (writers),
 :mod:`.probes` (first use in fresh processes, environment) and :mod:`.run` (the grid loop and the
-command line). Only timing needs a GPU: the rest runs on the CPU with ``nvfp4_mla.reference`` as
-the library (tests/test_bench_cpu.py).
+command line, which dispatches the suites). Only timing needs a GPU: the rest runs on the CPU with
+``nvfp4_mla.reference`` as the library (tests/test_bench_cpu.py).
 """
 
 from .run import main

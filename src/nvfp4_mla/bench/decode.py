@@ -59,6 +59,7 @@ import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ from .. import abi, validation
 from .. import decode as decode_kernel
 from .ceilings import copy_bandwidth, matmul_flops
 from .report import markdown_grid, write_dicts_csv
-from .run import require_gpu, results_dir
+from .run import require_gpu, results_dir, suite_parser
 from .timing import SUITE_GRAPH_S, SUITE_REPS, DeviceTimer, Timer
 
 PAGE_SIZE = 64
@@ -93,15 +94,20 @@ Shape = tuple[int, int, int, int]  # batch, q_len, heads, extra_k
 
 
 class Pools:
-    """The two pools, as BF16 tables and as NVFP4 caches holding the same rows (the tests give
-    small pools on the CPU)."""
+    """The two pools, as BF16 tables and as NVFP4 caches holding the same rows, written by
+    ``library``'s pack entry (the CPU tests give small pools and ``nvfp4_mla.reference``)."""
 
-    def __init__(self, device: torch.device | str = "cuda", tokens: tuple[int, int] = (SWA_TOKENS, EXTRA_TOKENS)):
+    def __init__(
+        self,
+        device: torch.device | str = "cuda",
+        tokens: tuple[int, int] = (SWA_TOKENS, EXTRA_TOKENS),
+        library: ModuleType = nvfp4_mla,
+    ):
         self.tables: list[torch.Tensor] = []
         self.caches: list[torch.Tensor] = []
         for count in tokens:
             table = torch.randn(count // PAGE_SIZE, PAGE_SIZE, abi.HEAD_DIM, device=device, dtype=BF16)
-            self.caches.append(nvfp4_mla.nvfp4_quantize_pack_sparse_mla_cache(table))
+            self.caches.append(library.nvfp4_quantize_pack_sparse_mla_cache(table))
             self.tables.append(table.view(count, abi.HEAD_DIM))
 
 
@@ -322,14 +328,7 @@ def write(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The suite's options (``out`` stays None: it depends on the GPU)."""
-    parser = argparse.ArgumentParser(prog="nvfp4-mla bench decode", description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help=f"directory for {OUTPUT_STEM}.csv and .md (default: bench-results/<GPU name>/ in the current directory)",
-    )
+    parser = suite_parser("decode", __doc__, OUTPUT_STEM)
     parser.add_argument("--quick", action="store_true", help="batch 1 and 64 only")
     parser.add_argument(
         "--head-tiles", action="store_true", help="also every head tile at 64 and 128 heads, fused only"

@@ -57,7 +57,7 @@ from .. import reader as gpu_reader
 from ..testing import make_cache, raw_bytes
 from .ceilings import copy_bandwidth, empty_kernel_launcher
 from .report import markdown_grid, write_dicts_csv
-from .run import require_gpu, results_dir
+from .run import require_gpu, results_dir, suite_parser
 from .timing import SUITE_GRAPH_S, SUITE_REPS, DeviceTimer, Timer, host_batches
 
 PAGE_SIZE = 64
@@ -225,14 +225,7 @@ def write(results: list[dict[str, Any]], out: Path, device_name: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The suite's options (``out`` stays None: it depends on the GPU)."""
-    parser = argparse.ArgumentParser(prog="nvfp4-mla bench reader", description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help=f"directory for {OUTPUT_STEM}.csv and .md (default: bench-results/<GPU name>/ in the current directory)",
-    )
+    parser = suite_parser("reader", __doc__, OUTPUT_STEM)
     return parser.parse_args(argv)
 
 

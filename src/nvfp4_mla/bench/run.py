@@ -194,6 +194,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def suite_parser(suite: str, doc: str | None, output_stem: str) -> argparse.ArgumentParser:
+    """The parser of ``nvfp4-mla bench <suite>``, described by the first paragraph of ``doc``, with
+    its ``--out`` option (None unless given: see :func:`results_dir`)."""
+    parser = argparse.ArgumentParser(prog=f"nvfp4-mla bench {suite}", description=(doc or "").split("\n\n")[0])
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"directory for {output_stem}.csv and .md (default: {RESULTS_DIR}/<GPU name>/ in the current directory)",
+    )
+    return parser
+
+
 def require_gpu(command: str) -> None:
     """Exits with the reason when the GPU path cannot run here."""
     unavailable = launch.gpu_unavailable_reason()
