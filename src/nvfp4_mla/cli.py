@@ -131,9 +131,7 @@ def _geometries(args: argparse.Namespace) -> list:
     if args.append:
         geometries.append(Geometry("append", args.page_size, slot_dtype=slot_dtype))
     if args.read:
-        geometries += [
-            Geometry("read", args.page_size, slot_dtype=slot_dtype, dtype=d) for d in validation._READ_DTYPES
-        ]
+        geometries += [Geometry("read", args.page_size, slot_dtype=slot_dtype, dtype=d) for d in validation.READ_DTYPES]
     if args.decode:
         geometries.append(Geometry("decode"))
     return geometries

@@ -40,8 +40,7 @@ class Geometry(NamedTuple):
             validation.check_page_size(self.page_size)
             if self.slot_dtype is not None:
                 validation.check_slot_dtype(self.slot_dtype)
-            if self.dtype not in validation._READ_DTYPES:
-                raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {self.dtype!r}")
+            validation.check_read_dtype(self.dtype)
             return (reader.ReaderVariant.of(self.page_size, self.slot_dtype, self.dtype),)
         return (self.variant(),)
 

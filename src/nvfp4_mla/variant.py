@@ -28,7 +28,6 @@ class QMode(enum.IntEnum):
 
 UNIT_THREADS = 64  # a work unit: one thread per 16-byte chunk of a 512-dim BF16 row
 UNITS_PER_BLOCK = 4
-KV_ROWS_PER_UNIT = (1, 2, 4)  # the sweepable values of Variant.kv_rows_per_unit; 1 is the default
 
 # kernels/nvfp4_mla_write.cu: Params is 7 pointers then 5 int64 (its static_assert checks the size).
 WRITE_TEMPLATE = Template(

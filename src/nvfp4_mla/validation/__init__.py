@@ -40,7 +40,7 @@ from .core import (
 # debug_check_rows, which synchronises with the device. Tests and notebooks may flip this attribute.
 DEBUG_CHECKS = os.environ.get("NVFP4_MLA_CHECK", "0") not in ("", "0")
 
-_READ_DTYPES = (torch.float32, torch.bfloat16)  # what the reader and the decode reference return
+READ_DTYPES = (torch.float32, torch.bfloat16)  # what the reader returns
 
 
 def _check_slots(slot_mapping: torch.Tensor, num_rows: int) -> None:
@@ -208,6 +208,12 @@ def check_pack(latent_kv, kv_layout, need_cuda) -> None:
         _fail(f"kv_layout must be one of {abi.KV_LAYOUTS}, got {kv_layout!r}")
 
 
+def check_read_dtype(dtype: object) -> None:
+    """The reader's output dtype (also what precompile's Geometry("read") checks)."""
+    if dtype not in READ_DTYPES:
+        _fail(f"dtype must be torch.float32 or torch.bfloat16 (both hold every value exactly), got {dtype!r}")
+
+
 def check_dequantize(
     cache: torch.Tensor,
     slots: torch.Tensor | None,
@@ -232,8 +238,7 @@ def check_dequantize(
         tensors.append(slots)
         names.append("slots")
         out_shape = (*slots.shape, abi.HEAD_DIM)
-    if dtype not in _READ_DTYPES:
-        _fail(f"dtype must be torch.float32 or torch.bfloat16 (both hold every value exactly), got {dtype!r}")
+    check_read_dtype(dtype)
     if type(invalid) not in (float, int):
         _fail(f"invalid must be a Python float (the value of the rows of invalid slots), got {invalid!r}")
     if out is not None:
