@@ -4,13 +4,14 @@
 # proof that memcheck sees a seeded out-of-bounds write, the soak and the benchmarks. Runs from
 # the source tree with $GPU_PYTHON (default python3, which must have torch and CuPy); full logs
 # under $OUT (default ./gpu-logs); a short table last. Exits non-zero when any step fails.
-#   STEPS="pytest sanitizers oob soak bench reader decode"  (default: all); TESTS: test paths (default tests);
-#   STEP_TIMEOUT: seconds a step may take (default 900)
+#   STEPS="pytest sanitizers oob soak bench reader decode profile"  (default: all but profile); TESTS: test
+#   paths (default tests); STEP_TIMEOUT: seconds a step may take (default 900); PROFILES: ';'-separated
+#   benchmarks/ncu_driver.py shapes that the profile step runs under ncu (log: $OUT/ncu.log)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PYTHON:-python3}
 OUT=${OUT:-gpu-logs}
-STEPS=${STEPS:-pytest sanitizers oob soak bench reader decode}
+STEPS=${STEPS:-pytest sanitizers oob soak bench reader decode}  # profile: on request
 mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 export NVFP4_MLA_CACHE_DIR=${NVFP4_MLA_CACHE_DIR:-$(mktemp -d)}
@@ -50,7 +51,20 @@ wants oob && step seeded-oob "$OUT/seeded_oob.log" 9 env PYTORCH_NO_CUDA_MEMORY_
 wants soak && step soak "$OUT/soak.log" 0 $PY benchmarks/soak.py ${SOAK_ARGS:-}
 wants bench && step bench "$OUT/bench.log" 0 $PY -m nvfp4_mla.bench --out "$OUT/bench" ${BENCH_ARGS:-}
 wants reader && step reader "$OUT/bench_reader.log" 0 $PY -m nvfp4_mla.bench reader --out "$OUT/reader"
-wants decode && step decode "$OUT/bench_decode.log" 0 $PY -m nvfp4_mla.bench decode --out "$OUT/decode"
+wants decode && step decode "$OUT/bench_decode.log" 0 $PY -m nvfp4_mla.bench decode --out "$OUT/decode" ${DECODE_ARGS:-}
+if wants profile; then  # ncu of single benchmark shapes: the evidence docs/performance.md cites
+    IFS=';' read -ra profiles <<<"${PROFILES:-decode 64 1 128 1024;decode 1 1 128 512;write kv 65536}"
+    for shape in "${profiles[@]}"; do
+        kernel='regex:^nvfp4_mla_write$' count=1
+        [[ $shape == decode* ]] && kernel='regex:^nvfp4_mla_decode' count=2  # attention and combine
+        echo "=== ncu $shape" >>"$OUT/ncu.log"
+        step "ncu" "$OUT/ncu.log" 0 ncu --clock-control none -k "$kernel" -c $count \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+            --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats \
+            --section Occupancy --section LaunchStats --section InstructionStats \
+            $PY benchmarks/ncu_driver.py --calls 1 $shape
+    done
+fi
 
 grep -E "passed|failed" "$OUT/pytest.log" 2>/dev/null | tail -n 1
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizers.log" "$OUT/seeded_oob.log" 2>/dev/null

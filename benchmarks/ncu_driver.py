@@ -1,0 +1,66 @@
+"""One benchmark shape, called a few times, for a profiler (``ncu``, ``nsys``): the same inputs as
+the benchmark's, so a profile explains a benchmark row.
+
+    python benchmarks/ncu_driver.py decode BATCH Q_LEN HEADS EXTRA_K
+    python benchmarks/ncu_driver.py write ENTRY NUM_TOKENS [NUM_HEADS Q_HEAD_PADDED]
+
+``ENTRY`` is main, inplace, kv, kv2 (compress ratio 2) or append. Profile the last call, e.g.
+``ncu --clock-control none --set full -k regex:nvfp4_mla_decode$ -c 1 -s 3 python ...``
+(``--calls`` sets how many calls are made; the default 4 leaves 3 warm-up calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from nvfp4_mla import ops
+from nvfp4_mla.bench import decode
+from nvfp4_mla.bench.arms import fused_call
+from nvfp4_mla.bench.grid import MAX_POSITION, Row
+from nvfp4_mla.bench.inputs import make_inputs
+from nvfp4_mla.testing import rope_table
+
+
+def writer_row(entry: str, tokens: int, heads: int, padded: int) -> Row:
+    if entry == "main":
+        return Row.main(tokens, heads, padded)
+    if entry == "inplace":
+        return Row.in_place(tokens, heads)
+    if entry in ("kv", "kv2"):
+        return Row.kv(tokens, 2 if entry == "kv2" else 1)
+    return Row.append(tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=4)
+    sub = parser.add_subparsers(dest="kind", required=True)
+    d = sub.add_parser("decode")
+    for name in ("batch", "q_len", "heads", "extra_k"):
+        d.add_argument(name, type=int)
+    w = sub.add_parser("write")
+    w.add_argument("entry", choices=("main", "inplace", "kv", "kv2", "append"))
+    w.add_argument("tokens", type=int)
+    w.add_argument("heads", type=int, nargs="?", default=8)
+    w.add_argument("padded", type=int, nargs="?", default=16)
+    args = parser.parse_args()
+    torch.cuda.set_device(0)
+    if args.kind == "decode":
+        pools = decode.Pools("cuda")
+        x = decode.Inputs(args.batch, args.q_len, args.heads, args.extra_k, torch.Generator().manual_seed(0), pools)
+        for _ in range(args.calls):
+            decode.fused(pools, x)
+    else:
+        row = writer_row(args.entry, args.tokens, args.heads, args.padded)
+        call = fused_call(row, ops, rope_table(MAX_POSITION, "cuda"))
+        inputs = make_inputs(row, "cuda")
+        for _ in range(args.calls):
+            call(inputs)
+    torch.cuda.synchronize()
+    print("done", vars(args))
+
+
+if __name__ == "__main__":
+    main()
