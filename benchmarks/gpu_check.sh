@@ -61,7 +61,7 @@ if wants profile; then  # ncu of single benchmark shapes: the evidence docs/perf
         step "ncu" "$OUT/ncu.log" 0 ncu --clock-control none -k "$kernel" -c $count \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
             --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats \
-            --section Occupancy --section LaunchStats --section InstructionStats \
+            --section Occupancy --section LaunchStats --section InstructionStats ${NCU_ARGS:-} \
             $PY benchmarks/ncu_driver.py --calls 1 $shape
     done
 fi

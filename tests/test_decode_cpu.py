@@ -34,8 +34,8 @@ def test_every_decode_kernel_compiles_without_spills(arch):
         assert result.cubin[:4] == b"\x7fELF", spec
         assert f"for '{arch}'" in result.log, result.log
         assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{spec.describe()} on {arch}:\n{result.log}"
-        # 128 registers keep 512 threads a SM: 2 blocks of 32 heads, or 1 of 64
-        assert 0 < result.registers <= 128, f"{spec.describe()} on {arch}: {result.registers} registers"
+        # a block's registers fit an SM (64K 32-bit registers on every sm_80+ GPU)
+        assert 0 < result.registers * spec.threads <= 65536, f"{spec.describe()} on {arch}: {result.registers}"
 
 
 def test_spec_set_and_names():
@@ -78,11 +78,11 @@ def test_head_tile_choice(heads, optin, tile):
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 8, 100, 131, 132, 133, 264, 1000])
-@pytest.mark.parametrize("num_tokens", [1, 31, 32, 33, 640, 1152, 2176])
+@pytest.mark.parametrize("num_tokens", [1, 31, 32, 33, 640, 1152, 2176, 10_000])
 def test_split_covers_every_tile_once(blocks, num_tokens):
     splits, per_split = decode.choose_split(blocks, num_tokens, 132)
     num_tiles = -(-num_tokens // decode.BLOCK_N)
-    assert 1 <= splits <= num_tiles
+    assert 1 <= splits <= min(num_tiles, decode.MAX_SPLITS)  # the combine takes at most MAX_SPLITS
     assert (splits - 1) * per_split < num_tiles <= splits * per_split  # no empty split, no tile left over
     if blocks % 132 == 0:
         assert splits == 1  # whole waves already: no combine

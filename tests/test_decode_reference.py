@@ -270,6 +270,10 @@ def _good():
         (dict(swa_slots=torch.zeros(2, 8, dtype=torch.int64)), "swa_slots must be \\[batch, q_len, k\\]"),
         (dict(swa_slots=torch.zeros(3, 1, 8, dtype=torch.int64)), "swa_slots must be \\[batch, q_len, k\\]"),
         (dict(swa_slots=torch.zeros(2, 1, 0, dtype=torch.int64)), "at least one slot per query row"),
+        (
+            dict(swa_slots=torch.zeros(1, dtype=torch.int32).expand(2, 1, validation.decode.MAX_TABLE_WIDTH + 1)),
+            "at most 16777216 slots per query row",
+        ),
         (dict(swa_slots=torch.zeros(2, 1, 16, dtype=torch.int64)[..., ::2]), "swa_slots must be contiguous"),
         (dict(swa_lens=torch.zeros(2, 1, dtype=torch.int64)), "swa_lens must have dtype torch.int32"),
         (dict(swa_lens=torch.zeros(2, dtype=torch.int32)), "swa_lens must be \\[batch, q_len\\]"),

@@ -306,6 +306,19 @@ def test_every_head_tile_and_split(seed, heads, head_tile):
         check(got, want, f"heads {heads} tile {head_tile} splits {num_splits}")
 
 
+def test_the_most_splits_the_combine_takes(seed):
+    """128 tiles in MAX_SPLITS splits of one tile (the combine's limit); asking for more clamps."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(8, 64, g), Pool(128, 64, g)
+    pools = [(swa, swa.slots((1, 1, 100), g, invalid=0.1), None), (extra, extra.slots((1, 1, 3996), g), None)]
+    q = queries(1, 1, 16, g)
+    want = exact(q, pools)
+    for forced in (decode.MAX_SPLITS, 136):
+        plan, got = planned(q, pools, 16, forced)
+        assert plan.num_splits == decode.MAX_SPLITS == 128
+        check(got, want, f"{forced} splits asked")
+
+
 def test_split_runs_are_bitwise_reproducible(seed):
     g = torch.Generator().manual_seed(seed)
     swa, extra = Pool(16, 64, g), Pool(64, 64, g)

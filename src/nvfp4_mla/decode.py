@@ -28,8 +28,13 @@ from .jit import Template
 from .launch import Launcher, current_raw_stream
 
 BLOCK_N = 32  # selected tokens a tile
-HEAD_TILES = (16, 32, 64)  # heads a block (threads: 8 a head); the largest that fits the GPU's shared memory
+HEAD_TILES = (16, 32, 64)  # heads a block; the largest that fits the GPU's shared memory
+# Warps sharing a row block of 16 heads, each a slice of the 512 dims: 2 gives a warp 256 output
+# accumulators' worth of dims (128 fp32 registers a thread) and its Q slice in 64 registers; 4
+# halves both, for blocks of 4 or 8 warps at 16 and 32 heads.
+DIM_SPLITS = {16: 4, 32: 4, 64: 2}
 COMBINE_THREADS = abi.HEAD_DIM // 4
+MAX_SPLITS = COMBINE_THREADS  # the combine kernel takes a split a thread
 # When choosing the split, in tile-times of one block: what a block costs besides its tiles (its
 # query load and its output rows), and what the combine launch costs.
 _BLOCK_COST = 1
@@ -43,18 +48,22 @@ ATTEND_PARAMS = struct.Struct("<6Q3Q5q3Q5q3qd")
 COMBINE_PARAMS = struct.Struct("<5Q2q")
 
 
+def attend_threads(head_tile: int) -> int:
+    """Threads of an attention block: a warp per (row block of 16 heads, dims slice)."""
+    return 32 * head_tile // 16 * DIM_SPLITS[head_tile]
+
+
 def shared_bytes(head_tile: int) -> int:
     """Dynamic shared memory of the attention kernel with ``head_tile`` heads a block (its layout
     is in the kernel, which checks this count)."""
-    row = (abi.HEAD_DIM + 8) * 2  # a padded BF16 row of Q or K
     return (
-        head_tile * row  # Q
-        + BLOCK_N * row  # K (= V)
+        head_tile * abi.HEAD_DIM * 2  # Q, as MMA fragments
+        + BLOCK_N * (abi.HEAD_DIM + 8) * 2  # K (= V): padded BF16 rows
         + BLOCK_N * abi.RECORD_BYTES  # the tile's records
-        + 4 * head_tile * (BLOCK_N + 4) * 4  # partial scores of 4 dims slices
-        + head_tile * (BLOCK_N + 8) * 2  # P
-        + 3 * head_tile * 4  # running max, sum, rescale
-        + 3 * BLOCK_N * 8  # record addresses
+        + attend_threads(head_tile) * 4 * 4 * 4  # partial scores: 4 n-tiles x 4 fp32 a thread
+        + 2 * BLOCK_N * 8  # record addresses
+        + 2 * BLOCK_N * 8  # slots of two tiles
+        + 16  # live-token masks of two tiles
     )
 
 
@@ -81,7 +90,7 @@ class DecodeSpec(NamedTuple):
 
     @property
     def threads(self) -> int:
-        return 8 * self.head_tile if self.kernel == "attend" else COMBINE_THREADS
+        return attend_threads(self.head_tile) if self.kernel == "attend" else COMBINE_THREADS
 
     @property
     def shared_bytes(self) -> int:
@@ -96,8 +105,14 @@ class DecodeSpec(NamedTuple):
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""
         if self.kernel == "attend":
-            return {"COMBINE": 0, "HEAD_TILE": self.head_tile, "BLOCK_N": BLOCK_N, "SMEM_BYTES": self.shared_bytes}
-        return {"COMBINE": 1}
+            return {
+                "COMBINE": 0,
+                "HEAD_TILE": self.head_tile,
+                "DIM_SPLIT": DIM_SPLITS[self.head_tile],
+                "BLOCK_N": BLOCK_N,
+                "SMEM_BYTES": self.shared_bytes,
+            }
+        return {"COMBINE": 1, "MAX_SPLITS": MAX_SPLITS}
 
     def describe(self) -> str:
         """A short human-readable name, e.g. ``decode heads/block=32``."""
@@ -122,7 +137,7 @@ def choose_split(blocks: int, num_tokens: int, concurrent_blocks: int) -> tuple[
     reproducible."""
     num_tiles = -(-num_tokens // BLOCK_N)
     best = ((num_tiles + _BLOCK_COST) * -(-blocks // concurrent_blocks), 1, num_tiles)
-    for splits in range(2, num_tiles + 1):
+    for splits in range(2, min(num_tiles, MAX_SPLITS) + 1):
         per_split = -(-num_tiles // splits)
         used = -(-num_tiles // per_split)  # splits that get tiles
         if used != splits:
@@ -177,7 +192,7 @@ def make_plan(
         sms, per_sm = _device_numbers(index, spec, attend)
         num_splits, tiles_per_split = choose_split(blocks, num_tokens, sms * per_sm)
     else:
-        tiles_per_split = -(-num_tiles // num_splits)
+        tiles_per_split = -(-num_tiles // min(num_splits, MAX_SPLITS))
         num_splits = -(-num_tiles // tiles_per_split)
     combine = cache.launcher(index, DecodeSpec.combine()) if num_splits > 1 else None
     return Plan(attend, combine, spec, blocks * num_splits, num_splits, tiles_per_split)

@@ -23,6 +23,9 @@ from .core import (
     check_tensors,
 )
 
+# Entries a slot table may hold per query row: the attention kernel counts its tiles of 32 in an int.
+MAX_TABLE_WIDTH = 1 << 24
+
 
 def _check_pool(
     pool: str, cache: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor | None, batch: int, q_len: int
@@ -41,6 +44,8 @@ def _check_pool(
         _fail(f"{pool}_slots must be [batch, q_len, k] = [{batch}, {q_len}, k] like q, got {list(shape)}")
     if shape[2] < 1:
         _fail(f"{pool}_slots must hold at least one slot per query row (k >= 1); mask entries with -1 or {pool}_lens")
+    if shape[2] > MAX_TABLE_WIDTH:
+        _fail(f"{pool}_slots may hold at most {MAX_TABLE_WIDTH} slots per query row, got k = {shape[2]}")
     if not slots.is_contiguous():
         _fail(f"{pool}_slots must be contiguous (pass {pool}_slots.contiguous())")
     if lens is not None:
