@@ -18,8 +18,9 @@
 //        the DIM_SPLIT warps of a row block exchange their partial scores through shared memory
 //        and each adds all of them in slice order, so they hold bit-identical S.
 //     4. Online softmax in registers, base 2 (each warp its row block's 16 rows, redundantly):
-//        masked scores are -inf, p = 2^(s - m) in fp32, row sums of the fp32 p; the output is
-//        rescaled only when a row's running max moved. P, rounded to BF16, is the A operand of 5.
+//        masked scores are -inf, p = 2^(s - m) in fp32, row sums of the fp32 p; a row's base m
+//        moves (and the output is rescaled) only when its max passes m by more than 2^8. P,
+//        rounded to BF16, is the A operand of 5.
 //     5. O += P.V over the warp's COLS output dims (COLS / 2 fp32 accumulators a thread).
 //   Without splits the block finishes the rows (1/l, sink factor, BF16, lse); with splits it
 //   writes its unnormalized O and (m, l) to the workspace.
@@ -72,6 +73,10 @@ constexpr int RECORD = DATA_BYTES + SCALE_BYTES; // 384
 constexpr int RECORD_CHUNKS = RECORD / 16;
 constexpr int DATA_CHUNKS = DATA_BYTES / 16;
 constexpr int NOPE_CHUNKS = NOPE_DIM / 8;        // 16-byte chunks (8 BF16) of a row's NoPE dims
+// The online softmax moves a row's base only when its max grew by more than this (log2 units), so
+// the output is rescaled a few times a row instead of at most tiles: p stays below 2^8, far from
+// fp32 or BF16 overflow.
+constexpr float RESCALE_SLACK = 8.0f;
 // Blocks an SM should hold: 128 registers a thread with 4 warps a row block (64 accumulators),
 // up to 255 with 2 (128 accumulators).
 constexpr int MIN_BLOCKS = 1;
@@ -331,7 +336,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
         if (!live_now) continue;  // block-uniform
 
         // 3. Partial scores of the warp's slice: s[n] is n-tile n (tokens 8n..8n+7).
-        float s[S_TILES][4] = {};
+        //    Even and odd k-steps accumulate apart: two independent MMA chains per n-tile.
+        float s[S_TILES][4] = {}, s_odd[S_TILES][4] = {};
 #pragma unroll
         for (int k = 0; k < K_STEPS; ++k) {
             const uint4 q = qf[k * 32];
@@ -341,12 +347,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
                 // B fragments of two n-tiles: matrices (tokens 0-7 | 8-15) x (dims 0-7 | 8-15), K rows are tokens.
                 u32 b[4];
                 ldmatrix_x4(k_lane + (pair * 16 * ROW_ELEMS + k * 16) * 2, b);
-                mma_bf16(s[2 * pair], qa, b[0], b[1]);
-                mma_bf16(s[2 * pair + 1], qa, b[2], b[3]);
+                mma_bf16(k & 1 ? s_odd[2 * pair] : s[2 * pair], qa, b[0], b[1]);
+                mma_bf16(k & 1 ? s_odd[2 * pair + 1] : s[2 * pair + 1], qa, b[2], b[3]);
             }
         }
 #pragma unroll
-        for (int n = 0; n < S_TILES; ++n) xs[(warp * S_TILES + n) * 32 + lane] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
+        for (int n = 0; n < S_TILES; ++n)
+            xs[(warp * S_TILES + n) * 32 + lane] =
+                make_float4(s[n][0] + s_odd[n][0], s[n][1] + s_odd[n][1], s[n][2] + s_odd[n][2], s[n][3] + s_odd[n][3]);
         named_barrier(1 + row_block, DIM_SPLIT * 32);
 #pragma unroll
         for (int n = 0; n < S_TILES; ++n) {
@@ -365,6 +373,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
         }
 
         // 4. Online softmax of rows g (elements 0, 1) and g + 8 (2, 3): the quad's 4 lanes hold a row's 32 tokens.
+        //    m is a base at most RESCALE_SLACK below the running max, so p <= 2^RESCALE_SLACK; O and l
+        //    always share it, and lse = m + log2(l) whatever it is.
         float max_lo = fmaxf(s[0][0], s[0][1]), max_hi = fmaxf(s[0][2], s[0][3]);
 #pragma unroll
         for (int n = 1; n < S_TILES; ++n) {
@@ -376,7 +386,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
             max_lo = fmaxf(max_lo, __shfl_xor_sync(NVFP4_FULL_MASK, max_lo, o));
             max_hi = fmaxf(max_hi, __shfl_xor_sync(NVFP4_FULL_MASK, max_hi, o));
         }
-        const float new_lo = fmaxf(m_lo, max_lo), new_hi = fmaxf(m_hi, max_hi);
+        // A row's base (m) moves only when the tile's max passes it by more than RESCALE_SLACK.
+        const bool move_lo = max_lo > m_lo + RESCALE_SLACK, move_hi = max_hi > m_hi + RESCALE_SLACK;
+        const float new_lo = move_lo ? max_lo : m_lo, new_hi = move_hi ? max_hi : m_hi;
         const float base_lo = new_lo == neg_inf() ? 0.0f : new_lo;  // nothing live yet: every p and alpha is 0
         const float base_hi = new_hi == neg_inf() ? 0.0f : new_hi;
         u32 pa[2][4];  // P as the A operands of the two P.V k-steps (tokens 0-15, 16-31)
@@ -395,8 +407,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
             sum_lo += __shfl_xor_sync(NVFP4_FULL_MASK, sum_lo, o);
             sum_hi += __shfl_xor_sync(NVFP4_FULL_MASK, sum_hi, o);
         }
-        if (__any_sync(NVFP4_FULL_MASK, new_lo != m_lo || new_hi != m_hi)) {  // rare once the max settles
-            const float alpha_lo = exp2_approx(m_lo - base_lo), alpha_hi = exp2_approx(m_hi - base_hi);
+        if (__any_sync(NVFP4_FULL_MASK, move_lo || move_hi)) {  // rare once the max settles
+            const float alpha_lo = move_lo ? exp2_approx(m_lo - base_lo) : 1.0f;
+            const float alpha_hi = move_hi ? exp2_approx(m_hi - base_hi) : 1.0f;
             l_lo *= alpha_lo;
             l_hi *= alpha_hi;
 #pragma unroll
@@ -493,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
     float l = 0.0f;
     float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     const float4* partial = p.partial_o + row_head * num_splits * (HEAD_DIM / 4) + tid;
-#pragma unroll 4
+#pragma unroll 16  // 16 partial loads in flight a round trip
     for (int s = 0; s < num_splits; ++s) {
         const float w = weights[s];
         const float4 x = partial[s * (HEAD_DIM / 4)];
