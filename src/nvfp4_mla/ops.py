@@ -9,6 +9,8 @@ graphs.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.autograd.graph import increment_version
 
@@ -17,173 +19,223 @@ from .reference import new_cache
 from .variant import Variant
 
 _NO_PTR = 0
-# One dict per entry, keyed on the call's device and the arguments that fix the kernel: the only
-# lookup a warm call does. A miss builds the Variant and loads (or compiles) its kernel.
-_main_kernels: dict[tuple, tuple[launch.Launcher, Variant]] = {}
-_kv_kernels: dict[tuple, tuple[launch.Launcher, Variant]] = {}
-_append_kernels: dict[tuple, tuple[launch.Launcher, Variant]] = {}
-_pack_kernels: dict[tuple, tuple[launch.Launcher, Variant]] = {}
 
 
-def _bind(table: dict, key: tuple, variant: Variant) -> tuple[launch.Launcher, Variant]:
-    found = table[key] = (kernel_cache.default().launcher(key[0], variant), variant)
-    return found
+class _Plan(NamedTuple):
+    """What a signature fixes of a call: its per-call checks, kernel, grid and scalar parameters."""
+
+    checks: validation.PointerChecks
+    launcher: launch.Launcher | None  # None when there is nothing to launch
+    device_index: int
+    blocks: int
+    scalars: tuple[int, ...]  # page_stride, capacity (slots), max_position, num_kv_rows, num_units
+    out_shape: tuple[int, ...]  # of the tensor the entry allocates (q_out, the packed cache); () if none
 
 
-def _launch(
-    launcher, variant, num_units, q, q_out, kv, cache, slots, positions, cos_sin, geometry, max_position, num_kv_rows
-):
+# The kernels loaded, one dict per entry, keyed on the device and the arguments that fix the kernel.
+_main_kernels: dict[tuple, launch.Launcher] = {}
+_kv_kernels: dict[tuple, launch.Launcher] = {}
+_append_kernels: dict[tuple, launch.Launcher] = {}
+_pack_kernels: dict[tuple, launch.Launcher] = {}
+# Call plans, one dict per entry, keyed on validation.signature: the one lookup a warm call does.
+# A miss runs every check and builds the plan; a hit runs the per-call checks only
+# (validation.check_pointers). Cleared when full, so varying batch sizes cannot grow it forever.
+MAX_PLANS = 4096
+_main_plans: dict[tuple | None, _Plan] = {}
+_kv_plans: dict[tuple | None, _Plan] = {}
+_append_plans: dict[tuple | None, _Plan] = {}
+_pack_plans: dict[tuple | None, _Plan] = {}
+
+
+def _plan(
+    plans: dict,
+    signature: tuple | None,
+    kernels: dict,
+    kernel_key: tuple,
+    variant: Variant,
+    checks: validation.PointerChecks,
+    geometry: validation.CacheGeometry,
+    max_position: int,
+    num_tokens: int,
+    num_kv_rows: int,
+    out_shape: tuple[int, ...] = (),
+) -> _Plan:
+    """Builds (after the full checks passed) and stores the plan of ``signature``."""
+    device_index = kernel_key[0]
+    num_units = variant.num_units(num_tokens, num_kv_rows)
+    launcher = kernels.get(kernel_key)
+    if launcher is None and num_units:  # a call with nothing to launch loads no kernel
+        launcher = kernels[kernel_key] = kernel_cache.default().launcher(device_index, variant)
     num_pages, page_size, page_stride = geometry
-    launcher.launch(
-        variant.blocks(num_units),
-        launch.current_raw_stream(cache.get_device()),
-        q,
-        q_out,
-        kv,
-        cache.data_ptr(),
-        slots,
-        positions,
-        cos_sin,
-        page_stride,
-        num_pages * page_size,
-        max_position,
-        num_kv_rows,
-        num_units,
-    )
-    increment_version(cache)  # the kernel wrote it: autograd and views must see a new version
+    scalars = (page_stride, num_pages * page_size, max_position, num_kv_rows, num_units)
+    plan = _Plan(checks, launcher, device_index, variant.blocks(num_units), scalars, out_shape)
+    if signature is not None:
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plans[signature] = plan
+    return plan
 
 
 # ---------------------------------------------------------------- eager implementations
 
 
 def _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace):
-    geometry = validation.check_main(
-        q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace, need_cuda=True
-    )
-    num_tokens, num_heads = q.shape[0], q.shape[1]
-    num_kv_rows = slot_mapping.shape[0]
-    if q_inplace:
-        q_out = q
-    else:  # new_empty: measured cheaper than torch.empty
-        q_out = q.new_empty((num_tokens, q_head_padded, abi.HEAD_DIM))
-    key = (
-        cache.get_device(),
-        geometry.page_size,
-        slot_mapping.dtype,
-        num_heads,
-        q_head_padded,
-        apply_q_rope,
-        q_inplace,
-    )
-    found = _main_kernels.get(key)
-    if found is None:
-        found = _bind(_main_kernels, key, Variant.main(*key[1:]))
-    launcher, variant = found
-    num_units = variant.num_units(num_tokens, num_kv_rows)
-    if num_units == 0:  # T == 0, or a cache-only call without slots
-        return q_out
-    _launch(
-        launcher,
-        variant,
-        num_units,
-        q.data_ptr(),
-        q_out.data_ptr(),
-        kv.data_ptr(),
-        cache,
-        slot_mapping.data_ptr(),
-        positions.data_ptr(),
-        cos_sin_cache.data_ptr(),
-        geometry,
-        cos_sin_cache.shape[0],
-        num_kv_rows,
-    )
-    if q_inplace and apply_q_rope:
-        increment_version(q)
+    tensors = (q, kv, cache, slot_mapping, positions, cos_sin_cache)
+    signature = validation.signature(tensors, (q_head_padded, apply_q_rope, q_inplace))
+    plan = _main_plans.get(signature)
+    if plan is None or validation.DEBUG_CHECKS:
+        geometry = validation.check_main(
+            q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace, need_cuda=True
+        )
+        num_tokens, num_heads = q.shape[0], q.shape[1]
+        device_index = cache.get_device()
+        key = (device_index, geometry.page_size, slot_mapping.dtype, num_heads, q_head_padded, apply_q_rope, q_inplace)
+        plan = _plan(
+            _main_plans,
+            signature,
+            _main_kernels,
+            key,
+            Variant.main(*key[1:]),
+            validation.main_pointer_checks(tensors, geometry, q_inplace),
+            geometry,
+            cos_sin_cache.shape[0],
+            num_tokens,
+            slot_mapping.shape[0],
+            (num_tokens, q_head_padded, abi.HEAD_DIM),
+        )
+    q_ptr, kv_ptr, cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr = validation.check_pointers(tensors, plan.checks)
+    # new_empty: measured cheaper than torch.empty
+    q_out = q if q_inplace else q.new_empty(plan.out_shape)
+    if plan.launcher is not None:  # else T == 0, or a cache-only call without slots
+        plan.launcher.launch(
+            plan.blocks,
+            launch.current_raw_stream(plan.device_index),
+            q_ptr,
+            q_out.data_ptr(),
+            kv_ptr,
+            cache_ptr,
+            slots_ptr,
+            positions_ptr,
+            cos_sin_ptr,
+            *plan.scalars,
+        )
+        increment_version(cache)  # the kernel wrote it: autograd and views must see a new version
+        if q_inplace and apply_q_rope:
+            increment_version(q)
     return q_out
 
 
 def _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio):
-    geometry = validation.check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda=True)
-    num_kv_rows = slot_mapping.shape[0]
-    if num_kv_rows == 0:
-        return None
-    key = (cache.get_device(), geometry.page_size, slot_mapping.dtype, compress_ratio)
-    found = _kv_kernels.get(key)
-    if found is None:
-        found = _bind(_kv_kernels, key, Variant.kv(*key[1:]))
-    launcher, variant = found
-    _launch(
-        launcher,
-        variant,
-        variant.num_units(0, num_kv_rows),
-        _NO_PTR,
-        _NO_PTR,
-        kv.data_ptr(),
-        cache,
-        slot_mapping.data_ptr(),
-        positions.data_ptr(),
-        cos_sin_cache.data_ptr(),
-        geometry,
-        cos_sin_cache.shape[0],
-        num_kv_rows,
-    )
+    tensors = (kv, cache, slot_mapping, positions, cos_sin_cache)
+    signature = validation.signature(tensors, (compress_ratio,))
+    plan = _kv_plans.get(signature)
+    if plan is None or validation.DEBUG_CHECKS:
+        geometry = validation.check_kv(
+            kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda=True
+        )
+        key = (cache.get_device(), geometry.page_size, slot_mapping.dtype, compress_ratio)
+        plan = _plan(
+            _kv_plans,
+            signature,
+            _kv_kernels,
+            key,
+            Variant.kv(*key[1:]),
+            validation.kv_pointer_checks(tensors, geometry),
+            geometry,
+            cos_sin_cache.shape[0],
+            0,
+            slot_mapping.shape[0],
+        )
+    kv_ptr, cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr = validation.check_pointers(tensors, plan.checks)
+    if plan.launcher is not None:
+        plan.launcher.launch(
+            plan.blocks,
+            launch.current_raw_stream(plan.device_index),
+            _NO_PTR,
+            _NO_PTR,
+            kv_ptr,
+            cache_ptr,
+            slots_ptr,
+            positions_ptr,
+            cos_sin_ptr,
+            *plan.scalars,
+        )
+        increment_version(cache)
     return None
 
 
 def _append(latent_kv, slot_mapping, cache):
-    geometry = validation.check_append(latent_kv, slot_mapping, cache, need_cuda=True)
-    num_kv_rows = slot_mapping.shape[0]
-    if num_kv_rows == 0:
-        return None
-    key = (cache.get_device(), geometry.page_size, slot_mapping.dtype)
-    found = _append_kernels.get(key)
-    if found is None:
-        found = _bind(_append_kernels, key, Variant.append(*key[1:]))
-    launcher, variant = found
-    _launch(
-        launcher,
-        variant,
-        variant.num_units(0, num_kv_rows),
-        _NO_PTR,
-        _NO_PTR,
-        latent_kv.data_ptr(),
-        cache,
-        slot_mapping.data_ptr(),
-        _NO_PTR,
-        _NO_PTR,
-        geometry,
-        0,
-        num_kv_rows,
-    )
+    tensors = (latent_kv, slot_mapping, cache)
+    signature = validation.signature(tensors, ())
+    plan = _append_plans.get(signature)
+    if plan is None or validation.DEBUG_CHECKS:
+        geometry = validation.check_append(latent_kv, slot_mapping, cache, need_cuda=True)
+        key = (cache.get_device(), geometry.page_size, slot_mapping.dtype)
+        plan = _plan(
+            _append_plans,
+            signature,
+            _append_kernels,
+            key,
+            Variant.append(*key[1:]),
+            validation.append_pointer_checks(tensors, geometry),
+            geometry,
+            0,
+            0,
+            slot_mapping.shape[0],
+        )
+    kv_ptr, slots_ptr, cache_ptr = validation.check_pointers(tensors, plan.checks)
+    if plan.launcher is not None:
+        plan.launcher.launch(
+            plan.blocks,
+            launch.current_raw_stream(plan.device_index),
+            _NO_PTR,
+            _NO_PTR,
+            kv_ptr,
+            cache_ptr,
+            slots_ptr,
+            _NO_PTR,
+            _NO_PTR,
+            *plan.scalars,
+        )
+        increment_version(cache)
     return None
 
 
 def _pack(latent_kv, kv_layout):
-    validation.check_pack(latent_kv, kv_layout, need_cuda=True)
-    num_pages, page_size = latent_kv.shape[0], latent_kv.shape[1]
-    cache = new_cache(num_pages, page_size, kv_layout, latent_kv.device)
-    num_rows = num_pages * page_size
-    if num_rows:
-        geometry = validation.CacheGeometry(num_pages, page_size, page_size * abi.RECORD_BYTES)
-        key = (cache.get_device(), page_size)
-        found = _pack_kernels.get(key)
-        if found is None:
-            found = _bind(_pack_kernels, key, Variant.pack(page_size))
-        launcher, variant = found
-        _launch(
-            launcher,
-            variant,
-            variant.num_units(0, num_rows),
-            _NO_PTR,
-            _NO_PTR,
-            latent_kv.data_ptr(),
-            cache,
-            _NO_PTR,
-            _NO_PTR,
-            _NO_PTR,
-            geometry,
+    tensors = (latent_kv,)
+    signature = validation.signature(tensors, (kv_layout,))
+    plan = _pack_plans.get(signature)
+    if plan is None or validation.DEBUG_CHECKS:
+        validation.check_pack(latent_kv, kv_layout, need_cuda=True)
+        num_pages, page_size = latent_kv.shape[0], latent_kv.shape[1]
+        key = (latent_kv.get_device(), page_size)
+        plan = _plan(
+            _pack_plans,
+            signature,
+            _pack_kernels,
+            key,
+            Variant.pack(page_size),
+            validation.PACK_POINTER_CHECKS,
+            validation.CacheGeometry(num_pages, page_size, page_size * abi.RECORD_BYTES),
             0,
-            num_rows,
+            0,
+            num_pages * page_size,
+            tuple(new_cache(num_pages, page_size, kv_layout, "meta").shape),
+        )
+    (kv_ptr,) = validation.check_pointers(tensors, plan.checks)
+    cache = latent_kv.new_empty(plan.out_shape, dtype=torch.uint8)  # new_empty: cheaper than torch.empty
+    if plan.launcher is not None:
+        plan.launcher.launch(
+            plan.blocks,
+            launch.current_raw_stream(plan.device_index),
+            _NO_PTR,
+            _NO_PTR,
+            kv_ptr,
+            cache.data_ptr(),
+            _NO_PTR,
+            _NO_PTR,
+            _NO_PTR,
+            *plan.scalars,
         )
     return cache
 

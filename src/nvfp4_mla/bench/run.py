@@ -39,6 +39,7 @@ OUTPUT_STEM = "bench"  # bench.csv, bench.md, bench.png
 SUITES = {
     "reader": "[--out DIR]: the GPU reader (nvfp4_dequantize_sparse_mla_cache)",
     "decode": "[--out DIR] [--quick] [--head-tiles]: the fused sparse decode (sparse_mla_decode)",
+    "host": "[--out DIR]: host time of one eager call of each entry, against torch add_",
 }
 
 

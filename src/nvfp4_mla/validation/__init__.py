@@ -21,6 +21,9 @@ from .core import (  # the shared checks, also validation.X for callers
     CacheGeometry as CacheGeometry,
 )
 from .core import (
+    PointerChecks as PointerChecks,
+)
+from .core import (
     cache_extent as cache_extent,
 )
 from .core import (
@@ -33,7 +36,13 @@ from .core import (
     check_mutable as check_mutable,
 )
 from .core import (
+    check_pointers as check_pointers,
+)
+from .core import (
     check_tensors as check_tensors,
+)
+from .core import (
+    signature as signature,
 )
 
 # NVFP4_MLA_CHECK=1 (read at import): every writer entry, kernel and reference, also runs
@@ -41,6 +50,38 @@ from .core import (
 DEBUG_CHECKS = os.environ.get("NVFP4_MLA_CHECK", "0") not in ("", "0")
 
 READ_DTYPES = (torch.float32, torch.bfloat16)  # what the reader returns
+# Each writer's tensor arguments, in the order of its signature (and of check_pointers' pointers).
+MAIN_NAMES = ("q", "kv", "cache", "slot_mapping", "positions", "cos_sin_cache")
+KV_NAMES = ("kv", "cache", "slot_mapping", "positions", "cos_sin_cache")
+APPEND_NAMES = ("latent_kv", "slot_mapping", "cache")
+
+
+def _pointer_checks(
+    tensors: tuple, names: tuple, cache_index: int, geometry: CacheGeometry, aligned: tuple, written: tuple
+) -> PointerChecks:
+    spans = [t.nbytes for t in tensors]
+    lo, hi = cache_extent(tensors[cache_index], geometry)
+    spans[cache_index] = hi - lo
+    return PointerChecks(names, tuple(spans), aligned, written)
+
+
+def main_pointer_checks(tensors: tuple, geometry: CacheGeometry, q_inplace: bool) -> PointerChecks:
+    """The per-call checks of the main entry's checked ``tensors`` (in :data:`MAIN_NAMES` order):
+    q, kv, the cache and cos_sin_cache aligned; the cache written, and q in place."""
+    return _pointer_checks(tensors, MAIN_NAMES, 2, geometry, (0, 1, 2, 5), (2, 0) if q_inplace else (2,))
+
+
+def kv_pointer_checks(tensors: tuple, geometry: CacheGeometry) -> PointerChecks:
+    """The per-call checks of the KV entry's checked ``tensors`` (:data:`KV_NAMES` order)."""
+    return _pointer_checks(tensors, KV_NAMES, 1, geometry, (0, 1, 4), (1,))
+
+
+def append_pointer_checks(tensors: tuple, geometry: CacheGeometry) -> PointerChecks:
+    """The per-call checks of the append entry's checked ``tensors`` (:data:`APPEND_NAMES` order)."""
+    return _pointer_checks(tensors, APPEND_NAMES, 2, geometry, (0, 2), (2,))
+
+
+PACK_POINTER_CHECKS = PointerChecks(("latent_kv",), (0,), (0,), ())  # aligned; the output is new
 
 
 def _check_slots(slot_mapping: torch.Tensor, num_rows: int) -> None:
@@ -109,7 +150,7 @@ def check_main(
 ) -> CacheGeometry:
     """``cake_dsv4_nvfp4_rope_quantize_insert``."""
     tensors = (q, kv, cache, slot_mapping, positions, cos_sin_cache)
-    names = ("q", "kv", "cache", "slot_mapping", "positions", "cos_sin_cache")
+    names = MAIN_NAMES
     check_tensors(tensors, names)
     check_flag(apply_q_rope, "apply_q_rope")
     check_flag(q_inplace, "q_inplace")
@@ -130,13 +171,8 @@ def check_main(
     _check_slots(slot_mapping, num_tokens)
     _check_rope_inputs(positions, cos_sin_cache, num_tokens)
     _check_device(tensors, names, need_cuda)
-    _check_aligned((q, kv, cache, cos_sin_cache), ("q", "kv", "cache", "cos_sin_cache"))
     check_q_options(num_heads, q_head_padded, q_inplace)
-    check_mutable(cache, "cache")
-    _check_disjoint(cache_extent(cache, geometry), "cache", tensors[:2] + tensors[3:], names[:2] + names[3:])
-    if q_inplace:
-        check_mutable(q, "q")
-        _check_disjoint(_extent(q), "q", tensors[1:], names[1:])
+    check_pointers(tensors, main_pointer_checks(tensors, geometry, q_inplace))
     if DEBUG_CHECKS:
         debug_check_rows(slot_mapping, geometry.num_pages * geometry.page_size, positions, cos_sin_cache.shape[0])
     return geometry
@@ -145,17 +181,15 @@ def check_main(
 def check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda) -> CacheGeometry:
     """``cake_dsv4_nvfp4_kv_rope_quantize_insert``."""
     tensors = (kv, cache, slot_mapping, positions, cos_sin_cache)
-    names = ("kv", "cache", "slot_mapping", "positions", "cos_sin_cache")
+    names = KV_NAMES
     check_tensors(tensors, names)
     num_rows = _check_kv_rows(kv, "kv")
     geometry = check_cache(cache)
     _check_slots(slot_mapping, num_rows)
     _check_rope_inputs(positions, cos_sin_cache, num_rows)
     _check_device(tensors, names, need_cuda)
-    _check_aligned((kv, cache, cos_sin_cache), ("kv", "cache", "cos_sin_cache"))
     check_compress_ratio(compress_ratio)
-    check_mutable(cache, "cache")
-    _check_disjoint(cache_extent(cache, geometry), "cache", tensors[:1] + tensors[2:], names[:1] + names[2:])
+    check_pointers(tensors, kv_pointer_checks(tensors, geometry))
     if DEBUG_CHECKS:
         capacity = geometry.num_pages * geometry.page_size
         used = positions[: slot_mapping.shape[0]]  # only rows with a slot are inserted
@@ -180,14 +214,13 @@ def check_slot_dtype(slot_dtype: object) -> None:
 
 def check_append(latent_kv, slot_mapping, cache, need_cuda) -> CacheGeometry:
     """``nvfp4_quantize_append_sparse_mla_cache``."""
-    check_tensors((latent_kv, slot_mapping, cache), ("latent_kv", "slot_mapping", "cache"))
+    tensors = (latent_kv, slot_mapping, cache)
+    check_tensors(tensors, APPEND_NAMES)
     num_rows = _check_kv_rows(latent_kv, "latent_kv")
     geometry = check_cache(cache)
     _check_slots(slot_mapping, num_rows)
     _check_device((latent_kv, cache, slot_mapping), ("latent_kv", "cache", "slot_mapping"), need_cuda)
-    _check_aligned((latent_kv, cache), ("latent_kv", "cache"))
-    check_mutable(cache, "cache")
-    _check_disjoint(cache_extent(cache, geometry), "cache", (latent_kv, slot_mapping), ("latent_kv", "slot_mapping"))
+    check_pointers(tensors, append_pointer_checks(tensors, geometry))
     if DEBUG_CHECKS:
         debug_check_rows(slot_mapping, geometry.num_pages * geometry.page_size)
     return geometry
@@ -203,9 +236,9 @@ def check_pack(latent_kv, kv_layout, need_cuda) -> None:
     if not latent_kv.is_contiguous():
         _fail("latent_kv must be contiguous")
     _check_device((latent_kv,), ("latent_kv",), need_cuda)
-    _check_aligned((latent_kv,), ("latent_kv",))
     if type(kv_layout) is not str or kv_layout not in abi.KV_LAYOUTS:
         _fail(f"kv_layout must be one of {abi.KV_LAYOUTS}, got {kv_layout!r}")
+    check_pointers((latent_kv,), PACK_POINTER_CHECKS)
 
 
 def check_read_dtype(dtype: object) -> None:

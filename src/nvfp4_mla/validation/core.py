@@ -1,7 +1,10 @@
 """The checks every entry shares: argument types, devices, alignment, memory overlap, the cache view.
 
 Used by the writers' and the reader's checks (``validation``) and the attention entry's
-(``validation.decode``); ``ValueError`` messages name the fix.
+(``validation.decode``); ``ValueError`` messages name the fix. :func:`signature` and
+:func:`check_pointers` split a writer's checks for the kernel path's host time: those fixed by the
+arguments' metadata run once per signature, those that depend on where the tensors are and on
+their autograd state on every call.
 """
 
 from __future__ import annotations
@@ -15,12 +18,24 @@ from .. import abi
 _BF16 = torch.bfloat16
 _SLOT_DTYPES = (torch.int32, torch.int64)
 _CUDA_FIX = " (move it with .cuda(), or use nvfp4_mla.reference for CPU tensors)"
+_PLAIN_OPTIONS = (bool, int, str)  # option types a signature holds (hashable; keyed with the type, so True is not 1)
+_Tensor = torch.Tensor
 
 
 class CacheGeometry(NamedTuple):
     num_pages: int
     page_size: int
     page_stride: int  # bytes between pages; >= page_size * 384, a multiple of 16
+
+
+class PointerChecks(NamedTuple):
+    """What an entry's per-call checks (:func:`check_pointers`) need to know of its tensors, fixed by
+    their signature."""
+
+    names: tuple[str, ...]
+    spans: tuple[int, ...]  # bytes each tensor covers from its data pointer (a cache: its pages)
+    aligned: tuple[int, ...]  # indices of the tensors the kernels move with 16-byte accesses
+    written: tuple[int, ...]  # indices of the tensors the call writes
 
 
 def _fail(message: str) -> None:
@@ -56,6 +71,52 @@ def _check_disjoint(written: tuple[int, int], written_name: str, tensors: tuple,
         t_lo = t.data_ptr()
         if t_lo < hi and lo < t_lo + t.nbytes:
             _fail(f"{name} overlaps {written_name} in memory: the call writes {written_name}; pass separate tensors")
+
+
+def signature(tensors: tuple, options: tuple) -> tuple | None:
+    """Everything a writer's argument checks read except data pointers and autograd state: the
+    options with their types, and each tensor's shape, dtype, strides and device.
+
+    Calls with equal signatures pass or fail those checks alike (their outcome is a function of
+    these values), so the kernel path runs them once per signature and :func:`check_pointers` on
+    every call. None when an argument is not a tensor or an option not a plain bool, int or str:
+    the full checks then say which.
+    """
+    key: list = []
+    for option in options:
+        kind = type(option)
+        if kind not in _PLAIN_OPTIONS:
+            return None
+        key += (kind, option)
+    for t in tensors:
+        if not isinstance(t, _Tensor):
+            return None
+        key += (t.shape, t.dtype, t.stride(), t.device)
+    return tuple(key)
+
+
+def check_pointers(tensors: tuple, checks: PointerChecks) -> tuple[int, ...]:
+    """The checks that depend on where the tensors are and on their state, run on every call:
+    16-byte alignment, a written tensor is mutable (:func:`check_mutable`) and shares no byte with
+    another argument. Returns the tensors' data pointers."""
+    pointers = tuple([t.data_ptr() for t in tensors])
+    combined = 0
+    for i in checks.aligned:
+        combined |= pointers[i]
+    if combined % abi.PAGE_ALIGN:
+        _check_aligned(tuple(tensors[i] for i in checks.aligned), tuple(checks.names[i] for i in checks.aligned))
+    spans = checks.spans
+    for w in checks.written:
+        name = checks.names[w]
+        check_mutable(tensors[w], name)
+        lo = pointers[w]
+        hi = lo + spans[w]
+        if lo == hi:
+            continue
+        for i, start in enumerate(pointers):
+            if i != w and start < hi and lo < start + spans[i]:
+                _fail(f"{checks.names[i]} overlaps {name} in memory: the call writes {name}; pass separate tensors")
+    return pointers
 
 
 def cache_extent(cache: torch.Tensor, geometry: CacheGeometry) -> tuple[int, int]:
