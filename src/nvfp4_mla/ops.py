@@ -9,6 +9,9 @@ graphs.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch.autograd.graph import increment_version
 
@@ -23,11 +26,42 @@ _main_kernels: dict[tuple, tuple[launch.Launcher, Variant]] = {}
 _kv_kernels: dict[tuple, tuple[launch.Launcher, Variant]] = {}
 _append_kernels: dict[tuple, tuple[launch.Launcher, Variant]] = {}
 _pack_kernels: dict[tuple, tuple[launch.Launcher, Variant]] = {}
+# Where a miss takes its kernel: the process's kernel cache, and the KV rows a unit (None: the
+# Variant constructors' own). kernels_from() swaps both, with fresh tables, for the benchmark.
+_kernel_cache = kernel_cache.default
+_kv_rows_per_unit: int | None = None
 
 
 def _bind(table: dict, key: tuple, variant: Variant) -> tuple[launch.Launcher, Variant]:
-    found = table[key] = (kernel_cache.default().launcher(key[0], variant), variant)
+    if _kv_rows_per_unit is not None:
+        variant = variant._replace(kv_rows_per_unit=_kv_rows_per_unit)
+    found = table[key] = (_kernel_cache().launcher(key[0], variant), variant)
     return found
+
+
+@contextlib.contextmanager
+def kernels_from(cache: kernel_cache.KernelCache, kv_rows_per_unit: int | None = None) -> Iterator[None]:
+    """Within the block, the entries take their kernels from ``cache``, in lookup tables of their own.
+
+    For the benchmark's other kernels (a stubbed quantizer, another number of KV rows a unit):
+    the same validation and launch geometry, other cubins. The shipped tables and cache are back
+    after the block. Not thread-safe: no other thread may call the entries meanwhile.
+
+    Parameters
+    ----------
+    cache
+        Where the kernels come from (compiled there on first use).
+    kv_rows_per_unit
+        The Variant's ``kv_rows_per_unit`` (None: the constructors' default).
+    """
+    global _kernel_cache, _kv_rows_per_unit, _main_kernels, _kv_kernels, _append_kernels, _pack_kernels
+    shipped = (_kernel_cache, _kv_rows_per_unit, _main_kernels, _kv_kernels, _append_kernels, _pack_kernels)
+    _kernel_cache, _kv_rows_per_unit = (lambda: cache), kv_rows_per_unit
+    _main_kernels, _kv_kernels, _append_kernels, _pack_kernels = {}, {}, {}, {}
+    try:
+        yield
+    finally:
+        _kernel_cache, _kv_rows_per_unit, _main_kernels, _kv_kernels, _append_kernels, _pack_kernels = shipped
 
 
 def _launch(
