@@ -5,6 +5,7 @@ Timing itself needs a GPU and is not run here."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -36,9 +37,13 @@ def test_named_rows_use_the_entries_arguments():
     assert Row.in_place(4, 8) == Row("inplace", 4, num_heads=8, q_head_padded=8, page_size=256)
     assert Row.kv(4, 2) == Row("kv", 4, page_size=128, compress_ratio=2)
     assert Row.append(4) == Row("append", 4, page_size=128)
+    assert Row.pack(256) == Row("pack", 256, page_size=128)
     assert Row.append(4).slot_bytes == 8 and Row.append(4)._replace(slot_dtype=torch.int32).slot_bytes == 4
     labels = [Row.main(1, 8, 16).label, Row.in_place(1, 8).label, Row.kv(1, 2).label, Row.append(1).label]
     assert labels == ["main 8->16", "in place 8", "kv r2", "append"]
+    assert Row.pack(256).label == "pack" and Row.pack(256).kv_rows_per_unit == 1 and Row.pack(256).ships
+    ab = Row.kv(4, 1)._replace(kv_rows_per_unit=2)
+    assert ab.label == "kv r1 (2 rows/unit)" and not ab.ships
 
 
 def test_full_grid_holds_the_issue_rows():
@@ -49,12 +54,35 @@ def test_full_grid_holds_the_issue_rows():
         assert {Row.main(t, h, h) for t in (1, 64, 4096)} <= rows
     for h in (8, 16, 64, 128):
         assert {Row.in_place(t, h) for t in (1, 64, 4096)} <= rows
-    assert {Row.in_place(16384, h) for h in (8, 16)} <= rows
+    assert {Row.in_place(16384, h) for h in (8, 16, 128)} <= rows  # the in-place target's heads
     for r in (1, 2):
-        assert {Row.kv(t, r) for t in (1, 64, 4096, 16384)} <= rows
-    assert {Row.append(t) for t in (1, 64, 4096, 16384)} <= rows
-    assert not any(r.num_tokens == 16384 and r.num_heads >= 64 for r in rows)  # memory stays modest
+        assert {Row.kv(t, r) for t in (1, 64, 4096, 16384, 65536)} <= rows
+    assert Row.kv(262144, 1) in rows
+    assert {Row.append(t) for t in (1, 64, 4096, 16384, 65536)} <= rows
+    assert {Row.pack(t) for t in (4096, 16384, 65536)} <= rows
+    # memory stays modest: no main rows with 64 or 128 heads at T = 16384, no in place 64 there
+    assert not any(r.num_tokens == 16384 and r.num_heads >= 64 and r != Row.in_place(16384, 128) for r in rows)
+    assert all(r.num_tokens % r.page_size == 0 for r in rows if r.entry == "pack")  # whole pages
+    assert all(r.ships for r in rows)
     assert len(rows) == len(grid.full_grid())  # no duplicates
+
+
+def test_quick_grid_holds_a_row_of_every_target():
+    rows = grid.quick_grid()
+    for title in targets.THRESHOLDS.values():
+        assert any(title.applies(r) for r in rows), title
+    assert {Row.kv(65536, 1), Row.append(65536), Row.pack(65536)} <= set(rows)
+
+
+def test_select_rows_keeps_the_entries_and_repeats_the_kv_only_rows_per_count():
+    rows = [Row.main(64, 8, 16), Row.in_place(64, 8), Row.kv(64, 2), Row.append(64), Row.pack(128)]
+    assert grid.select_rows(rows, grid.ENTRIES, (1,)) == rows
+    assert grid.select_rows(rows, ("kv", "main"), (1,)) == [Row.main(64, 8, 16), Row.kv(64, 2)]
+    ab = grid.select_rows(rows, grid.ENTRIES, (1, 2, 4))
+    assert ab[:2] == rows[:2]
+    assert [(r.entry, r.kv_rows_per_unit) for r in ab[2:]] == [
+        (entry, n) for entry in ("kv", "append", "pack") for n in (1, 2, 4)
+    ]
 
 
 def test_quick_grid_is_a_subset_and_measurement_order_serves_the_plot_first():
@@ -86,8 +114,9 @@ def test_bytes_model_other_entries():
     assert grid.modelled_bytes(Row.kv(t, 2), inserted_rows=30) == 30 * (1024 + 384 + 256) + t * 16
     assert grid.modelled_bytes(Row.append(t)) == t * (1024 + 384 + 8)
     assert grid.modelled_bytes(Row.append(t)._replace(slot_dtype=torch.int32)) == t * (1024 + 384 + 4)
+    assert grid.modelled_bytes(Row.pack(256)) == 256 * (1024 + 384)  # whole pages: no slots
     with pytest.raises(ValueError, match="unknown entry"):
-        grid.modelled_bytes(Row("pack", t))
+        grid.modelled_bytes(Row("gather", t))
 
 
 def test_input_sets_rotate_only_when_a_set_fits_in_l2():
@@ -138,7 +167,9 @@ def test_inserted_rows_counts_the_ratio_test(seed):
 
 # ---------------------------------------------------------------- arms on the CPU
 
-ARM_ROWS = [Row.main(7, 5, 8), Row.main(5, 8, 8), Row.in_place(6, 8), Row.kv(9, 1), Row.kv(9, 2), Row.append(4)]
+ARM_ROWS = [
+    Row.main(7, 5, 8), Row.main(5, 8, 8), Row.in_place(6, 8), Row.kv(9, 1), Row.kv(9, 2), Row.append(4), Row.pack(32)
+]  # fmt: skip
 
 
 def _row_inputs(row: Row) -> tuple[Row, inputs.Inputs, torch.Tensor]:
@@ -162,6 +193,8 @@ def _entry_call(row: Row, cos_sin: torch.Tensor) -> arms.Call:
         return lambda x: reference.cake_dsv4_nvfp4_kv_rope_quantize_insert(
             x.kv, x.cache, x.slot_mapping, x.positions, cos_sin, compress_ratio=row.compress_ratio
         )
+    if row.entry == "pack":
+        return lambda x: reference.nvfp4_quantize_pack_sparse_mla_cache(x.kv.reshape(-1, 16, 512))
     return lambda x: reference.nvfp4_quantize_append_sparse_mla_cache(x.kv, x.slot_mapping, x.cache)
 
 
@@ -172,6 +205,9 @@ def test_fused_arm_is_the_rows_entry(row, seed):
     assert arms.same_outputs(fused, _entry_call(row, cos_sin), x)
     written = x.clone_written()
     out = fused(written)
+    if row.entry == "pack":  # a new cache of every row
+        assert isinstance(out, torch.Tensor) and out.shape == (row.num_tokens // 16, 1, 16, 384)
+        return
     assert written.cache.flatten(1).any(1).sum() > 0  # the comparison above saw written records
     if row.entry == "main":
         assert isinstance(out, torch.Tensor) and out.shape == (row.num_tokens, row.q_head_padded, 512)
@@ -207,7 +243,7 @@ def test_same_outputs_sees_one_flipped_bit(row, where, seed):
 def test_unfused_arm_does_the_same_work(row, seed):
     row, x, cos_sin = _row_inputs(row)
     unfused = arms.unfused_call(row, reference, cos_sin)
-    if row.entry == "append":
+    if row.entry in ("append", "pack"):
         assert unfused is None
         return
     assert unfused is not None
@@ -275,25 +311,27 @@ class StandInTimer:
         return HOST_S
 
 
-def _context(timer=None, compile_budget_s: float = 0.0, compile_spent_s: float = 0.0) -> run.Context:
-    """The reference as the library, on the CPU."""
+def _context(timer=None, compile_budget_s: float = 0.0, compile_spent_s: float = 0.0, libraries=None) -> run.Context:
+    """The reference as every library (default), on the CPU."""
     cos_sin = rope_table(grid.MAX_POSITION)
     timer = timer or StandInTimer()
-    return run.Context(torch.device("cpu"), cos_sin, timer, L2_BYTES, compile_budget_s, reference, compile_spent_s)
+    libraries = libraries or (lambda kv_rows_per_unit, stubbed: reference)
+    return run.Context(torch.device("cpu"), cos_sin, timer, L2_BYTES, compile_budget_s, libraries, compile_spent_s)
 
 
 def test_run_grid_measures_every_arm_of_every_row(monkeypatch, seed):
     monkeypatch.setattr(run, "COMPILE_MAX_TOKENS", 4)
-    rows = [Row.main(1, 8, 16), Row.in_place(4, 8), Row.kv(5, 2), Row.append(3)]
+    rows = [Row.main(1, 8, 16), Row.in_place(4, 8), Row.kv(5, 2), Row.append(3), Row.pack(2)._replace(page_size=1)]
     results = run.run_grid(rows, _context())
     assert [r.row for r in results] == rows  # grid order, whatever the measuring order
-    main1, in_place, kv2, append = results
-    assert main1.seconds == {"fused": EAGER_S, "graph": GRAPH_S, "unfused": EAGER_S, "compile": None}
+    main1, in_place, kv2, append, pack = results
+    assert main1.seconds == {"fused": EAGER_S, "graph": GRAPH_S, "stub": GRAPH_S, "unfused": EAGER_S, "compile": None}
     assert main1.notes == ["torch.compile(reference): skipped: --compile-budget 0"]
     assert main1.host_s == HOST_S and main1.calls_per_batch == CALLS  # host time at T = 1 only
     assert main1.input_sets == grid.input_set_count(grid.modelled_bytes(rows[0]), L2_BYTES) == 40
-    assert in_place.host_s is None and set(in_place.seconds) == {"fused", "graph", "unfused", "compile"}
-    assert set(append.seconds) == {"fused", "graph", "compile"}  # append: no unfused arm
+    assert in_place.host_s is None and set(in_place.seconds) == {"fused", "graph", "stub", "unfused", "compile"}
+    assert set(append.seconds) == set(pack.seconds) == {"fused", "graph", "stub", "compile"}  # no unfused arm
+    assert pack.bytes == 2 * (1024 + 384) and pack.notes == main1.notes  # the compile arm's skip only
     assert "compile" not in kv2.seconds  # T above COMPILE_MAX_TOKENS
     inserted = (kv2.bytes - 5 * 16) / (1024 + 384 + 256)  # every row reads position and slot
     assert inserted == pytest.approx(round(inserted * kv2.input_sets) / kv2.input_sets) and 0 <= inserted <= 5
@@ -363,11 +401,11 @@ def _fake_results() -> tuple[list[RowResult], Ceilings, FirstUse]:
     us = 1e-6
     main4096 = RowResult(
         Row.main(4096, 8, 16), 107.5e6, 1, calls_per_batch=40,
-        seconds={"fused": 30 * us, "graph": 30.5 * us, "unfused": 120 * us, "compile": 900 * us},
+        seconds={"fused": 30 * us, "graph": 30.5 * us, "stub": 25 * us, "unfused": 120 * us, "compile": 900 * us},
     )  # fmt: skip
     main1 = RowResult(
         Row.main(1, 8, 16), 26256, 64, calls_per_batch=200,
-        seconds={"fused": 9 * us, "graph": 2.5 * us, "unfused": 80 * us, "compile": None},
+        seconds={"fused": 9 * us, "graph": 2.5 * us, "stub": None, "unfused": 80 * us, "compile": None},
         host_s=12 * us, compile_first_call_s=31.0,
         notes=["torch.compile(reference): n/a: BackendCompilerFailed: boom | x"],
     )  # fmt: skip
@@ -382,23 +420,42 @@ def _fake_results() -> tuple[list[RowResult], Ceilings, FirstUse]:
     )  # fmt: skip
     append = RowResult(Row.append(16384), 23.3e6, 1, seconds={"fused": 7 * us, "graph": 6.5 * us})
     failed = RowResult(Row.kv(64, 2), 1e5, 0, notes=["row failed: OutOfMemoryError: x"])
+    # 86 MB at 4.3 TB/s is 20 us: kernel 25 us (80%), stub 23 us (87%), kernel / stub 1.087
+    kv = RowResult(Row.kv(65536, 1), 86e6, 1, seconds={"fused": 26 * us, "graph": 25 * us, "stub": 23 * us})
+    # the A/B's other kernels: every target misses, but the summary does not judge them
+    kv_ab = RowResult(
+        Row.kv(65536, 1)._replace(kv_rows_per_unit=2), 86e6, 1,
+        seconds={"fused": 41 * us, "graph": 40 * us, "stub": 20 * us},
+    )  # fmt: skip
     found = Ceilings(copy_bytes_per_s=4.3e12, launch_eager_s=2.1 * us, launch_graph_s=0.9 * us, add_host_s=6 * us)
     first_use = FirstUse(cold_first_call_s=1.2, compile_kernel_s=0.8, warm_first_call_s=0.07, import_cupy_s=0.3)
-    return [main1, main64, main4096, wide1, append, failed], found, first_use
+    return [main1, main64, main4096, wide1, append, failed, kv, kv_ab], found, first_use
 
 
 def test_row_targets():
-    (main1, _, main4096, wide1, append, failed), found, _ = _fake_results()
+    (main1, _, main4096, wide1, append, failed, kv, kv_ab), found, _ = _fake_results()
     m = targets.row_metrics(main4096, found)
     assert m.copy_fraction == pytest.approx(107.5e6 / 30.5e-6 / 4.3e12)  # from the graph-replayed time
-    assert m.targets == {"bandwidth": "MISS", "speedup": "PASS"}  # 82% of copy; 4x and 30x
-    assert m.ratios["unfused"] == pytest.approx(4.0)
+    assert m.targets == {"bandwidth": "MISS", "speedup": "PASS", "main_copy": "MISS"}  # 82% of copy; 4x and 30x
+    assert m.ratios == pytest.approx({"graph": 30.5 / 30, "unfused": 4.0, "compile": 30.0})  # no stub / eager
+    assert m.stub_ratio == pytest.approx(30.5 / 25) and m.stub_copy_fraction == pytest.approx(107.5e6 / 25e-6 / 4.3e12)
     m = targets.row_metrics(main1, found)
-    assert m.targets == {"latency": "MISS", "host": "PASS", "speedup": "PASS"}  # 2.5 us > 2.0; 2x add_
+    # 2.5 us > 2.0 and > 1.8; 2x add_
+    assert m.targets == {"latency": "MISS", "host": "PASS", "speedup": "PASS", "latency_every_entry": "MISS"}
     assert m.host_ratio == pytest.approx(2.0) and "compile" not in m.ratios
-    assert targets.row_metrics(wide1, found).targets["latency"] == "PASS"  # 2.9 us <= 3.0 at 128 heads
+    assert m.stub_ratio is None and m.stub_copy_fraction is None  # the stub arm failed
+    wide = targets.row_metrics(wide1, found).targets
+    assert (wide["latency"], wide["latency_every_entry"]) == ("PASS", "MISS")  # 2.9 us: <= 3.0 at 128 heads, > 1.8
     assert targets.row_metrics(append, found).targets == {"bandwidth": "MISS"}  # 83%; no peers: no speedup
     assert targets.row_metrics(failed, found).targets == {}
+    m = targets.row_metrics(kv, found)
+    assert m.copy_fraction == pytest.approx(0.8) and m.stub_copy_fraction == pytest.approx(86 / 23 / 4.3)
+    assert m.stub_ratio == pytest.approx(25 / 23)
+    assert m.targets == {"bandwidth": "MISS", "kv_copy": "PASS", "stub_ratio": "PASS"}  # 80% < 85%; >= 80%; 1.09
+    # A slower stub improves kernel / stub, never the primary (% of copy) verdicts.
+    slower = targets.row_metrics(dataclasses.replace(kv, seconds={**kv.seconds, "stub": 50e-6}), found)
+    assert slower.copy_fraction == m.copy_fraction and slower.targets == m.targets
+    assert targets.row_metrics(kv_ab, found).targets == {"bandwidth": "MISS", "kv_copy": "MISS", "stub_ratio": "MISS"}
     assert targets.latency_limit_us(Row.in_place(1, 16)) == 2.0
     assert targets.latency_limit_us(Row.main(1, 64, 64)) == 3.0
     assert targets.speedup_needed(384) is None
@@ -411,17 +468,30 @@ def test_target_summary():
     assert summary["T >= 4096"][0] == "MISS" and "main 8->16 T=4096" in summary["T >= 4096"][1]
     assert summary["T = 1"][0] == "MISS"
     assert summary["host time of one eager call <= 2.5x a torch add_ launch"] == ("PASS", "2 of 2 rows pass")
+    # the A/B's row (2 KV rows a unit) is not judged: the shipped kv row passes alone
+    assert summary["KV ratio 1 and 2, append, pack at T >= 65536"] == ("PASS", "1 of 1 rows pass")
+    assert summary["T >= 65536, every entry"] == ("PASS", "1 of 1 rows pass")
+    assert summary["main 8->8 and 8->16 at T = 4096"] == ("MISS", "0 of 1 rows pass; missed: main 8->16 T=4096")
+    assert summary["T = 1, every entry"] == ("MISS", "0 of 2 rows pass; missed: main 8->16 T=1, main 128->128 T=1")
+    assert summary["in place with 8, 16 or 128 heads at T >= 16384"][0] == "n/a"  # no such row
+    titles = [title for title, _, _ in lines]
+    assert titles.index(targets.TARGET_TITLES["kv_copy"]) < titles.index(targets.TARGET_TITLES["stub_ratio"])
     assert [v for t, v, _ in lines if "first call" in t] == ["PASS", "MISS"]  # 1.2 s < 1.5 s; 70 ms >= 50 ms
     failed = targets.target_summary(results, found, FirstUse(error="boom"))
     assert all(v == "n/a" and d == "n/a (boom)" for t, v, d in failed if "first call" in t)
 
 
-def test_csv_columns_are_the_published_ones(tmp_path):
+def test_csv_columns_keep_the_published_ones_in_order(tmp_path):
     results, found, _ = _fake_results()
     path = tmp_path / "bench.csv"
     report.write_csv(path, results, found)
     with path.open() as f, PUBLISHED_CSV.open() as published:
-        assert next(csv.reader(f)) == next(csv.reader(published))
+        header, published_header = next(csv.reader(f)), next(csv.reader(published))
+    added = [
+        "kv_rows_per_unit", "stub_us", "stub_copy_fraction", "kernel_stub_ratio",
+        *(f"target_{name}" for name in ("kv_copy", "inplace_copy", "main_copy", "latency_every_entry", "stub_ratio")),
+    ]  # fmt: skip
+    assert [column for column in header if column not in added] == published_header
 
 
 def test_csv_values(tmp_path):
@@ -442,6 +512,15 @@ def test_csv_values(tmp_path):
     assert append["unfused_us"] == "" and append["unfused_ratio"] == "" and append["host_us"] == ""
     assert failed["fused_us"] == "" and "OutOfMemoryError" in failed["notes"]
     assert main1["notes"].startswith("torch.compile(reference): n/a")
+    # the no-quantizer arm: failed (n/a), not part of the row (""), measured
+    assert (main1["stub_us"], main1["kernel_stub_ratio"], main1["stub_copy_fraction"]) == ("n/a", "n/a", "n/a")
+    assert (append["stub_us"], append["kernel_stub_ratio"], append["stub_copy_fraction"]) == ("", "", "")
+    assert main4096["stub_us"] == "25" and float(main4096["kernel_stub_ratio"]) == pytest.approx(1.22)
+    assert float(main4096["stub_copy_fraction"]) == pytest.approx(1.0)  # 107.5 MB / 25 us / 4.3 TB/s
+    kv, kv_ab = rows[6], rows[7]
+    assert (kv["kv_rows_per_unit"], kv_ab["kv_rows_per_unit"], kv_ab["label"]) == ("1", "2", "kv r1 (2 rows/unit)")
+    assert (kv["target_kv_copy"], kv["target_stub_ratio"], kv["target_main_copy"]) == ("PASS", "PASS", "")
+    assert float(kv["copy_fraction"]) == pytest.approx(0.8) and float(kv["kernel_stub_ratio"]) == pytest.approx(1.087)
 
 
 def test_markdown_report_and_short_table():
@@ -457,9 +536,15 @@ def test_markdown_report_and_short_table():
     table_lines = [line for line in text.splitlines() if line.startswith("| main 8->16 |")]
     assert len(table_lines) == 3 and all(line.count("|") == len(report.FULL_COLUMNS) + 1 for line in table_lines)
     short = report.markdown_table(results, found, report.SHORT_COLUMNS).splitlines()
-    assert short[0] == "| row | T | fused us | graph us | % copy | unfused | compile | targets |"
+    assert short[0] == (
+        "| row | T | fused us | graph us | % copy | stub us | stub % copy | kernel/stub | unfused | compile | targets |"
+    )
     assert len(short) == 2 + len(results)
-    assert "| append | 16384 | 7.00 | 6.50 | 83% | - | - | bandwidth MISS |" in short
+    assert "| append | 16384 | 7.00 | 6.50 | 83% | - | - | - | - | - | bandwidth MISS |" in short
+    kv_line = "| kv r1 | 65536 | 26.0 | 25.0 | 80% | 23.0 | 87% | 1.09 | - | - |"
+    assert f"{kv_line} bandwidth MISS, kv_copy PASS, stub_ratio PASS |" in short
+    assert short[2].startswith("| main 8->16 | 1 | 9.00 | 2.50 | 0% | n/a | n/a | n/a | 8.89x | n/a |")
+    assert "`half_amax`, `scale_code`, `half_codes`" in text
     assert "![" not in report.markdown_report(env, [], found, first_use, results, None)
 
 

@@ -148,10 +148,14 @@ def check_arch(arch: object) -> str:
     return match.group(0)
 
 
-def kernel_key(spec: Spec, arch: str) -> str:
-    """The full key of a compiled kernel: SHA-256 of its sources, options and NVRTC identity."""
+def kernel_key(spec: Spec, arch: str, header: str | None = None) -> str:
+    """The full key of a compiled kernel: SHA-256 of its sources, options and NVRTC identity.
+
+    ``header`` replaces the text of ``kernels/nvfp4_numerics.cuh`` (see :func:`compile_kernel`).
+    """
     template = spec.template
-    text = "\0".join((_source(template.file), _source(HEADER_FILE), " ".join(_options(spec, arch)), nvrtc_identity()))
+    header = _source(HEADER_FILE) if header is None else header
+    text = "\0".join((_source(template.file), header, " ".join(_options(spec, arch)), nvrtc_identity()))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -160,20 +164,21 @@ def proof(key: str) -> bytes:
     return (_KEY_PREFIX + key).encode()
 
 
-def compile_kernel(spec: Spec, arch: str, key: str | None = None) -> CompileResult:
+def compile_kernel(spec: Spec, arch: str, key: str | None = None, header: str | None = None) -> CompileResult:
     """Compiles one spec to a cubin for ``arch`` ("sm_80", "sm_90", ...). Needs no GPU.
 
     The cubin carries ``key`` (default: :func:`kernel_key`) as a string constant: the cache's
-    proof that the file is this kernel.
+    proof that the file is this kernel. ``header``, when given, is compiled in place of
+    ``kernels/nvfp4_numerics.cuh`` (the benchmark's kernels with a stubbed quantizer); pass the
+    same ``header`` to :func:`kernel_key`.
     """
     check_arch(arch)
     nvrtc = _nvrtc()
-    key = kernel_key(spec, arch) if key is None else key
+    key = kernel_key(spec, arch, header) if key is None else key
     template = spec.template
+    header = _source(HEADER_FILE) if header is None else header
     options = [*_options(spec, arch), f'-DNVFP4_MLA_KEY="{_KEY_PREFIX}{key}"']
-    program = nvrtc.createProgram(
-        _source(template.file), template.file, [_source(HEADER_FILE).encode()], [HEADER_FILE.encode()]
-    )
+    program = nvrtc.createProgram(_source(template.file), template.file, [header.encode()], [HEADER_FILE.encode()])
     try:
         try:
             nvrtc.compileProgram(program, options)

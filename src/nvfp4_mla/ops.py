@@ -9,6 +9,8 @@ graphs.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -45,6 +47,43 @@ _main_plans: dict[tuple | None, _Plan] = {}
 _kv_plans: dict[tuple | None, _Plan] = {}
 _append_plans: dict[tuple | None, _Plan] = {}
 _pack_plans: dict[tuple | None, _Plan] = {}
+# Where a miss takes its kernel: the process's kernel cache, and the KV rows a unit (None: the
+# Variant constructors' own). kernels_from() swaps both, with fresh tables, for the benchmark.
+_kernel_cache = kernel_cache.default
+_kv_rows_per_unit: int | None = None
+
+
+@contextlib.contextmanager
+def kernels_from(cache: kernel_cache.KernelCache, kv_rows_per_unit: int | None = None) -> Iterator[None]:
+    """Within the block, the entries take their kernels from ``cache``, in tables of their own.
+
+    For the benchmark's other kernels (a stubbed quantizer, another number of KV rows a unit):
+    the same validation and launch geometry, other cubins. The shipped tables and cache are back
+    after the block. Not thread-safe: no other thread may call the entries meanwhile.
+
+    Parameters
+    ----------
+    cache
+        Where the kernels come from (compiled there on first use).
+    kv_rows_per_unit
+        The Variant's ``kv_rows_per_unit`` (None: the constructors' default).
+    """
+    global _kernel_cache, _kv_rows_per_unit, _main_kernels, _kv_kernels, _append_kernels, _pack_kernels
+    global _main_plans, _kv_plans, _append_plans, _pack_plans
+    shipped = (
+        (_kernel_cache, _kv_rows_per_unit),
+        (_main_kernels, _kv_kernels, _append_kernels, _pack_kernels),
+        (_main_plans, _kv_plans, _append_plans, _pack_plans),
+    )
+    _kernel_cache, _kv_rows_per_unit = (lambda: cache), kv_rows_per_unit
+    _main_kernels, _kv_kernels, _append_kernels, _pack_kernels = {}, {}, {}, {}
+    _main_plans, _kv_plans, _append_plans, _pack_plans = {}, {}, {}, {}
+    try:
+        yield
+    finally:
+        (_kernel_cache, _kv_rows_per_unit), kernels, plans = shipped
+        _main_kernels, _kv_kernels, _append_kernels, _pack_kernels = kernels
+        _main_plans, _kv_plans, _append_plans, _pack_plans = plans
 
 
 def _plan(
@@ -62,10 +101,12 @@ def _plan(
 ) -> _Plan:
     """Builds (after the full checks passed) and stores the plan of ``signature``."""
     device_index = kernel_key[0]
+    if _kv_rows_per_unit is not None:
+        variant = variant._replace(kv_rows_per_unit=_kv_rows_per_unit)
     num_units = variant.num_units(num_tokens, num_kv_rows)
     launcher = kernels.get(kernel_key)
     if launcher is None and num_units:  # a call with nothing to launch loads no kernel
-        launcher = kernels[kernel_key] = kernel_cache.default().launcher(device_index, variant)
+        launcher = kernels[kernel_key] = _kernel_cache().launcher(device_index, variant)
     num_pages, page_size, page_stride = geometry
     scalars = (page_stride, num_pages * page_size, max_position, num_kv_rows, num_units)
     plan = _Plan(checks, launcher, device_index, variant.blocks(num_units), scalars, out_shape)

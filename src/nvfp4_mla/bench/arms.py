@@ -5,13 +5,15 @@
 - ``unfused``: torch-level RoPE of q and kv (fp32 math, BF16 result), the zero-padded ``q_out``
   copy, then the library's append kernel: what a stack without the fused writer runs;
 - ``compile``: ``torch.compile`` of ``nvfp4_mla.reference``'s entry, the best a user gets
-  without the library.
+  without the library;
+- ``stub``: the no-quantizer arm, the same launch from kernels whose quantizer is stubbed
+  (:mod:`.stub`), graph-replayed: the kernel's own memory pattern.
 
 A library is anything with the entries' signatures: ``nvfp4_mla.ops`` (the kernels),
-``nvfp4_mla.reference`` (what the CPU tests use) or :func:`compiled_reference`. A new arm, such
-as the coming "no-quantizer" one (the same launches from kernels whose quantizer is stubbed), is
-a :func:`fused_call` on its own library: its name and title go into :data:`ARM_TITLES` and its
-measurement into ``run.measure_row``; the CSV and the tables follow :data:`ARM_TITLES`.
+``nvfp4_mla.reference`` (what the CPU tests use), :func:`compiled_reference` or
+``stub.kernel_library`` (the entries on other kernels). A new arm is a :func:`fused_call` on its
+own library: its name and title go into :data:`ARM_TITLES` and its measurement into
+``run.measure_row``; the CSV and the tables follow :data:`ARM_TITLES`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ ARM_TITLES = {
     "graph": "fused, CUDA graph",
     "unfused": "unfused (torch RoPE + append)",
     "compile": "torch.compile(reference)",
+    "stub": "no quantizer (stub kernels), CUDA graph",
 }
+EAGER_RATIO_ARMS = ("graph", "unfused", "compile")  # each reported as its time / the fused eager time
 
 Call = Callable[[Inputs], object]
 
@@ -47,6 +51,9 @@ class Library(Protocol):
 
     @property
     def nvfp4_quantize_append_sparse_mla_cache(self) -> Callable[..., Any]: ...
+
+    @property
+    def nvfp4_quantize_pack_sparse_mla_cache(self) -> Callable[..., Any]: ...
 
 
 def fused_call(row: Row, lib: Library, cos_sin: torch.Tensor) -> Call:
@@ -69,6 +76,9 @@ def fused_call(row: Row, lib: Library, cos_sin: torch.Tensor) -> Call:
         return lambda x: kv_entry(
             x.kv, x.cache, x.slot_mapping, x.positions, cos_sin, compress_ratio=row.compress_ratio
         )
+    if row.entry == "pack":  # the kv rows as whole pages; the new cache is returned
+        pack = lib.nvfp4_quantize_pack_sparse_mla_cache
+        return lambda x: pack(x.kv.view(-1, row.page_size, abi.HEAD_DIM))
     append = lib.nvfp4_quantize_append_sparse_mla_cache
     return lambda x: append(x.kv, x.slot_mapping, x.cache)
 
@@ -94,7 +104,7 @@ def _roped_kv(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def unfused_call(row: Row, lib: Library, cos_sin: torch.Tensor) -> Call | None:
     """Torch-level RoPE (and the zero-padded ``q_out`` copy) followed by ``lib``'s append kernel;
-    None for the append rows, which are that kernel alone."""
+    None for the append and pack rows, which are a quantizing kernel alone."""
     append = lib.nvfp4_quantize_append_sparse_mla_cache
     nope = abi.NOPE_DIM
 
@@ -128,16 +138,17 @@ def unfused_call(row: Row, lib: Library, cos_sin: torch.Tensor) -> Call | None:
     return calls.get(row.entry)
 
 
-class CompiledReference(NamedTuple):
-    """The reference entries, each through ``torch.compile``."""
+class Entries(NamedTuple):
+    """A :class:`Library` made of callables (the reference through ``torch.compile``, say)."""
 
     cake_dsv4_nvfp4_rope_quantize_insert: Callable[..., Any]
     cake_dsv4_nvfp4_kv_rope_quantize_insert: Callable[..., Any]
     nvfp4_quantize_append_sparse_mla_cache: Callable[..., Any]
+    nvfp4_quantize_pack_sparse_mla_cache: Callable[..., Any]
 
 
 @functools.cache
-def compiled_reference() -> CompiledReference:
+def compiled_reference() -> Entries:
     """``torch.compile(..., dynamic=False)`` of the reference entries (graph breaks allowed: the
     reference indexes with data-dependent masks). Built once per process."""
     config = torch._dynamo.config
@@ -150,9 +161,7 @@ def compiled_reference() -> CompiledReference:
         name = next((n for n in names if hasattr(config, n)), None)
         if name is not None:
             setattr(config, name, 4096)
-    return CompiledReference(
-        *(torch.compile(getattr(reference, name), dynamic=False) for name in CompiledReference._fields)
-    )
+    return Entries(*(torch.compile(getattr(reference, name), dynamic=False) for name in Entries._fields))
 
 
 def same_outputs(call_a: Call, call_b: Call, inputs: Inputs) -> bool:

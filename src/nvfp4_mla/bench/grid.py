@@ -11,18 +11,28 @@ from typing import NamedTuple
 import torch
 
 from .. import abi
+from ..variant import Variant
 
 MAX_POSITION = 65536  # rows of the cos/sin table; positions are uniform in [0, MAX_POSITION)
 MAIN_PAGE_SIZE = 256  # main entry, head-padded and in place
-KV_PAGE_SIZE = 128  # KV entry and append
+KV_PAGE_SIZE = 128  # KV entry, append and pack
+
+ENTRIES = ("main", "inplace", "kv", "append", "pack")
+KV_ONLY_ENTRIES = ("kv", "append", "pack")  # no query: the KV rows per unit A/B is theirs
+SHIPPED_KV_ROWS_PER_UNIT: int = Variant._field_defaults["kv_rows_per_unit"]
 
 MAIN_TOKENS = (1, 8, 64, 384, 4096, 16384)
 WIDE_TOKENS = (1, 64, 4096)  # main entry with 64 and 128 heads
 OTHER_TOKENS = (1, 64, 4096, 16384)  # in place, KV entry, append
-MAX_HEADS_AT_MOST_TOKENS = 16  # keeps memory modest: no T=16384 with 64 or 128 heads
+IN_PLACE_LONG_HEADS = (8, 16, 128)  # in place at T = 16384: the heads of the in-place target
+# KV entry and append also at T = 65536, out of L2, where the KV targets are judged; the pack
+# entry writes whole pages of KV_PAGE_SIZE; kv r1 also at the largest size measured before.
+LONG_TOKENS = 65536
+PACK_TOKENS = (4096, 16384, LONG_TOKENS)
+LONGEST_KV_TOKENS = 262144
 # The torch.compile arm spends its budget in this order of tokens (plot rows first): T = 1, 64
 # and 4096 carry the speedup targets.
-TOKEN_PRIORITY = (1, 4096, 64, 8, 384, 16384)
+TOKEN_PRIORITY = (1, 4096, 64, 8, 384, 16384, LONG_TOKENS, LONGEST_KV_TOKENS)
 
 # Bytes model: each input read once, each output written once.
 BF16_ROW_BYTES = abi.HEAD_DIM * 2  # 1024: a kv row or one query head
@@ -49,6 +59,7 @@ class Row(NamedTuple):
     page_size: int = MAIN_PAGE_SIZE
     compress_ratio: int = 1  # the KV entry's
     slot_dtype: torch.dtype = torch.int64
+    kv_rows_per_unit: int = SHIPPED_KV_ROWS_PER_UNIT  # the kernel's (the A/B's rows differ)
 
     @staticmethod
     def main(num_tokens: int, num_heads: int, q_head_padded: int) -> Row:
@@ -70,18 +81,30 @@ class Row(NamedTuple):
         """The append entry (already-roped rows)."""
         return Row("append", num_tokens, page_size=KV_PAGE_SIZE)
 
+    @staticmethod
+    def pack(num_tokens: int) -> Row:
+        """The pack entry: ``num_tokens / KV_PAGE_SIZE`` whole pages into a new cache."""
+        return Row("pack", num_tokens, page_size=KV_PAGE_SIZE)
+
     @property
     def slot_bytes(self) -> int:
         return self.slot_dtype.itemsize
 
     @property
+    def ships(self) -> bool:
+        """Whether the row runs the kernels as shipped (the targets judge only those)."""
+        return self.kv_rows_per_unit == SHIPPED_KV_ROWS_PER_UNIT
+
+    @property
     def label(self) -> str:
-        return {
+        name = {
             "main": f"main {self.num_heads}->{self.q_head_padded}",
             "inplace": f"in place {self.num_heads}",
             "kv": f"kv r{self.compress_ratio}",
             "append": "append",
+            "pack": "pack",
         }[self.entry]
+        return name if self.ships else f"{name} ({self.kv_rows_per_unit} rows/unit)"
 
     @property
     def is_plot_row(self) -> bool:
@@ -96,20 +119,32 @@ def full_grid() -> list[Row]:
         Row.in_place(t, h)
         for h in (8, 16, 64, 128)
         for t in OTHER_TOKENS
-        if t < max(OTHER_TOKENS) or h <= MAX_HEADS_AT_MOST_TOKENS
+        if t < max(OTHER_TOKENS) or h in IN_PLACE_LONG_HEADS
     ]
-    rows += [Row.kv(t, r) for r in (1, 2) for t in OTHER_TOKENS]
-    rows += [Row.append(t) for t in OTHER_TOKENS]
+    rows += [Row.kv(t, r) for r in (1, 2) for t in (*OTHER_TOKENS, LONG_TOKENS)] + [Row.kv(LONGEST_KV_TOKENS, 1)]
+    rows += [Row.append(t) for t in (*OTHER_TOKENS, LONG_TOKENS)]
+    rows += [Row.pack(t) for t in PACK_TOKENS]
     return rows
 
 
 def quick_grid() -> list[Row]:
     """The rows of ``--quick``: the targets' token counts, a few of each entry."""
-    rows = [Row.main(t, 8, 16) for t in (1, 64, 4096)] + [Row.main(1, 128, 128)]
-    rows += [Row.in_place(t, 16) for t in (1, 4096)]
-    rows += [Row.kv(t, 2) for t in (1, 4096)]
-    rows += [Row.append(4096)]
+    rows = [Row.main(t, 8, 16) for t in (1, 64, 4096)] + [Row.main(4096, 8, 8), Row.main(1, 128, 128)]
+    rows += [Row.in_place(t, 16) for t in (1, 4096, 16384)]
+    rows += [Row.kv(t, 2) for t in (1, 4096)] + [Row.kv(LONG_TOKENS, 1)]
+    rows += [Row.append(4096), Row.append(LONG_TOKENS), Row.pack(LONG_TOKENS)]
     return rows
+
+
+def select_rows(rows: list[Row], entries: tuple[str, ...], kv_rows_per_unit: tuple[int, ...]) -> list[Row]:
+    """The rows of ``entries``, each KV-only row (KV entry, append, pack) once per count of KV
+    rows a unit in ``kv_rows_per_unit`` (the A/B)."""
+    selected = []
+    for row in rows:
+        if row.entry in entries:
+            counts = kv_rows_per_unit if row.entry in KV_ONLY_ENTRIES else (row.kv_rows_per_unit,)
+            selected += [row._replace(kv_rows_per_unit=n) for n in counts]
+    return selected
 
 
 def measurement_order(rows: list[Row]) -> list[int]:
@@ -139,6 +174,8 @@ def modelled_bytes(row: Row, inserted_rows: float | None = None) -> float:
     inserted = tokens / row.compress_ratio if inserted_rows is None else inserted_rows
     if row.entry == "append":  # already-roped rows: no positions, no cos/sin
         return tokens * (BF16_ROW_BYTES + abi.RECORD_BYTES + row.slot_bytes)
+    if row.entry == "pack":  # whole pages: no slots either
+        return tokens * (BF16_ROW_BYTES + abi.RECORD_BYTES)
     kv_side = inserted * (BF16_ROW_BYTES + abi.RECORD_BYTES + COS_SIN_ROW_BYTES) + tokens * (
         POSITION_BYTES + row.slot_bytes
     )

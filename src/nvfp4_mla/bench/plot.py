@@ -12,6 +12,7 @@ PLOT_SERIES = (  # arm, legend, matplotlib format
     ("graph", "fused, CUDA graph", "s-"),
     ("unfused", "unfused: torch RoPE + append", "^-"),
     ("compile", "torch.compile(reference)", "v-"),
+    ("stub", "no quantizer (stub kernels), CUDA graph", "d--"),
 )
 
 

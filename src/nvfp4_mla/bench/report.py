@@ -6,13 +6,12 @@ import csv
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
-from .arms import ARM_TITLES
+from .arms import ARM_TITLES, EAGER_RATIO_ARMS
 from .ceilings import COPY_BYTES, EMPTY_KERNEL_TITLE
 from .results import Ceilings, FirstUse, RowResult, format_ratio, format_s, format_us
+from .stub import STUBS
 from .targets import TARGET_TITLES, Metrics, row_metrics, target_summary
 from .timing import HOST_BATCHES, HOST_CALLS
-
-RATIO_ARMS = [arm for arm in ARM_TITLES if arm != "fused"]  # each as a ratio to the fused eager time
 
 # (header, cell) columns of the markdown tables.
 Column = tuple[str, Callable[[RowResult, Metrics], str]]
@@ -39,8 +38,17 @@ def _host_cell(result: RowResult, metrics: Metrics) -> str:
     return format_us(result.host_s) + ratio
 
 
-def _copy_cell(metrics: Metrics) -> str:
-    return "n/a" if metrics.copy_fraction is None else f"{metrics.copy_fraction:.0%}"
+def _fraction_cell(fraction: float | None) -> str:
+    return "n/a" if fraction is None else f"{fraction:.0%}"
+
+
+def _stub_cell(result: RowResult, text: str) -> str:
+    """``text`` for a row with a no-quantizer arm, "-" for one without."""
+    return text if "stub" in result.seconds else "-"
+
+
+def _stub_ratio_cell(result: RowResult, metrics: Metrics) -> str:
+    return _stub_cell(result, "n/a" if metrics.stub_ratio is None else f"{metrics.stub_ratio:.2f}")
 
 
 def _arm_column(arm: str) -> Column:
@@ -57,7 +65,10 @@ SHORT_COLUMNS: list[Column] = [
     ("T", lambda r, m: str(r.row.num_tokens)),
     _arm_column("fused"),
     _arm_column("graph"),
-    ("% copy", lambda r, m: _copy_cell(m)),
+    ("% copy", lambda r, m: _fraction_cell(m.copy_fraction)),
+    _arm_column("stub"),
+    ("stub % copy", lambda r, m: _stub_cell(r, _fraction_cell(m.stub_copy_fraction))),
+    ("kernel/stub", _stub_ratio_cell),
     _ratio_column("unfused"),
     _ratio_column("compile"),
     ("targets", lambda r, m: _targets_cell(m)),
@@ -70,8 +81,10 @@ FULL_COLUMNS: list[Column] = [
     ("floor us", lambda r, m: format_us(m.floor_s)),
     *(_arm_column(arm) for arm in ARM_TITLES),
     ("GB/s", lambda r, m: "n/a" if m.gbps is None else f"{m.gbps:.0f}"),
-    ("% copy", lambda r, m: _copy_cell(m)),
-    *(_ratio_column(arm) for arm in RATIO_ARMS),
+    ("% copy", lambda r, m: _fraction_cell(m.copy_fraction)),
+    ("stub % copy", lambda r, m: _stub_cell(r, _fraction_cell(m.stub_copy_fraction))),
+    ("kernel/stub", _stub_ratio_cell),
+    *(_ratio_column(arm) for arm in EAGER_RATIO_ARMS),
     ("host us (x add_)", _host_cell),
     ("targets", lambda r, m: _targets_cell(m)),
 ]
@@ -100,7 +113,7 @@ def csv_rows(results: list[RowResult], ceilings: Ceilings) -> list[dict[str, obj
     """One dict per row: raw numbers (us, bytes, GB/s, ratios), "n/a" for measured-but-failed or
     skipped arms, "" for arms that are not part of the row. Column names are those of the published
     CSVs (``tokens``, ``heads``, ``q_heads``: the rows' ``num_tokens``, ``num_heads``,
-    ``q_head_padded``)."""
+    ``q_head_padded``), in their order, with the no-quantizer arm's and the A/B's columns added."""
     rows = []
     for result in results:
         row, metrics = result.row, row_metrics(result, ceilings)
@@ -112,6 +125,7 @@ def csv_rows(results: list[RowResult], ceilings: Ceilings) -> list[dict[str, obj
             "q_heads": row.q_head_padded,
             "page_size": row.page_size,
             "compress_ratio": row.compress_ratio,
+            "kv_rows_per_unit": row.kv_rows_per_unit,
             "slot_bytes": row.slot_bytes,
             "input_sets": result.input_sets,
             "calls_per_batch": result.calls_per_batch,
@@ -120,13 +134,15 @@ def csv_rows(results: list[RowResult], ceilings: Ceilings) -> list[dict[str, obj
         }
         for arm in ARM_TITLES:
             record[f"{arm}_us"] = _csv_number(result.seconds[arm], 1e6) if arm in result.seconds else ""
-        for arm in RATIO_ARMS:
+        for arm in EAGER_RATIO_ARMS:
             record[f"{arm}_ratio"] = "" if arm not in result.seconds else _csv_number(metrics.ratios.get(arm))
-        host = result.host_s is not None
+        host, stub = result.host_s is not None, "stub" in result.seconds
         record.update(
             {
                 "achieved_GBps": _csv_number(metrics.gbps),
                 "copy_fraction": _csv_number(metrics.copy_fraction, digits=3),
+                "stub_copy_fraction": _csv_number(metrics.stub_copy_fraction, digits=3) if stub else "",
+                "kernel_stub_ratio": _csv_number(metrics.stub_ratio) if stub else "",
                 "copy_GBps": _csv_number(ceilings.copy_bytes_per_s, 1e-9),
                 "compile_first_call_s": ""
                 if result.compile_first_call_s is None
@@ -219,7 +235,10 @@ def markdown_report(
         "Times are medians of per-call time over batches of back-to-back calls rotating over `sets` "
         "input sets (eager: torch.utils.benchmark, bounded by the host's launch rate at small T; graph: "
         "triton's do_bench_cudagraph, device time). Ratios are each arm's time / fused eager (above 1: "
-        "fused is faster). `-`: not part of the row; `n/a`: see the notes.",
+        "fused is faster). `stub`: the same launch from kernels whose quantizer functions ("
+        + ", ".join(f"`{name}`" for name in STUBS)
+        + ") are trivial bit operations, graph-replayed; `kernel/stub` = graph / stub. "
+        "`-`: not part of the row; `n/a`: see the notes.",
         "",
         markdown_table(results, ceilings, FULL_COLUMNS),
     ]

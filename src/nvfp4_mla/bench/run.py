@@ -14,16 +14,28 @@ from pathlib import Path
 
 import torch
 
-from .. import launch, ops
+from .. import launch
 from ..testing import rope_table
 from .arms import ARM_TITLES, Call, Library, compiled_reference, fused_call, same_outputs, unfused_call
 from .ceilings import measure_ceilings
-from .grid import MAX_POSITION, Row, full_grid, input_set_count, measurement_order, modelled_bytes, quick_grid
+from .grid import (
+    ENTRIES,
+    MAX_POSITION,
+    SHIPPED_KV_ROWS_PER_UNIT,
+    Row,
+    full_grid,
+    input_set_count,
+    measurement_order,
+    modelled_bytes,
+    quick_grid,
+    select_rows,
+)
 from .inputs import Inputs, inserted_rows, make_inputs
 from .plot import write_plot
 from .probes import environment, first_call_probe, gpu_slug, measure_first_use
 from .report import SHORT_COLUMNS, markdown_report, markdown_table, write_csv
 from .results import ArmSkipped, Ceilings, RowResult, format_s, format_us, reason
+from .stub import kernel_library
 from .targets import target_summary
 from .timing import DeviceTimer, Timer
 
@@ -47,7 +59,9 @@ SUITES = {
 class Context:
     """What every row's measurement shares.
 
-    ``library`` is the fused arm's (``nvfp4_mla.ops``; the CPU tests give ``nvfp4_mla.reference``).
+    ``libraries(kv_rows_per_unit, stubbed)`` gives the entries the fused arms (``stubbed`` False)
+    and the no-quantizer arm (True) call: :func:`~nvfp4_mla.bench.stub.kernel_library`; the CPU
+    tests give ``nvfp4_mla.reference``.
     """
 
     device: torch.device
@@ -55,7 +69,7 @@ class Context:
     timer: Timer
     l2_bytes: int
     compile_budget_s: float
-    library: Library = ops
+    libraries: Callable[[int, bool], Library] = kernel_library
     compile_spent_s: float = 0.0
 
 
@@ -98,22 +112,28 @@ def measure_row(row: Row, ctx: Context) -> RowResult:
     """Every arm of one row; a failed arm is n/a with a note."""
     sets = [make_inputs(row, ctx.device) for _ in range(input_set_count(modelled_bytes(row), ctx.l2_bytes))]
     result = RowResult(row, modelled_bytes(row, inserted_rows(row, sets)), len(sets))
-    fused = fused_call(row, ctx.library, ctx.cos_sin)
+    library = ctx.libraries(row.kv_rows_per_unit, False)
+    fused = fused_call(row, library, ctx.cos_sin)
 
     def fused_eager() -> float:
         seconds, result.calls_per_batch = ctx.timer.eager(fused, sets)
         return seconds
 
+    def stub_graph() -> float:  # the library is built here: a failing stub transform is this arm's n/a
+        stub = fused_call(row, ctx.libraries(row.kv_rows_per_unit, True), ctx.cos_sin)
+        return ctx.timer.graph(stub, sets)
+
     attempt(result, "fused", fused_eager)
     if result.seconds["fused"] is None:
         return result
     attempt(result, "graph", lambda: ctx.timer.graph(fused, sets))
-    unfused = unfused_call(row, ctx.library, ctx.cos_sin)
+    # Right after the graph arm, so that kernel / stub compares neighbouring measurements.
+    attempt(result, "stub", stub_graph)
+    unfused = unfused_call(row, library, ctx.cos_sin)
     if unfused is not None:
         attempt(result, "unfused", lambda: ctx.timer.eager(unfused, sets)[0])
     if row.num_tokens <= COMPILE_MAX_TOKENS:
         attempt(result, "compile", lambda: compiled_seconds(row, sets, fused, result, ctx))
-    # The no-quantizer arm will go here: a fused_call on the stub kernels' library, graph-replayed.
     if row.num_tokens == 1:
         try:
             result.host_s = ctx.timer.host(fused, sets[0])
@@ -150,9 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's options, defaults resolved (``out`` stays None: it depends on the GPU)."""
     parser = argparse.ArgumentParser(
         prog="nvfp4-mla bench",
-        description="Benchmark of the nvfp4_mla writers on this GPU against torch RoPE + append and "
-        "torch.compile of the reference, with the copy and launch ceilings and the performance "
-        "targets. Needs a CUDA GPU; about 4 minutes (--quick: under 1). "
+        description="Benchmark of the nvfp4_mla writers on this GPU against torch RoPE + append, "
+        "torch.compile of the reference and the same launch with the quantizer stubbed, with the copy and "
+        "launch ceilings and the performance targets. Needs a CUDA GPU; about 4 minutes (--quick: under 1). "
         "Also: python -m nvfp4_mla.bench.",
         epilog="Other suites, each with its own -h: "
         + "; ".join(f"nvfp4-mla bench {name} {usage}" for name, usage in SUITES.items())
@@ -184,6 +204,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="stop starting torch.compile arms once their compiles took this long "
         f"(default {DEFAULT_COMPILE_BUDGET_S:.0f}; --quick 0: no compile arm)",
     )
+    parser.add_argument(
+        "--entries",
+        nargs="+",
+        choices=ENTRIES,
+        default=list(ENTRIES),
+        metavar="ENTRY",
+        help=f"measure only these entries' rows, of {', '.join(ENTRIES)} (default: all)",
+    )
+    parser.add_argument(
+        "--kv-rows-per-unit",
+        nargs="+",
+        type=int,
+        default=[SHIPPED_KV_ROWS_PER_UNIT],
+        metavar="N",
+        help="the KV rows per unit A/B: measure the kv, append and pack rows once with each N KV rows a work "
+        f"unit (default: {SHIPPED_KV_ROWS_PER_UNIT}, the shipped kernels; the targets judge only those)",
+    )
     parser.add_argument("--first-call-probe", choices=("cold", "warm"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.reps is None:
@@ -192,6 +229,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.compile_budget = 0.0 if args.quick else DEFAULT_COMPILE_BUDGET_S
     if args.reps < 1:
         parser.error("--reps must be at least 1")
+    if min(args.kv_rows_per_unit) < 1:
+        parser.error("--kv-rows-per-unit takes counts of at least 1")
     return args
 
 
@@ -259,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(device)
     out = results_dir(args.out, props.name)
-    rows = quick_grid() if args.quick else full_grid()
+    rows = select_rows(quick_grid() if args.quick else full_grid(), tuple(args.entries), tuple(args.kv_rows_per_unit))
     _progress(f"nvfp4-mla bench on {props.name}: {len(rows)} rows, results to {out}")
 
     timer = DeviceTimer(args.reps)
@@ -281,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     run = [
         (
             "run",
-            f"{'--quick' if args.quick else 'full'} grid, {args.reps} timed batches per eager arm, "
+            f"{'--quick' if args.quick else 'full'} grid ({' '.join(args.entries)}; KV rows per unit "
+            f"{' '.join(map(str, args.kv_rows_per_unit))}), {args.reps} timed batches per eager arm, "
             f"compile budget {args.compile_budget:.0f} s (spent {ctx.compile_spent_s:.0f} s), "
             f"{started}, {time.perf_counter() - began:.0f} s",
         ),

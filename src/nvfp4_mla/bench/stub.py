@@ -1,0 +1,126 @@
+"""The no-quantizer arm's kernels: the shipped writer with the quantizer's functions stubbed.
+
+Built mechanically from the shipped source: :func:`stub_header` replaces the body of each
+function named in :data:`STUBS` (found by name in ``kernels/nvfp4_numerics.cuh``) with a few bit
+operations on its inputs, keeping its signature and ``half_amax``'s two partner exchanges, so the
+stub kernel's loads, shuffles and stores are the real kernel's. No bench-only branch ships in the
+kernel. The stub kernels compile through ``jit.compile_kernel`` with that header (so their key
+differs from the shipped kernels') and stay in memory (:class:`StubKernelCache`).
+:func:`kernel_library` gives ``nvfp4_mla.ops``'s entries (same validation, same launch geometry)
+on them, or on the shipped kernels with another number of KV rows a unit (the A/B).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from .. import jit, kernel_cache, ops
+from .arms import Entries, Library
+from .grid import SHIPPED_KV_ROWS_PER_UNIT
+
+# The quantizer: function name -> its stub body, given the definition's parameter names. Each
+# stub still depends on every input, so the compiler keeps the loads that feed it.
+STUBS: dict[str, Callable[..., str]] = {
+    # Two partner exchanges (lane ^ 1), as the real two-lane amax reduction makes.
+    "half_amax": lambda x: (
+        f"const float mx = __uint_as_float({x}.x ^ {x}.y), my = __uint_as_float({x}.z ^ {x}.w);\n"
+        "    const float px = __shfl_xor_sync(NVFP4_FULL_MASK, mx, 1), py = __shfl_xor_sync(NVFP4_FULL_MASK, my, 1);\n"
+        "    return __uint_as_float(__float_as_uint(px) ^ __float_as_uint(py) ^ __float_as_uint(mx) ^ "
+        "__float_as_uint(my));"
+    ),
+    "scale_code": lambda amax: f"return __float_as_uint({amax}) >> 25;",  # 7 bits, as an E4M3 code of amax >= 0
+    "half_codes": lambda x, amax, code: f"return {x}.x ^ {x}.y ^ {x}.z ^ {x}.w ^ __float_as_uint({amax}) ^ {code};",
+}
+
+# What brace counting must skip: comments, string and character literals; and the braces.
+_TOKENS = re.compile(r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\])*\"|'(?:\\.|[^'\\])*'|[{}]", re.DOTALL)
+
+
+def _body_end(text: str, start: int) -> int:
+    """The index just past the brace that closes the one at ``start``."""
+    depth = 0
+    for token in _TOKENS.finditer(text, start):
+        if token.group() in "{}":
+            depth += 1 if token.group() == "{" else -1
+            if depth == 0:
+                return token.end()
+    raise ValueError(f"unbalanced braces after offset {start} of {jit.HEADER_FILE}")
+
+
+def definition(header: str, name: str) -> tuple[list[str], int, int]:
+    """The parameter names of ``__device__`` function ``name``'s definition in ``header`` and the
+    span of its body, braces included; ValueError unless it is defined exactly once."""
+    pattern = rf"^[ \t]*__device__\b[^;{{}}]*?\b{re.escape(name)}\s*\(([^()]*)\)\s*\{{"
+    found = list(re.finditer(pattern, header, re.MULTILINE))
+    if len(found) != 1:
+        raise ValueError(
+            f"the quantizer function {name} is defined {len(found)} times in {jit.HEADER_FILE}; "
+            "the no-quantizer arm stubs exactly one definition of each of " + ", ".join(STUBS)
+        )
+    match = found[0]
+    params = [re.findall(r"\w+", p)[-1] for p in match.group(1).split(",") if p.strip()]
+    start = match.end() - 1
+    return params, start, _body_end(header, start)
+
+
+def stub_header(header: str) -> str:
+    """``header`` with the body of every function in :data:`STUBS` replaced by its stub."""
+    for name, stub in STUBS.items():
+        params, start, end = definition(header, name)
+        try:
+            body = stub(*params)
+        except TypeError:
+            raise ValueError(f"{name} takes parameters {params} in {jit.HEADER_FILE}; its stub does not") from None
+        header = header[:start] + "{\n    " + body + "\n}" + header[end:]
+    return header
+
+
+def shipped_header() -> str:
+    """The text of the shipped ``kernels/nvfp4_numerics.cuh``."""
+    return (jit.kernel_dir() / jit.HEADER_FILE).read_text()
+
+
+class StubKernelCache(kernel_cache.KernelCache):
+    """Kernels compiled with another numerics header, in memory only: nothing is read from or
+    written to a kernel cache directory, and their keys (which hash the header) are not the
+    shipped kernels'."""
+
+    def __init__(self, header: str):
+        super().__init__(layers=[])
+        self.header = header
+
+    def build(self, spec: jit.Spec, arch: str, directory: Path | None = None) -> tuple[bytes, Path | None]:
+        if directory is not None:
+            raise kernel_cache.CacheError("stub kernels are kept in memory, never in a kernel cache directory")
+        return jit.compile_kernel(spec, jit.check_arch(arch), header=self.header).cubin, None
+
+
+@functools.cache
+def stub_kernel_cache() -> StubKernelCache:
+    """The process's cache of stub kernels (:func:`stub_header` of the shipped header)."""
+    return StubKernelCache(stub_header(shipped_header()))
+
+
+@functools.cache
+def kernel_library(kv_rows_per_unit: int, stubbed: bool) -> Library:
+    """``nvfp4_mla.ops``'s entries on the kernels with ``kv_rows_per_unit`` KV rows a unit, with
+    the quantizer stubbed or not (``nvfp4_mla.ops`` itself for the shipped kernels).
+
+    Each call binds its kernel inside ``ops.kernels_from``: host time is not representative, the
+    device time (graph-replayed) is what this library is for.
+    """
+    if not stubbed and kv_rows_per_unit == SHIPPED_KV_ROWS_PER_UNIT:
+        return ops
+    cache = stub_kernel_cache() if stubbed else kernel_cache.default()
+
+    def on_these_kernels(entry: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object, **kwargs: object) -> object:
+            with ops.kernels_from(cache, kv_rows_per_unit):
+                return entry(*args, **kwargs)
+
+        return call
+
+    return Entries(*(on_these_kernels(getattr(ops, name)) for name in Entries._fields))
