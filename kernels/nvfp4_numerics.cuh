@@ -87,10 +87,15 @@ __device__ __forceinline__ float abs_ftz(float v) {
 // a > b ? a : b -- the reference quantizer's max: a NaN in b survives, a NaN in a does not.
 __device__ __forceinline__ float sel(float a, float b) { return a > b ? a : b; }
 
+// ---------------------------------------------------------------- exact scalar quantizer
+//
+// Steps 2-7 in fp32, one element at a time: the definition the fast path below must match, and
+// the path it takes for the rare inputs it does not handle (NaN, zero or subnormal scales).
+
 // Steps 2-4 for one half (8 consecutive NoPE values, 16 bytes) of a 16-element group: the
 // half's amax after the reference quantizer's two-thread reduction. The partner half must be in
 // lane ^ 1 of the same warp, and every lane of the warp must call this (it shuffles).
-__device__ __forceinline__ float half_amax(uint4 x) {
+__device__ __forceinline__ float exact_half_amax(uint4 x) {
     const u32 w[4] = {x.x, x.y, x.z, x.w};
     float mx = 0.0f, my = 0.0f;  // per-lane folds: x = even elements, y = odd
 #pragma unroll
@@ -103,10 +108,8 @@ __device__ __forceinline__ float half_amax(uint4 x) {
     return sel(sel(px, mx), sel(py, my));
 }
 
-__device__ __forceinline__ u32 scale_code(float amax) { return e4m3_code(__fmul_rn(amax, __uint_as_float(0x3E2AAAABu))); }
-
 // Steps 5-7: the 8 E2M1 codes of a half (element k in bits 4k..4k+3).
-__device__ __forceinline__ u32 half_codes(uint4 x, float amax, u32 code) {
+__device__ __forceinline__ u32 exact_half_codes(uint4 x, float amax, u32 code) {
     const u32 w[4] = {x.x, x.y, x.z, x.w};
     const float inv = amax != 0.0f ? __frcp_rn(e4m3_value(code)) : 0.0f;
     u32 codes = 0;
@@ -116,6 +119,180 @@ __device__ __forceinline__ u32 half_codes(uint4 x, float amax, u32 code) {
         codes |= e2m1_code(mul_ftz(v, inv)) << (4 * k);
     }
     return codes;
+}
+
+// ---------------------------------------------------------------- the quantizer's fast path
+//
+// Two BF16 values a 32-bit word throughout. Without NaN the reduction order of steps 2-3 does
+// not matter: the amax is the integer maximum of the magnitude bits (nonnegative BF16 order is
+// integer order), flushed afterwards. Step 7's code of a value v is the number of thresholds
+// T1 < ... < T7 its magnitude reaches, where Tk is the smallest BF16 magnitude whose scaled
+// product rounds to E2M1 boundary k or above (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, ties as in
+// step 7): seven packed BF16 subtractions a pair of values, with no product formed.
+//
+// The thresholds, for a scale d = 2^e (1 + m/8) (every nonzero E4M3 value has this form; m is
+// its fp32 mantissa's top 3 bits): Bk * d is exact in BF16 (at most 3 + 4 significant bits), and
+// a BF16 magnitude other than Bk * d is at least 2^-9 relative away from it, so its product with
+// inv = rcp(d) (relative error < 2^-24) lands on the same side of Bk as the exact quotient.
+// Only |v| = Bk * d needs the rounded product, fl(Bk * d * inv), which depends on m alone. So
+// Tk = bits(d) + delta_k(m): bits(Bk * d) - bits(d), plus 1 where that rounded product stays
+// below the code's upper side. 2.5, 3.5 and 5 are 1.25, 1.75, 1.25 doubled: T5 = T3 + 128,
+// T6 = T4 + 128, T7 = T3 + 256 (one binade is 128 BF16 steps). delta_1 is -255 for every m;
+// delta_2..4 are the bases below plus the byte of m in the tables (t(m) bytes 0..3 in LO, 4..7
+// in HI), checked against the reference by tests/test_gpu_quantizer_exhaustive.py.
+#define E2M1_DELTA1 (-255)
+#define E2M1_DELTA2 (-64)
+#define E2M1_DELTA2_LO 0x14100800u
+#define E2M1_DELTA2_HI 0x04080C10u
+#define E2M1_DELTA3 33
+#define E2M1_DELTA3_LO 0x0C080400u
+#define E2M1_DELTA3_HI 0x050C1210u
+#define E2M1_DELTA4 96
+#define E2M1_DELTA4_LO 0x0A0C0C00u
+#define E2M1_DELTA4_HI 0x02040608u
+
+// Byte permute (prmt.b32): a selector nibble with bit 3 set replicates the sign bit of the chosen
+// byte (__byte_perm documents 3-bit selectors only).
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
+    return r;
+}
+
+// Per-half maximum of two BF16 pairs; a NaN in either operand gives NaN (0x7FFF).
+__device__ __forceinline__ u32 bf16x2_max_nan(u32 a, u32 b) {
+    u32 r;
+    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// a + b on each BF16 half, as fma(a, 1, b): for the threshold tests the sign of the rounded
+// result is the sign of the exact one, and a difference of zero is +0.
+__device__ __forceinline__ u32 bf16x2_add(u32 a, u32 b) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(0x3F803F80u), "r"(b));
+    return r;
+}
+
+// The magnitudes of the 8 values of a half, in the word layout of x.
+__device__ __forceinline__ uint4 half_magnitudes(uint4 x) {
+    return make_uint4(x.x & 0x7fff7fffu, x.y & 0x7fff7fffu, x.z & 0x7fff7fffu, x.w & 0x7fff7fffu);
+}
+
+// Per-lane maxima of a half's magnitudes (lane x, the even values, in the low half), NaN if any is.
+__device__ __forceinline__ u32 half_magnitude_max(uint4 a) {
+    return bf16x2_max_nan(bf16x2_max_nan(a.x, a.y), bf16x2_max_nan(a.z, a.w));
+}
+
+// The fp32 bits of the value of E4M3 code 0..0x7E.
+__device__ __forceinline__ u32 e4m3_value_bits(u32 code) {
+#if __CUDA_ARCH__ >= 890
+    u32 r;
+    asm("{\n\t.reg .b16 c, h;\n\t.reg .f16 lo, hi;\n\t"
+        "cvt.u16.u32 c, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, c;\n\tmov.b32 {lo, hi}, %0;\n\t"
+        "cvt.f32.f16 %0, lo;\n\t}"
+        : "=r"(r)
+        : "r"(code));
+    return r;
+#else
+    return __float_as_uint(e4m3_value(code));
+#endif
+}
+
+// Steps 2-4 for one half (8 consecutive NoPE values, 16 bytes) of a 16-element group: the
+// half's amax after the reference quantizer's two-thread reduction. The partner half must be in
+// lane ^ 1 of the same warp, and every lane of the warp must call this (it shuffles). A warp
+// with a NaN in any group takes the exact fold, whose order then matters.
+__device__ __forceinline__ float half_amax(uint4 x) {
+    const u32 lanes = half_magnitude_max(half_magnitudes(x));
+    const u32 group = bf16x2_max_nan(lanes, __shfl_xor_sync(NVFP4_FULL_MASK, lanes, 1));
+    const float amax = __uint_as_float(bf16x2_max_nan(group, prmt(group, group, 0x1032u)) & 0xffff0000u);
+    if (__any_sync(NVFP4_FULL_MASK, amax != amax)) return exact_half_amax(x);
+    return abs_ftz(amax);  // a subnormal amax counts as zero
+}
+
+// Step 4: E4M3 code of amax * R6 (nearest even, saturating at 448, NaN -> 0x7F).
+__device__ __forceinline__ u32 scale_code(float amax) {
+    const float sf = __fmul_rn(amax, __uint_as_float(0x3E2AAAABu));
+#if __CUDA_ARCH__ >= 890
+    u32 r;  // min.NaN first: the conversion's saturation is only documented for finite inputs
+    asm("{\n\t.reg .f32 s, z;\n\t.reg .b16 c;\n\tmov.f32 z, 0f00000000;\n\t"
+        "min.NaN.f32 s, %1, 0f43E00000;\n\tcvt.rn.satfinite.e4m3x2.f32 c, z, s;\n\tcvt.u32.u16 %0, c;\n\t}"
+        : "=r"(r)
+        : "f"(sf));
+    return r;
+#else
+    return e4m3_code(sf);
+#endif
+}
+
+// The 7 thresholds of E4M3 code 1..0x7E as negative BF16 pairs (-Tk in both halves).
+struct E2M1Thresholds {
+    u32 neg[7];
+};
+
+__device__ __forceinline__ E2M1Thresholds e2m1_thresholds(u32 code) {
+    const u32 d = e4m3_value_bits(code);
+    const u32 bits = prmt(d, d, 0x3232u);                  // BF16 bits of d in both halves
+    const u32 table = ((d >> 20) & 7u) * 0x0101u + 0x8080u;  // byte m in bytes 0 and 2; t(0) = 0 sign-filled in 1, 3
+    // (0x8000 + delta) * 0x10001: the sign bit, and delta added to both halves of bits.
+    constexpr u32 neg = 0x80008000u;
+    E2M1Thresholds t;
+    t.neg[0] = bits + neg + static_cast<u32>(E2M1_DELTA1) * 0x10001u;
+    t.neg[1] = bits + prmt(E2M1_DELTA2_LO, E2M1_DELTA2_HI, table) + (neg + static_cast<u32>(E2M1_DELTA2) * 0x10001u);
+    t.neg[2] = bits + prmt(E2M1_DELTA3_LO, E2M1_DELTA3_HI, table) + (neg + static_cast<u32>(E2M1_DELTA3) * 0x10001u);
+    t.neg[3] = bits + prmt(E2M1_DELTA4_LO, E2M1_DELTA4_HI, table) + (neg + static_cast<u32>(E2M1_DELTA4) * 0x10001u);
+    t.neg[4] = t.neg[2] + 0x00800080u;
+    t.neg[5] = t.neg[3] + 0x00800080u;
+    t.neg[6] = t.neg[2] + 0x01000100u;
+    return t;
+}
+
+// The code bits of one pair of values, each at bits 15 and 31 (low value, high value): b0 and b1,
+// and b2 inverted (the sign of |v| - T4).
+struct PairCodeBits {
+    u32 b0, b1, not_b2;
+};
+
+__device__ __forceinline__ PairCodeBits pair_code_bits(u32 magnitudes, const E2M1Thresholds& t) {
+    u32 below[7];  // bit 15/31: |v| < Tk
+#pragma unroll
+    for (int k = 0; k < 7; ++k) below[k] = bf16x2_add(magnitudes, t.neg[k]);
+    // n = #{k: |v| >= Tk}, a thermometer: b2 = t4, b1 = t2 & !t4 | t6, b0 = parity of the seven.
+    const u32 b1 = (~below[1] & below[3]) | ~below[5];
+    const u32 b0 = ~(below[0] ^ below[1] ^ below[2] ^ below[3] ^ below[4] ^ below[5] ^ below[6]);
+    return {b0, b1, below[3]};
+}
+
+// ORs bit `bit` (0..3) of each of the 8 nibbles of `acc` from a plane: bits 15 and 31 of the words
+// of pairs 0..3 (elements 2i, 2i+1). Pairs 0, 1 give elements 0, 2 in place and 1, 3 in nibbles
+// 5, 7; pairs 2, 3 give 4, 6 in place and 5, 7 in nibbles 1, 3 (swapped back by e2m1_nibbles).
+template <int bit, bool inverted>
+__device__ __forceinline__ u32 add_plane(u32 acc, u32 p0, u32 p1, u32 p2, u32 p3) {
+    const u32 a = prmt(p0, p1, 0xFBD9u), b = prmt(p2, p3, 0xD9FBu);  // sign-filled bytes
+    constexpr u32 ma = 0x10100101u << bit, mb = 0x01011010u << bit;
+    return inverted ? acc | (~a & ma) | (~b & mb) : acc | (a & ma) | (b & mb);
+}
+
+__device__ __forceinline__ u32 e2m1_nibbles(u32 acc) {
+    return (acc & 0x0F0F0F0Fu) | (prmt(acc, acc, 0x1032u) & 0xF0F0F0F0u);
+}
+
+// Steps 5-7: the 8 E2M1 codes of a half (element k in bits 4k..4k+3). Fast path for a scale code
+// in 1..0x7E and a half without NaN; otherwise the exact scalar path.
+__device__ __forceinline__ u32 half_codes(uint4 x, float amax, u32 code) {
+    if (code - 1u >= 0x7Eu) return exact_half_codes(x, amax, code);
+    const uint4 a = half_magnitudes(x);
+    const E2M1Thresholds t = e2m1_thresholds(code);
+    const PairCodeBits p0 = pair_code_bits(a.x, t), p1 = pair_code_bits(a.y, t), p2 = pair_code_bits(a.z, t),
+                       p3 = pair_code_bits(a.w, t);
+    u32 acc = add_plane<0, false>(0u, p0.b0, p1.b0, p2.b0, p3.b0);
+    acc = add_plane<1, false>(acc, p0.b1, p1.b1, p2.b1, p3.b1);
+    acc = add_plane<2, true>(acc, p0.not_b2, p1.not_b2, p2.not_b2, p3.not_b2);
+    // The signs, NaN's cleared: max.NaN gives the canonical NaN 0x7FFF, and v itself otherwise.
+    acc = add_plane<3, false>(acc, bf16x2_max_nan(x.x, x.x), bf16x2_max_nan(x.y, x.y), bf16x2_max_nan(x.z, x.z),
+                              bf16x2_max_nan(x.w, x.w));
+    return e2m1_nibbles(acc);
 }
 
 // ---------------------------------------------------------------- decoding (reading records back)
