@@ -4,14 +4,14 @@
 # proof that memcheck sees a seeded out-of-bounds write, the soak and the benchmarks. Runs from
 # the source tree with $GPU_PYTHON (default python3, which must have torch and CuPy); full logs
 # under $OUT (default ./gpu-logs); a short table last. Exits non-zero when any step fails.
-#   STEPS="pytest sanitizers oob soak bench reader decode profile"  (default: all but profile); TESTS: test
+#   STEPS="pytest sanitizers oob soak bench host reader decode profile"  (default: all but profile); TESTS: test
 #   paths (default tests); STEP_TIMEOUT: seconds a step may take (default 900); PROFILES: ';'-separated
 #   benchmarks/ncu_driver.py shapes that the profile step runs under ncu (log: $OUT/ncu.log)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PYTHON:-python3}
 OUT=${OUT:-gpu-logs}
-STEPS=${STEPS:-pytest sanitizers oob soak bench reader decode}  # profile: on request
+STEPS=${STEPS:-pytest sanitizers oob soak bench host reader decode}  # profile: on request
 mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 export NVFP4_MLA_CACHE_DIR=${NVFP4_MLA_CACHE_DIR:-$(mktemp -d)}
@@ -50,6 +50,7 @@ wants oob && step seeded-oob "$OUT/seeded_oob.log" 9 env PYTORCH_NO_CUDA_MEMORY_
     compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/seeded_oob.py
 wants soak && step soak "$OUT/soak.log" 0 $PY benchmarks/soak.py ${SOAK_ARGS:-}
 wants bench && step bench "$OUT/bench.log" 0 $PY -m nvfp4_mla.bench --out "$OUT/bench" ${BENCH_ARGS:-}
+wants host && step host "$OUT/bench_host.log" 0 $PY -m nvfp4_mla.bench host --out "$OUT/host"
 wants reader && step reader "$OUT/bench_reader.log" 0 $PY -m nvfp4_mla.bench reader --out "$OUT/reader"
 wants decode && step decode "$OUT/bench_decode.log" 0 $PY -m nvfp4_mla.bench decode --out "$OUT/decode" ${DECODE_ARGS:-}
 if wants profile; then  # ncu of single benchmark shapes: the evidence docs/performance.md cites

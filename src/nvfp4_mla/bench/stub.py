@@ -24,12 +24,10 @@ from .grid import SHIPPED_KV_ROWS_PER_UNIT
 # The quantizer: function name -> its stub body, given the definition's parameter names. Each
 # stub still depends on every input, so the compiler keeps the loads that feed it.
 STUBS: dict[str, Callable[..., str]] = {
-    # Two partner exchanges (lane ^ 1), as the real two-lane amax reduction makes.
+    # One partner exchange (lane ^ 1) of a word, as the real amax makes with its two BF16 maxima.
     "half_amax": lambda x: (
-        f"const float mx = __uint_as_float({x}.x ^ {x}.y), my = __uint_as_float({x}.z ^ {x}.w);\n"
-        "    const float px = __shfl_xor_sync(NVFP4_FULL_MASK, mx, 1), py = __shfl_xor_sync(NVFP4_FULL_MASK, my, 1);\n"
-        "    return __uint_as_float(__float_as_uint(px) ^ __float_as_uint(py) ^ __float_as_uint(mx) ^ "
-        "__float_as_uint(my));"
+        f"const u32 mine = {x}.x ^ {x}.y ^ {x}.z ^ {x}.w;\n"
+        "    return __uint_as_float(mine ^ __shfl_xor_sync(NVFP4_FULL_MASK, mine, 1));"
     ),
     "scale_code": lambda amax: f"return __float_as_uint({amax}) >> 25;",  # 7 bits, as an E4M3 code of amax >= 0
     "half_codes": lambda x, amax, code: f"return {x}.x ^ {x}.y ^ {x}.z ^ {x}.w ^ __float_as_uint({amax}) ^ {code};",
