@@ -13,7 +13,7 @@ from nvfp4_mla import abi, jit, kernel_cache, ops, reference, validation
 from nvfp4_mla.bench import grid, run, stub
 from nvfp4_mla.bench.arms import Entries
 from nvfp4_mla.bench.grid import Row
-from nvfp4_mla.testing import Case, check_case, rope_table
+from nvfp4_mla.testing import Case, check_case, record_offsets, rope_table
 from nvfp4_mla.variant import Variant
 
 HEADER = stub.shipped_header()
@@ -176,6 +176,21 @@ def test_kernels_from_binds_from_its_cache_in_fresh_tables_and_restores_the_ship
     assert all(t is s for t, s in zip(_tables(), shipped_tables)) and ops._kv_rows_per_unit is None
 
 
+def test_a_plan_with_nothing_to_launch_has_no_launcher():
+    """Even when the kernel is already loaded: a grid of 0 blocks is a launch error."""
+    cache = _RecordingCache()
+    key = (5, 128, torch.int64, 2)
+    geometry = validation.CacheGeometry(4, 128, 128 * 384)
+    with ops.kernels_from(cache):
+        work = ops._plan(
+            ops._kv_plans, ("some",), ops._kv_kernels, key, Variant.kv(128, torch.int64, 2), None, geometry, 0, 0, 10
+        )
+        empty = ops._plan(
+            ops._kv_plans, ("none",), ops._kv_kernels, key, Variant.kv(128, torch.int64, 2), None, geometry, 0, 0, 0
+        )
+    assert work.launcher == "stand-in launcher" and empty.launcher is None and len(cache.bound) == 1
+
+
 def test_kernel_library_of_the_shipped_kernels_is_ops():
     assert stub.kernel_library(grid.SHIPPED_KV_ROWS_PER_UNIT, False) is ops
 
@@ -307,9 +322,9 @@ def test_gpu_stub_kernels_keep_the_memory_pattern_not_the_codes(seed):
     assert torch.equal(stub_scales[:, abi.NUM_GROUPS :], real_scales[:, abi.NUM_GROUPS :])  # the zero bytes
     assert not torch.equal(stub_data[:, : abi.NOPE_BYTES], real_data[:, : abi.NOPE_BYTES])  # stubbed codes
     assert not torch.equal(stub_scales[:, : abi.NUM_GROUPS], real_scales[:, : abi.NUM_GROUPS])  # stubbed scales
-    written = torch.zeros(caches[0].shape[0] * page_size, dtype=torch.bool)
-    written[slots.cpu()] = True
-    assert not caches[0].view(-1, abi.RECORD_BYTES).cpu()[~written].any()  # nothing outside the records
+    written = torch.zeros(caches[0].numel(), dtype=torch.bool)
+    written[record_offsets(caches[0], slots).view(-1)] = True
+    assert not caches[0].view(-1).cpu()[~written].any()  # nothing outside the records
     check_case(Case(entry="append", num_tokens=rows), "cuda")  # the shipped kernels are back
 
 

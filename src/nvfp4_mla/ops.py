@@ -104,9 +104,11 @@ def _plan(
     if _kv_rows_per_unit is not None:
         variant = variant._replace(kv_rows_per_unit=_kv_rows_per_unit)
     num_units = variant.num_units(num_tokens, num_kv_rows)
-    launcher = kernels.get(kernel_key)
-    if launcher is None and num_units:  # a call with nothing to launch loads no kernel
-        launcher = kernels[kernel_key] = _kernel_cache().launcher(device_index, variant)
+    launcher = None  # a call with nothing to launch loads and launches no kernel (a 0-block grid is an error)
+    if num_units:
+        launcher = kernels.get(kernel_key)
+        if launcher is None:
+            launcher = kernels[kernel_key] = _kernel_cache().launcher(device_index, variant)
     num_pages, page_size, page_stride = geometry
     scalars = (page_stride, num_pages * page_size, max_position, num_kv_rows, num_units)
     plan = _Plan(checks, launcher, device_index, variant.blocks(num_units), scalars, out_shape)
