@@ -80,10 +80,14 @@ constexpr float RESCALE_SLACK = 8.0f;
 // Blocks an SM should hold: 128 registers a thread with 4 warps a row block (64 accumulators),
 // up to 255 with 2 (128 accumulators).
 constexpr int MIN_BLOCKS = 1;
+// Tokens a warp dequantizes together: 2 where registers allow (4 warps a row block: 64 accumulators).
+constexpr int DEQUANTIZE_UNROLL = DIM_SPLIT == 2 ? 1 : 2;
+constexpr int TOKEN_THREADS = THREADS / BLOCK_N;  // threads copying one record
 constexpr int ROW_ELEMS = HEAD_DIM + 8;  // BF16 a shared K row: 16 bytes of padding make ldmatrix conflict-free
 
 static_assert(WARPS == ROW_BLOCKS * DIM_SPLIT && HT % 16 == 0, "one warp per (row block, dims slice)");
 static_assert(BN == 32 && S_TILES == 4, "a lane per token when addressing; two P.V k-steps");
+static_assert(TOKEN_THREADS * BN == THREADS && RECORD_CHUNKS % TOKEN_THREADS == 0, "whole records a thread group");
 static_assert(N_TILES % 2 == 0 && K_STEPS >= 1, "P.V: n-tile pairs per ldmatrix");
 static_assert(HEAD_DIM / 8 == 64 && NOPE_CHUNKS == 56, "dequantize: lane L chunks L and L + 32, RoPE from 56");
 
@@ -96,7 +100,8 @@ constexpr int SM_TOKEN = SM_X + WARPS * S_TILES * 32 * 16;  // u64 [BN]: data-ro
 constexpr int SM_SCALE = SM_TOKEN + BN * 8;            // u64 [BN]: scale-slot address
 constexpr int SM_SLOT = SM_SCALE + BN * 8;             // i64 [2][BN]: slots of two tiles
 constexpr int SM_LIVE = SM_SLOT + 2 * BN * 8;          // u32 [2] (+ 8 bytes of padding): live-token masks
-static_assert(SM_LIVE + 16 == SMEM_BYTES, "shared layout must match decode.shared_bytes");
+constexpr int SM_SCALES = SM_LIVE + 16;                // u32 [256]: e4m3_bf16x2 of every scale byte
+static_assert(SM_SCALES + 256 * 4 == SMEM_BYTES, "shared layout must match decode.shared_bytes");
 static_assert(SM_RAW % 16 == 0 && SM_X % 16 == 0 && SM_TOKEN % 16 == 0, "16-byte aligned regions");
 
 struct Pool {             // one cache and its slot table; k == 0: no such pool
@@ -225,36 +230,38 @@ __device__ __forceinline__ bool address_tile(const Params& p, int tile, const i6
 }
 
 // Step 1, the copies of `tile`'s live records into `raw` (every thread, after the barrier that
-// publishes the addresses).
+// publishes the addresses): TOKEN_THREADS threads a record, thread i its 16-byte chunks i,
+// i + TOKEN_THREADS, ... (consecutive threads, consecutive chunks).
 __device__ __forceinline__ void copy_tile(const u64* tokens, const u64* scales, u8* raw) {
-    for (int c = threadIdx.x; c < BN * RECORD_CHUNKS; c += THREADS) {
-        const int t = c / RECORD_CHUNKS, part = c - t * RECORD_CHUNKS;
-        const u64 address = tokens[t];
-        if (address) {
-            const u8* src = part < DATA_CHUNKS ? reinterpret_cast<const u8*>(address) + part * 16
-                                               : reinterpret_cast<const u8*>(scales[t]) + (part - DATA_CHUNKS) * 16;
-            cp_async16(raw + t * RECORD + part * 16, src);
-        }
-    }
+    const int t = threadIdx.x / TOKEN_THREADS, first = threadIdx.x % TOKEN_THREADS;
+    const u8* const data = reinterpret_cast<const u8*>(tokens[t]);
+    if (data == nullptr) return;
+    const u8* const scale = reinterpret_cast<const u8*>(scales[t]);
+    u8* const dst = raw + t * RECORD;
+#pragma unroll
+    for (int part = first; part < RECORD_CHUNKS; part += TOKEN_THREADS)
+        cp_async16(dst + part * 16, part < DATA_CHUNKS ? data + part * 16 : scale + (part - DATA_CHUNKS) * 16);
 }
 
-// 16-byte chunk c (8 BF16 values) of a record's row: a NoPE half group (chunks 0..55) or RoPE dims.
-__device__ __forceinline__ uint4 dequantize_chunk(const u8* record, int c) {
+// 16-byte chunk c (8 BF16 values) of a record's row: a NoPE half group (chunks 0..55; its scale
+// from `scale_pairs`, e4m3_bf16x2 of every byte) or RoPE dims. NaN scales give NaN values (not
+// canonical: the products carry them whatever their bits).
+__device__ __forceinline__ uint4 dequantize_chunk(const u8* record, const u32* scale_pairs, int c) {
     if (c >= NOPE_CHUNKS) return *reinterpret_cast<const uint4*>(record + NOPE_BYTES + (c - NOPE_CHUNKS) * 16);
-    const u32 codes = *reinterpret_cast<const u32*>(record + c * 4);
-    return nvfp4_bf16x8(codes, record[DATA_BYTES + c / 2]);
+    return e2m1x8_scaled(*reinterpret_cast<const u32*>(record + c * 4), scale_pairs[record[DATA_BYTES + c / 2]]);
 }
 
 // Step 2: the live records in `raw` as BF16 rows of `ks` (zero rows for masked tokens). Lane L
 // writes chunks L and L + 32 of a row: consecutive 16-byte stores, free of bank conflicts.
-__device__ __forceinline__ void dequantize_tile(const u8* raw, u32 live, u16* ks, int warp, int lane) {
-#pragma unroll 1
+__device__ __forceinline__ void dequantize_tile(const u8* raw, const u32* scale_pairs, u32 live, u16* ks, int warp,
+                                                int lane) {
+#pragma unroll DEQUANTIZE_UNROLL
     for (int t = warp; t < BN; t += WARPS) {
         const u8* record = raw + t * RECORD;
         uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
         if ((live >> t) & 1u) {
-            lo = dequantize_chunk(record, lane);
-            hi = dequantize_chunk(record, lane + 32);
+            lo = dequantize_chunk(record, scale_pairs, lane);
+            hi = dequantize_chunk(record, scale_pairs, lane + 32);
         }
         uint4* dst = reinterpret_cast<uint4*>(ks + t * ROW_ELEMS);
         dst[lane] = lo;
@@ -271,6 +278,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
     u64* const scales = reinterpret_cast<u64*>(smem + SM_SCALE);
     i64* const slot_words = reinterpret_cast<i64*>(smem + SM_SLOT);
     u32* const live_masks = reinterpret_cast<u32*>(smem + SM_LIVE);
+    u32* const scale_pairs = reinterpret_cast<u32*>(smem + SM_SCALES);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     uint4* const qf = reinterpret_cast<uint4*>(smem + SM_Q) + warp * K_STEPS * 32 + lane;  // this lane's
@@ -306,6 +314,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
                                     hi_ok ? __ldg(q_hi + k * 8 + 4 + quad) : 0u);
         }
     }
+    for (int byte = tid; byte < 256; byte += THREADS) scale_pairs[byte] = e4m3_bf16x2(byte);  // before the first barrier
     // The lane's ldmatrix row addresses in ks; every fragment is at a constant offset from them.
     const u32 k_lane = shared_address(ks + ((lane & 7) + (m8 >> 1) * 8) * ROW_ELEMS + slice * COLS + (m8 & 1) * 8);
     const u32 v_lane = shared_address(ks + ((lane & 7) + (m8 & 1) * 8) * ROW_ELEMS + slice * COLS + (m8 >> 1) * 8);
@@ -324,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
         cp_async_wait_all();
         __syncthreads();  // this tile's records are in; the last tile's products are done with ks and xs
         const u32 live_mask = live_masks[parity(tile)];
-        if (live) dequantize_tile(raw, live_mask, ks, warp, lane);
+        if (live) dequantize_tile(raw, scale_pairs, live_mask, ks, warp, lane);
         bool next_live = false;
         if (warp == 0 && tile + 1 < tile_end) {
             next_live = address_tile(p, tile + 1, slot_words, tokens, scales, live_masks, lane);

@@ -354,15 +354,25 @@ __device__ __forceinline__ u32 bf16x2_canonical(u32 pair) {
     return low | high << 16;
 }
 
+// The E4M3 scale byte as a BF16 pair (both halves the same value; BF16 holds every E4M3 value
+// exactly); a NaN byte gives a NaN pair.
+__device__ __forceinline__ u32 e4m3_bf16x2(u32 scale_byte) {
+    const u32 s = __float_as_uint(e4m3_signed_value(scale_byte)) >> 16;
+    return s | s << 16;
+}
+
+// 8 consecutive NoPE values (codes as in e2m1x8_bf16x2) times a scale pair: exact, NaN if the scale is.
+__device__ __forceinline__ uint4 e2m1x8_scaled(u32 codes, u32 scale) {
+    const uint4 v = e2m1x8_bf16x2(codes);
+    return make_uint4(bf16x2_mul_exact(v.x, scale), bf16x2_mul_exact(v.y, scale), bf16x2_mul_exact(v.z, scale),
+                      bf16x2_mul_exact(v.w, scale));
+}
+
 // 8 consecutive NoPE values of one group (their codes as in e2m1x8_bf16x2, the group's scale
 // byte) as canonical BF16 pairs: e2m1 x e4m3, exact.
 __device__ __forceinline__ uint4 nvfp4_bf16x8(u32 codes, u32 scale_byte) {
     if (e4m3_byte_is_nan(scale_byte)) return make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
-    const u32 s = __float_as_uint(e4m3_signed_value(scale_byte)) >> 16;  // BF16 holds every E4M3 value
-    const u32 scale = s | s << 16;
-    const uint4 v = e2m1x8_bf16x2(codes);
-    return make_uint4(bf16x2_mul_exact(v.x, scale), bf16x2_mul_exact(v.y, scale), bf16x2_mul_exact(v.z, scale),
-                      bf16x2_mul_exact(v.w, scale));
+    return e2m1x8_scaled(codes, e4m3_bf16x2(scale_byte));
 }
 
 // 4 consecutive NoPE values of one group (codes in bits 0..15, as in e2m1x4_bf16x2) as the bits of

@@ -64,6 +64,7 @@ def shared_bytes(head_tile: int) -> int:
         + 2 * BLOCK_N * 8  # record addresses
         + 2 * BLOCK_N * 8  # slots of two tiles
         + 16  # live-token masks of two tiles
+        + 256 * 4  # every E4M3 scale byte as a BF16 pair
     )
 
 
