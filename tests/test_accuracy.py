@@ -125,6 +125,21 @@ def test_sweep_small():
         accuracy.sweep((128,), (1.0,), num_tokens=64)
 
 
+def check_fused_study(points, max_deviation: float) -> None:
+    for p in points:
+        assert p.max_rel_deviation <= max_deviation, p  # the library's decode gives the float64 decode's numbers
+        assert p.max_lse_deviation <= 1e-4 * 8, p  # lse within 1e-4 max(1, |lse|), |lse| < 8 here
+        assert abs(p.rel_error_fused - p.rel_error_exact) <= 0.1 * p.rel_error_exact, p  # the same cache error
+
+
+def test_fused_study_small():
+    """Off the GPU the library's decode is the reference: only its BF16 output rounding differs."""
+    points = accuracy.fused_study((8, 32), num_tokens=64, batch=2, num_heads=4, seed=5)
+    assert [p.topk for p in points] == [8, 32]
+    check_fused_study(points, 2.0**-8)
+    assert all(p.max_rel_deviation > 0 for p in points)  # BF16 out against float64: something differs
+
+
 # ------------------------------------------------------------------ CUDA
 
 
@@ -142,3 +157,10 @@ def test_gpu_caches_and_decode_match_cpu(seed):
         want, got = accuracy.decode(cpu, kind, q, slots), accuracy.decode(gpu, kind, q.cuda(), slots.cuda())
         assert torch.allclose(got.out.cpu(), want.out, rtol=1e-12, atol=1e-12)
         assert torch.allclose(got.lse.cpu(), want.lse, rtol=1e-12)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_study_gives_the_reference_numbers():
+    """The notebook's check on a GPU: the fused kernel (BF16 probabilities, BF16 out) against the
+    float64 decode of the same NVFP4 cache."""
+    check_fused_study(accuracy.fused_study((128, 1024), device="cuda"), 2.0**-6)

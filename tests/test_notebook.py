@@ -54,6 +54,7 @@ def test_accuracy_notebook(tmp_path, monkeypatch):
     text = "\n".join(output.get("text", "") for output in outputs(nb))
     assert "nvfp4           384      38%" in text  # the bytes-per-token table
     assert "sweep: 40 decodes compared" in text
+    assert "rel err, library" in text  # the library's decode against the float64 one
     assert sum("image/png" in output.get("data", {}) for output in outputs(nb)) == PLOTS[ACCURACY_NOTEBOOK]
 
 

@@ -37,7 +37,14 @@ import math
 
 import torch
 
-from . import abi, fp8_cache, nvfp4_dequantize_sparse_mla_cache, nvfp4_quantize_append_sparse_mla_cache, reference
+from . import (
+    abi,
+    fp8_cache,
+    nvfp4_dequantize_sparse_mla_cache,
+    nvfp4_quantize_append_sparse_mla_cache,
+    reference,
+    sparse_mla_decode,
+)
 from .launch import gpu_unavailable_reason
 from .reference.decode import attention_output, live_entries, masked_scores
 from .testing import rope_table
@@ -237,4 +244,54 @@ def sweep(
             base = decode(caches, "bf16", q, slots)
             for kind in KINDS[1:]:
                 points.append(StudyPoint(kind, topk, strength, compare(decode(caches, kind, q, slots), base)))
+    return points
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPoint:
+    """The library's ``sparse_mla_decode`` on the NVFP4 cache at one top-k, against the float64
+    decode of the same cache (:func:`decode`) and against the BF16 cache's."""
+
+    topk: int
+    rel_error_exact: float  # the float64 NVFP4 decode against BF16 (the cache's own error)
+    rel_error_fused: float  # the library's decode against BF16
+    max_rel_deviation: float  # largest |fused - exact| / |exact| over rows and heads (2-norms)
+    max_lse_deviation: float  # largest |lse_fused - lse_exact|
+
+
+def fused_study(
+    topks: tuple[int, ...] = TOPKS,
+    outlier_strength: float = 16.0,
+    *,
+    num_tokens: int = 4096,
+    batch: int = 8,
+    num_heads: int = 16,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> list[FusedPoint]:
+    """:func:`nvfp4_mla.sparse_mla_decode` (the fused kernel on a GPU, the reference elsewhere) on
+    the sweep's NVFP4 cache: it must give the float64 decode's numbers, up to its BF16 output and
+    BF16 probabilities (docs/format.md section 9)."""
+    rows = latent_rows(
+        num_tokens, RowModel(outlier_strength), generator=torch.Generator().manual_seed(seed), device=device
+    )
+    caches = StudyCaches.build(rows)
+    points = []
+    for topk in topks:
+        g = torch.Generator().manual_seed(seed + topk)
+        slots = random_topk(batch, num_tokens, topk, generator=g).to(device)
+        q = make_queries(rows, slots, num_heads=num_heads, generator=g)
+        base, exact = decode(caches, "bf16", q, slots), decode(caches, "nvfp4", q, slots)
+        out, lse = sparse_mla_decode(q, caches.nvfp4, slots, sm_scale=SM_SCALE)
+        out, lse = out.double(), lse.double()
+        base_norm = base.out.norm(dim=-1)
+        points.append(
+            FusedPoint(
+                topk,
+                rel_error_exact=((exact.out - base.out).norm(dim=-1) / base_norm).mean().item(),
+                rel_error_fused=((out - base.out).norm(dim=-1) / base_norm).mean().item(),
+                max_rel_deviation=((out - exact.out).norm(dim=-1) / exact.out.norm(dim=-1)).max().item(),
+                max_lse_deviation=(lse - exact.lse).abs().max().item(),
+            )
+        )
     return points
