@@ -4,15 +4,17 @@
 // nvfp4_mla_decode (COMBINE 0): one block per (query row, head tile of HEAD_TILE heads, split).
 //   Warp w owns row block w / DIM_SPLIT (16 heads: the M of the MMAs) and dims slice w % DIM_SPLIT
 //   (COLS = 512 / DIM_SPLIT dims) for both products; its Q fragments are stored once in shared
-//   memory in the MMA's register layout (a lane reads its own 16 bytes a k-step). The block walks its split's tiles of BLOCK_N = 32 selected tokens (the
-//   sliding-window table's entries, then the extra pool's). Per tile t:
+//   memory in the MMA's register layout (a lane reads its own 16 bytes a k-step). The block walks
+//   its split's tiles of BLOCK_N = 32 selected tokens (the sliding-window table's entries, then
+//   the extra pool's). Per tile t:
 //     1. Warp 0 (a lane per token) turned tile t's slots, loaded two tiles ahead, into record
 //        addresses during tile t - 1 (0 and a clear live bit when masked: an invalid slot or an
 //        entry past lens, whose record and even slot beyond lens are never read), and the block
 //        started cp.async copies of the live records' 384 bytes. A tile with no live token is
 //        skipped.
 //     2. Dequantize: every warp a few tokens, lane L the 16-byte chunks L and L + 32 of a BF16 row
-//        (e2m1 x e4m3 exact, or the BF16 RoPE dims); masked tokens become zero rows. K = V = this
+//        (e2m1 x e4m3 exact, the scale's BF16 pair from a shared table of all 256 bytes, or the
+//        BF16 RoPE dims); masked tokens become zero rows. K = V = this
 //        [32, 512] tile in shared memory. Then tile t + 1's addresses and copies start.
 //     3. S = Q.K^T over the warp's dims slice with mma.sync m16n8k16 (BF16 in, fp32 accumulate);
 //        the DIM_SPLIT warps of a row block exchange their partial scores through shared memory

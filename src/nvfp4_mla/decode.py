@@ -29,9 +29,9 @@ from .launch import Launcher, current_raw_stream
 
 BLOCK_N = 32  # selected tokens a tile
 HEAD_TILES = (16, 32, 64)  # heads a block; the largest that fits the GPU's shared memory
-# Warps sharing a row block of 16 heads, each a slice of the 512 dims: 2 gives a warp 256 output
-# accumulators' worth of dims (128 fp32 registers a thread) and its Q slice in 64 registers; 4
-# halves both, for blocks of 4 or 8 warps at 16 and 32 heads.
+# Warps sharing a row block of 16 heads, each a slice of the 512 dims: 2 give a warp 256 output
+# dims (128 fp32 accumulators a thread: one block of 8 warps an SM at 64 heads); 4 halve that, for
+# blocks of 4 or 8 warps at 16 and 32 heads.
 DIM_SPLITS = {16: 4, 32: 4, 64: 2}
 COMBINE_THREADS = abi.HEAD_DIM // 4
 MAX_SPLITS = COMBINE_THREADS  # the combine kernel takes a split a thread
