@@ -33,6 +33,12 @@ class _Plan(NamedTuple):
     scalars: tuple[int, ...]  # page_stride, capacity (slots), max_position, num_kv_rows, num_units
     out_shape: tuple[int, ...]  # of the tensor the entry allocates (q_out, the packed cache); () if none
 
+    def launch(self, q: int, q_out: int, kv: int, cache: int, slots: int, positions: int, cos_sin: int) -> None:
+        """One launch on the device's current stream with these pointers (0: unused by the entry)."""
+        assert self.launcher is not None
+        stream = launch.current_raw_stream(self.device_index)
+        self.launcher.launch(self.blocks, stream, q, q_out, kv, cache, slots, positions, cos_sin, *self.scalars)
+
 
 # The kernels loaded, one dict per entry, keyed on the device and the arguments that fix the kernel.
 _main_kernels: dict[tuple, launch.Launcher] = {}
@@ -150,18 +156,7 @@ def _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, 
     # new_empty: measured cheaper than torch.empty
     q_out = q if q_inplace else q.new_empty(plan.out_shape)
     if plan.launcher is not None:  # else T == 0, or a cache-only call without slots
-        plan.launcher.launch(
-            plan.blocks,
-            launch.current_raw_stream(plan.device_index),
-            q_ptr,
-            q_out.data_ptr(),
-            kv_ptr,
-            cache_ptr,
-            slots_ptr,
-            positions_ptr,
-            cos_sin_ptr,
-            *plan.scalars,
-        )
+        plan.launch(q_ptr, q_out.data_ptr(), kv_ptr, cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr)
         increment_version(cache)  # the kernel wrote it: autograd and views must see a new version
         if q_inplace and apply_q_rope:
             increment_version(q)
@@ -191,18 +186,7 @@ def _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, 
         )
     kv_ptr, cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr = validation.check_pointers(tensors, plan.checks)
     if plan.launcher is not None:
-        plan.launcher.launch(
-            plan.blocks,
-            launch.current_raw_stream(plan.device_index),
-            _NO_PTR,
-            _NO_PTR,
-            kv_ptr,
-            cache_ptr,
-            slots_ptr,
-            positions_ptr,
-            cos_sin_ptr,
-            *plan.scalars,
-        )
+        plan.launch(_NO_PTR, _NO_PTR, kv_ptr, cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr)
         increment_version(cache)
     return None
 
@@ -228,18 +212,7 @@ def _append(latent_kv, slot_mapping, cache):
         )
     kv_ptr, slots_ptr, cache_ptr = validation.check_pointers(tensors, plan.checks)
     if plan.launcher is not None:
-        plan.launcher.launch(
-            plan.blocks,
-            launch.current_raw_stream(plan.device_index),
-            _NO_PTR,
-            _NO_PTR,
-            kv_ptr,
-            cache_ptr,
-            slots_ptr,
-            _NO_PTR,
-            _NO_PTR,
-            *plan.scalars,
-        )
+        plan.launch(_NO_PTR, _NO_PTR, kv_ptr, cache_ptr, slots_ptr, _NO_PTR, _NO_PTR)
         increment_version(cache)
     return None
 
@@ -268,18 +241,7 @@ def _pack(latent_kv, kv_layout):
     (kv_ptr,) = validation.check_pointers(tensors, plan.checks)
     cache = latent_kv.new_empty(plan.out_shape, dtype=torch.uint8)  # new_empty: cheaper than torch.empty
     if plan.launcher is not None:
-        plan.launcher.launch(
-            plan.blocks,
-            launch.current_raw_stream(plan.device_index),
-            _NO_PTR,
-            _NO_PTR,
-            kv_ptr,
-            cache.data_ptr(),
-            _NO_PTR,
-            _NO_PTR,
-            _NO_PTR,
-            *plan.scalars,
-        )
+        plan.launch(_NO_PTR, _NO_PTR, kv_ptr, cache.data_ptr(), _NO_PTR, _NO_PTR, _NO_PTR)
     return cache
 
 

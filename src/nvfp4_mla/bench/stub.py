@@ -2,7 +2,7 @@
 
 Built mechanically from the shipped source: :func:`stub_header` replaces the body of each
 function named in :data:`STUBS` (found by name in ``kernels/nvfp4_numerics.cuh``) with a few bit
-operations on its inputs, keeping its signature and ``half_amax``'s two partner exchanges, so the
+operations on its inputs, keeping its signature and ``half_amax``'s partner exchange, so the
 stub kernel's loads, shuffles and stores are the real kernel's. No bench-only branch ships in the
 kernel. The stub kernels compile through ``jit.compile_kernel`` with that header (so their key
 differs from the shipped kernels') and stay in memory (:class:`StubKernelCache`).
