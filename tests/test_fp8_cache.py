@@ -10,18 +10,10 @@ import torch
 
 from nvfp4_mla import fp8_cache
 from nvfp4_mla.fp8_cache import fp8_dequantize_rows, fp8_quantize_rows, fp8_scale_exponents
+from nvfp4_mla.testing import e4m3_byte
 
 F32_NAN = 0x7FC00000
 SCALE_AT = fp8_cache.FP8_SCALE_OFFSET
-
-
-def e4m3_byte(b: int) -> float:
-    """E4M3 (fn) from its bits: sign, 4 exponent bits (bias 7), 3 mantissa bits; S.1111.111 is NaN."""
-    sign = -1.0 if b & 0x80 else 1.0
-    e, m = (b >> 3) & 0xF, b & 7
-    if e == 0xF and m == 7:
-        return math.nan
-    return sign * (m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
 
 
 E4M3_GRID = torch.tensor([e4m3_byte(c) for c in range(0x7F)], dtype=torch.float64)  # codes 0..126, 0..448

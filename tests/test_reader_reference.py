@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nvfp4_mla import abi, reference, validation
-from nvfp4_mla.testing import SPECIAL_BITS, make_cache, random_rows
+from nvfp4_mla.testing import SPECIAL_BITS, e4m3_byte, make_cache, random_rows
 
 read = reference.nvfp4_dequantize_sparse_mla_cache
 F32_NAN, BF16_NAN = 0x7FC00000, 0x7FC0
@@ -19,15 +19,6 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 # ------------------------------------------------------------------ an independent decoding
-
-
-def e4m3_byte(b: int) -> float:
-    """E4M3 (fn) from its bits: sign, 4 exponent bits (bias 7), 3 mantissa bits; S.1111.111 is NaN."""
-    sign = -1.0 if b & 0x80 else 1.0
-    e, m = (b >> 3) & 0xF, b & 7
-    if e == 0xF and m == 7:
-        return math.nan
-    return sign * (m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
 
 
 def e2m1_nibble(c: int) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -16,6 +17,16 @@ REF_ON_DEVICE_ELEMENTS = 1 << 23
 
 
 # ---------------------------------------------------------------- bytes
+
+
+def e4m3_byte(b: int) -> float:
+    """E4M3 (fn) from its bits, written independently of the library (the tests' oracle): sign,
+    4 exponent bits (bias 7), 3 mantissa bits; S.1111.111 is NaN."""
+    sign = -1.0 if b & 0x80 else 1.0
+    e, m = (b >> 3) & 0xF, b & 7
+    if e == 0xF and m == 7:
+        return math.nan
+    return sign * (m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
