@@ -16,7 +16,7 @@ import os
 import torch
 
 from .. import abi
-from .core import _BF16, _SLOT_DTYPES, _check_aligned, _check_device, _check_disjoint, _extent, _fail
+from .core import _BF16, _SLOT_DTYPES, _check_aligned, _check_bf16_rows, _check_device, _check_disjoint, _extent, _fail
 from .core import (  # the shared checks, also validation.X for callers
     CacheGeometry as CacheGeometry,
 )
@@ -99,14 +99,8 @@ def _check_slots(slot_mapping: torch.Tensor, num_rows: int) -> None:
 
 def _check_kv_rows(kv: torch.Tensor, name: str) -> int:
     """Checks BF16 ``[rows, 512]`` and returns the number of rows."""
-    if kv.dtype is not _BF16:
-        _fail(f"{name} must have dtype torch.bfloat16, got {kv.dtype}")
-    shape = kv.shape
-    if len(shape) != 2 or shape[1] != abi.HEAD_DIM:
-        _fail(f"{name} must be [num_tokens, 512], got {list(shape)}")
-    if not kv.is_contiguous():
-        _fail(f"{name} must be contiguous")
-    return shape[0]
+    _check_bf16_rows(kv, name, "num_tokens, 512", 2)
+    return kv.shape[0]
 
 
 def _check_rope_inputs(positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_rows: int) -> None:
@@ -154,14 +148,8 @@ def check_main(
     check_tensors(tensors, names)
     check_flag(apply_q_rope, "apply_q_rope")
     check_flag(q_inplace, "q_inplace")
-    if q.dtype is not _BF16:
-        _fail(f"q must have dtype torch.bfloat16, got {q.dtype}")
-    shape = q.shape
-    if len(shape) != 3 or shape[2] != abi.HEAD_DIM:
-        _fail(f"q must be [num_tokens, num_heads, 512], got {list(shape)}")
-    if not q.is_contiguous():
-        _fail("q must be contiguous")
-    num_tokens, num_heads = shape[0], shape[1]
+    _check_bf16_rows(q, "q", "num_tokens, num_heads, 512", 3)
+    num_tokens, num_heads = q.shape[0], q.shape[1]
     if num_heads < 1:
         _fail("q must hold at least one head")
     kv_rows = _check_kv_rows(kv, "kv")

@@ -50,6 +50,17 @@ def check_tensors(tensors: tuple, names: tuple) -> None:
             _fail(f"{name} must be a torch.Tensor, got {kind.__module__}.{kind.__qualname__}")
 
 
+def _check_bf16_rows(t: torch.Tensor, name: str, dims: str, ndim: int) -> None:
+    """A contiguous BF16 tensor of ``ndim`` dims, the last 512 (``dims`` names them for the message)."""
+    if t.dtype is not _BF16:
+        _fail(f"{name} must have dtype torch.bfloat16, got {t.dtype}")
+    shape = t.shape
+    if len(shape) != ndim or shape[-1] != abi.HEAD_DIM:
+        _fail(f"{name} must be [{dims}], got {list(shape)}")
+    if not t.is_contiguous():
+        _fail(f"{name} must be contiguous")
+
+
 def check_flag(value: object, name: str) -> None:
     """A real bool: a string like 'False' would be truthy."""
     if type(value) is not bool:

@@ -7,12 +7,12 @@ import math
 
 import torch
 
-from .. import abi
 from .core import (
     _BF16,
     _SLOT_DTYPES,
     CacheGeometry,
     _check_aligned,
+    _check_bf16_rows,
     _check_device,
     _check_disjoint,
     _extent,
@@ -74,14 +74,8 @@ def check_decode(
     """``sparse_mla_decode``: returns the geometry of the sliding-window pool and of the extra
     pool (None without one)."""
     check_tensors((q,), ("q",))
-    if q.dtype is not _BF16:
-        _fail(f"q must have dtype torch.bfloat16, got {q.dtype}")
-    shape = q.shape
-    if len(shape) != 4 or shape[3] != abi.HEAD_DIM:
-        _fail(f"q must be [batch, q_len, num_heads, 512], got {list(shape)}")
-    if not q.is_contiguous():
-        _fail("q must be contiguous")
-    batch, q_len, num_heads = shape[0], shape[1], shape[2]
+    _check_bf16_rows(q, "q", "batch, q_len, num_heads, 512", 4)
+    batch, q_len, num_heads = q.shape[0], q.shape[1], q.shape[2]
     if num_heads < 1:
         _fail("q must hold at least one head")
     swa = _check_pool("swa", swa_cache, swa_slots, swa_lens, batch, q_len)
