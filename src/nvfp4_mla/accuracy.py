@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -192,17 +193,45 @@ class Errors:
     lse_error: float  # |lse - lse_bf16| (natural log: the relative error of the softmax sum)
 
 
+def relative_errors(out: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """``|out - want| / |want|`` per query row and head (2-norms over the 512 dims)."""
+    return (out - want).norm(dim=-1) / want.norm(dim=-1)
+
+
 def compare(got: Decoded, want: Decoded) -> Errors:
     """:class:`Errors` of ``got`` against ``want`` (the BF16 decode)."""
-    diff = (got.out - want.out).norm(dim=-1)
     cosine = torch.nn.functional.cosine_similarity(got.out, want.out, dim=-1)
     top1 = got.scores.argmax(dim=-1) == want.scores.argmax(dim=-1)  # weights rank as scores do
     return Errors(
-        rel_error=(diff / want.out.norm(dim=-1)).mean().item(),
+        rel_error=relative_errors(got.out, want.out).mean().item(),
         cosine=cosine.mean().item(),
         top1=top1.double().mean().item(),
         lse_error=(got.lse - want.lse).abs().mean().item(),
     )
+
+
+def _study_inputs(
+    topks: tuple[int, ...],
+    outlier_strength: float,
+    num_tokens: int,
+    batch: int,
+    num_heads: int,
+    seed: int,
+    device: torch.device | str,
+) -> Iterator[tuple[int, StudyCaches, torch.Tensor, torch.Tensor]]:
+    """``(topk, caches, q, slots)`` for each top-k at one outlier strength: ``num_tokens`` rows
+    (:func:`latent_rows`, the same draws for every strength) in the three caches, and ``batch``
+    queries of ``num_heads`` heads (:func:`make_queries`) over random top-k slot tables."""
+    if max(topks) > num_tokens:
+        raise ValueError(f"num_tokens ({num_tokens}) must be at least the largest top-k ({max(topks)})")
+    rows = latent_rows(
+        num_tokens, RowModel(outlier_strength), generator=torch.Generator().manual_seed(seed), device=device
+    )
+    caches = StudyCaches.build(rows)
+    for topk in topks:
+        g = torch.Generator().manual_seed(seed + topk)
+        slots = random_topk(batch, num_tokens, topk, generator=g).to(device)
+        yield topk, caches, make_queries(rows, slots, num_heads=num_heads, generator=g), slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,16 +260,9 @@ def sweep(
     strength) go into the three caches; for each top-k, ``batch`` queries of ``num_heads`` heads
     (:func:`make_queries`) decode through each cache. ``num_tokens`` must be at least max(topks).
     """
-    if max(topks) > num_tokens:
-        raise ValueError(f"num_tokens ({num_tokens}) must be at least the largest top-k ({max(topks)})")
     points = []
     for strength in outlier_strengths:
-        rows = latent_rows(num_tokens, RowModel(strength), generator=torch.Generator().manual_seed(seed), device=device)
-        caches = StudyCaches.build(rows)
-        for topk in topks:
-            g = torch.Generator().manual_seed(seed + topk)
-            slots = random_topk(batch, num_tokens, topk, generator=g).to(device)
-            q = make_queries(rows, slots, num_heads=num_heads, generator=g)
+        for topk, caches, q, slots in _study_inputs(topks, strength, num_tokens, batch, num_heads, seed, device):
             base = decode(caches, "bf16", q, slots)
             for kind in KINDS[1:]:
                 points.append(StudyPoint(kind, topk, strength, compare(decode(caches, kind, q, slots), base)))
@@ -272,26 +294,18 @@ def fused_study(
     """:func:`nvfp4_mla.sparse_mla_decode` (the fused kernel on a GPU, the reference elsewhere) on
     the sweep's NVFP4 cache: it must give the float64 decode's numbers, up to its BF16 output and
     BF16 probabilities (docs/format.md section 9)."""
-    rows = latent_rows(
-        num_tokens, RowModel(outlier_strength), generator=torch.Generator().manual_seed(seed), device=device
-    )
-    caches = StudyCaches.build(rows)
     points = []
-    for topk in topks:
-        g = torch.Generator().manual_seed(seed + topk)
-        slots = random_topk(batch, num_tokens, topk, generator=g).to(device)
-        q = make_queries(rows, slots, num_heads=num_heads, generator=g)
+    for topk, caches, q, slots in _study_inputs(topks, outlier_strength, num_tokens, batch, num_heads, seed, device):
         base, exact = decode(caches, "bf16", q, slots), decode(caches, "nvfp4", q, slots)
         out, lse = sparse_mla_decode(q, caches.nvfp4, slots, sm_scale=SM_SCALE)
-        out, lse = out.double(), lse.double()
-        base_norm = base.out.norm(dim=-1)
+        out = out.double()
         points.append(
             FusedPoint(
                 topk,
-                rel_error_exact=((exact.out - base.out).norm(dim=-1) / base_norm).mean().item(),
-                rel_error_fused=((out - base.out).norm(dim=-1) / base_norm).mean().item(),
-                max_rel_deviation=((out - exact.out).norm(dim=-1) / exact.out.norm(dim=-1)).max().item(),
-                max_lse_deviation=(lse - exact.lse).abs().max().item(),
+                rel_error_exact=relative_errors(exact.out, base.out).mean().item(),
+                rel_error_fused=relative_errors(out, base.out).mean().item(),
+                max_rel_deviation=relative_errors(out, exact.out).max().item(),
+                max_lse_deviation=(lse.double() - exact.lse).abs().max().item(),
             )
         )
     return points
