@@ -69,7 +69,7 @@ import nvfp4_mla
 from .. import abi, validation
 from .. import decode as decode_kernel
 from .ceilings import copy_bandwidth, matmul_flops
-from .report import markdown_grid, write_dicts_csv
+from .report import markdown_grid, write_suite
 from .run import require_gpu, results_dir, suite_parser
 from .timing import SUITE_GRAPH_S, SUITE_REPS, DeviceTimer, Timer
 
@@ -318,9 +318,7 @@ def write(
     rows: list[dict[str, Any]], ceilings: dict[str, float], lines: list[str], out: Path, device_name: str
 ) -> None:
     """``decode_bench.csv`` and ``decode_bench.md`` in ``out`` (created when missing)."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_dicts_csv(out / f"{OUTPUT_STEM}.csv", rows, COLUMNS)
-    (out / f"{OUTPUT_STEM}.md").write_text(markdown(rows, ceilings, lines, device_name))
+    write_suite(out, OUTPUT_STEM, rows, COLUMNS, markdown(rows, ceilings, lines, device_name))
 
 
 # ---------------------------------------------------------------- command line

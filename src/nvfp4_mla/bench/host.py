@@ -35,7 +35,7 @@ import nvfp4_mla
 
 from .. import abi, launch, ops, validation
 from ..testing import make_cache, random_rows, random_slots, rope_table
-from .report import markdown_grid, write_dicts_csv
+from .report import markdown_grid, write_suite
 from .run import require_gpu, results_dir, suite_parser
 from .timing import host_batches
 
@@ -153,9 +153,7 @@ def markdown(results: list[dict[str, Any]], device_name: str) -> str:
 
 def write(results: list[dict[str, Any]], out: Path, device_name: str) -> None:
     """``host_bench.csv`` and ``host_bench.md`` in ``out`` (created when missing)."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_dicts_csv(out / f"{OUTPUT_STEM}.csv", results, COLUMNS)
-    (out / f"{OUTPUT_STEM}.md").write_text(markdown(results, device_name))
+    write_suite(out, OUTPUT_STEM, results, COLUMNS, markdown(results, device_name))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -56,7 +56,7 @@ from .. import abi, kernel_cache, reference, validation
 from .. import reader as gpu_reader
 from ..testing import make_cache, raw_bytes
 from .ceilings import copy_bandwidth, empty_kernel_launcher
-from .report import markdown_grid, write_dicts_csv
+from .report import markdown_grid, write_suite
 from .run import require_gpu, results_dir, suite_parser
 from .timing import SUITE_GRAPH_S, SUITE_REPS, DeviceTimer, Timer, host_batches
 
@@ -218,9 +218,7 @@ def markdown(results: list[dict[str, Any]], device_name: str) -> str:
 
 def write(results: list[dict[str, Any]], out: Path, device_name: str) -> None:
     """``reader_bench.csv`` and ``reader_bench.md`` in ``out`` (created when missing)."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_dicts_csv(out / f"{OUTPUT_STEM}.csv", results, COLUMNS)
-    (out / f"{OUTPUT_STEM}.md").write_text(markdown(results, device_name))
+    write_suite(out, OUTPUT_STEM, results, COLUMNS, markdown(results, device_name))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -173,6 +173,13 @@ def write_dicts_csv(path: Path, rows: Sequence[Mapping[str, object]], columns: l
         writer.writerows(rows)
 
 
+def write_suite(out: Path, stem: str, rows: Sequence[Mapping[str, object]], columns: list[str], markdown: str) -> None:
+    """A suite's ``stem.csv`` (``rows`` under ``columns``) and ``stem.md`` in ``out`` (created when missing)."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_dicts_csv(out / f"{stem}.csv", rows, columns)
+    (out / f"{stem}.md").write_text(markdown)
+
+
 def ceiling_lines(ceilings: Ceilings) -> list[str]:
     """The report's ceilings section."""
     copy = "n/a" if ceilings.copy_bytes_per_s is None else f"{ceilings.copy_bytes_per_s / 1e9:.0f} GB/s"
