@@ -18,14 +18,14 @@ from nvfp4_mla import jit, kernel_cache, launch
 from nvfp4_mla.testing import random_rows
 from nvfp4_mla.variant import Variant
 
-BOUND = "slot[j] >= p.capacity"
+BOUND = "r.slot[j] >= p.capacity"
 
 
 def main() -> None:
     variant = Variant.append(16, torch.int64)
     source = jit._source(variant.template.file)
     assert source.count(BOUND) == 1, "the seeded mutation no longer matches the kernel source"
-    jit._sources[variant.template.file] = source.replace(BOUND, "slot[j] > p.capacity")
+    jit._sources[variant.template.file] = source.replace(BOUND, "r.slot[j] > p.capacity")
     with tempfile.TemporaryDirectory() as directory:
         launcher = kernel_cache.KernelCache([directory]).launcher(0, variant)
         num_pages, page_size = 2, 16
@@ -33,8 +33,9 @@ def main() -> None:
         rows = random_rows((1, 512), "cuda")
         slots = torch.tensor([num_pages * page_size], device="cuda")  # == capacity: one past the end
         stream = launch.current_raw_stream(0)
+        kv_blocks, blocks = variant.grid(0, 1, launcher.resident_blocks)
         launcher.launch(
-            variant.blocks(1),
+            blocks,
             stream,
             0,
             0,
@@ -47,7 +48,8 @@ def main() -> None:
             num_pages * page_size,
             0,
             1,
-            1,
+            kv_blocks,
+            0,
         )
         torch.cuda.synchronize()
     print("seeded out-of-bounds write launched")

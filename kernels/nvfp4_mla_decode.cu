@@ -463,7 +463,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
             u32* out = p.out + ((row * num_heads + head) * HEAD_DIM + col0) / 2;
 #pragma unroll
             for (int n = 0; n < N_TILES; ++n)
-                out[n * 4] = bf16_bits(acc[n][2 * half] * factor) | (bf16_bits(acc[n][2 * half + 1] * factor) << 16);
+                out[n * 4] = bf16x2_bits(acc[n][2 * half] * factor, acc[n][2 * half + 1] * factor);
             if (slice == 0 && quad == 0) p.lse[row * num_heads + head] = lse;
         } else {
             const i64 entry = (row * num_heads + head) * num_splits + split;
@@ -529,8 +529,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
     }
     const float lse = row_lse(m, l);
     const float factor = output_factor(l, lse, p.sinks, row_head % p.num_heads);
-    p.out[row_head * (HEAD_DIM / 4) + tid] = make_uint2(bf16_bits(o.x * factor) | (bf16_bits(o.y * factor) << 16),
-                                                        bf16_bits(o.z * factor) | (bf16_bits(o.w * factor) << 16));
+    p.out[row_head * (HEAD_DIM / 4) + tid] = make_uint2(bf16x2_bits(o.x * factor, o.y * factor),
+                                                        bf16x2_bits(o.z * factor, o.w * factor));
     if (tid == 0) p.lse[row_head] = lse;
 }
 

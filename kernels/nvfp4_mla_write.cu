@@ -8,21 +8,23 @@
 //   Q_MODE          0: no query work, 1: write the head-padded q_out, 2: rotate q in place
 //   NUM_HEADS       live query heads; Q_HEADS: heads of q_out (the padded count)
 //   APPLY_Q_ROPE    rotate the live heads (else copy them bitwise)
-//   Q_ROWS_PER_UNIT 16-byte query loads in flight per thread (see jit.num_units)
-//   KV_ROWS_PER_UNIT KV rows a unit inserts, their loads in flight together
+//   Q_ROWS_PER_UNIT 16-byte query loads in flight per thread (variant.Q_ROWS_PER_UNIT)
+//   KV_ROWS_PER_WARP KV rows a warp inserts, their loads in flight together
 //
-// Work is cut into units of 64 threads, each thread one 16-byte chunk of a 512-dim BF16 row:
-// the first ceil(num_kv_rows / KV_ROWS_PER_UNIT) units quantize and insert KV rows; the units
-// after them write the query
-// (Q_ROWS_PER_UNIT (token, head) rows of q_out each, or in place Q_ROWS_PER_UNIT x 8 heads x 8
-// RoPE chunks each). A unit is two whole warps, so early exits never split a warp before its
-// shuffles.
+// Work is cut into units of 64 threads (two whole warps, so an early exit never splits a warp).
+// The first kv_blocks blocks insert the KV rows, a warp its own KV_ROWS_PER_WARP rows of a unit,
+// looping over the units (grid-stride) with the next unit's loads in flight; the host launches at
+// most as many of them as the GPU holds at once (launch.Launcher.resident_blocks). The blocks
+// after them write the query, a unit each, each thread one 16-byte chunk of a 512-dim BF16 row
+// (Q_ROWS_PER_UNIT (token, head) rows of q_out, or in place Q_ROWS_PER_UNIT x 8 heads x 8 RoPE
+// chunks).
 #include "nvfp4_numerics.cuh"
 
 // THREADS, UNIT_THREADS and the record ABI (HEAD_DIM, NOPE_DIM, ROPE_PAIRS, DATA_BYTES,
 // NOPE_BYTES, SCALE_BYTES, NUM_GROUPS) come from nvfp4_mla/abi.py and jit.py as -D options too.
 #define UNITS_PER_BLOCK (THREADS / UNIT_THREADS)
-#define CHUNKS (HEAD_DIM * 2 / 16)       // 16-byte chunks in a BF16 row: one a thread
+#define KV_ROWS_PER_UNIT (UNIT_THREADS / 32 * KV_ROWS_PER_WARP)
+#define CHUNKS (HEAD_DIM * 2 / 16)       // 16-byte chunks in a BF16 row
 #define NOPE_CHUNKS (NOPE_DIM * 2 / 16)  // a group of 16 is chunks 2g (half 0) and 2g+1 (half 1)
 #define ROPE_DIM (2 * ROPE_PAIRS)        // a cos_sin_cache row: cos[ROPE_PAIRS] | sin[ROPE_PAIRS]
 
@@ -38,7 +40,8 @@ struct Params {  // 8-byte fields only: packed on the host with one struct forma
     i64 capacity;           // num_pages * PAGE_SIZE: valid slots are [0, capacity)
     i64 max_position;
     i64 num_kv_rows;        // rows that may be inserted (slot_mapping.numel())
-    i64 num_units;
+    i64 kv_blocks;          // blocks of the KV rows; the query's blocks follow
+    i64 q_rows;             // q_out rows, or in place groups of 8 heads
 };
 static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's struct format (variant.WRITE_TEMPLATE)");
 
@@ -52,70 +55,96 @@ __device__ __forceinline__ CosSin load_cos_sin(const Params& p, i64 r, int k) {
     return {*reinterpret_cast<const float4*>(row), *reinterpret_cast<const float4*>(row + ROPE_PAIRS)};
 }
 
-// Quantizes and inserts KV_ROWS_PER_UNIT rows. All their loads (slots, positions, data) are
-// issued before the first is used: they are independent, and one round trip to memory instead
-// of a chain of them is what short calls wait for.
-__device__ __forceinline__ void insert_kv_rows(const Params& p, i64 unit, int c) {
-    i64 slot[KV_ROWS_PER_UNIT], pos[KV_ROWS_PER_UNIT];
-    uint4 x[KV_ROWS_PER_UNIT];
+// One warp's KV_ROWS_PER_WARP rows of a unit, loaded: lane g < NUM_GROUPS holds NoPE group g
+// whole (its two 16-byte halves), and every lane holds RoPE pair `lane` (one word).
+struct KvRows {
+    i64 slot[KV_ROWS_PER_WARP], pos[KV_ROWS_PER_WARP];
+    uint4 h0[KV_ROWS_PER_WARP], h1[KV_ROWS_PER_WARP];
+    u32 rope[KV_ROWS_PER_WARP];
+};
+
+// Issues every load of the rows (slots, positions, data) and returns without waiting for them.
+// Rows at or past num_kv_rows load nothing and get slot -1.
+__device__ __forceinline__ KvRows load_kv_rows(const Params& p, i64 first_row, int lane) {
+    KvRows r;
 #pragma unroll
-    for (int j = 0; j < KV_ROWS_PER_UNIT; ++j) {
-        const i64 row = unit * KV_ROWS_PER_UNIT + j;
+    for (int j = 0; j < KV_ROWS_PER_WARP; ++j) {
+        const i64 row = first_row + j;
         const bool exists = row < p.num_kv_rows;
 #if IDENTITY_SLOTS
-        slot[j] = row;
+        r.slot[j] = exists ? row : -1;
 #elif SLOT_INT64
-        slot[j] = exists ? static_cast<const i64*>(p.slots)[row] : -1;
+        r.slot[j] = exists ? static_cast<const i64*>(p.slots)[row] : -1;
 #else
-        slot[j] = exists ? static_cast<const int*>(p.slots)[row] : -1;
+        r.slot[j] = exists ? static_cast<const int*>(p.slots)[row] : -1;
 #endif
 #if KV_ROPE
-        pos[j] = exists ? p.positions[row] : -1;
+        r.pos[j] = exists ? p.positions[row] : -1;
 #else
-        pos[j] = 0;
+        r.pos[j] = 0;
 #endif
-        x[j] = exists ? p.kv[row * CHUNKS + c] : make_uint4(0u, 0u, 0u, 0u);
+        const uint4* x = p.kv + row * CHUNKS;
+        const bool group = exists && lane < NUM_GROUPS;
+        r.h0[j] = group ? x[2 * lane] : make_uint4(0u, 0u, 0u, 0u);
+        r.h1[j] = group ? x[2 * lane + 1] : make_uint4(0u, 0u, 0u, 0u);
+        r.rope[j] = exists ? reinterpret_cast<const u32*>(x + NOPE_CHUNKS)[lane] : 0u;
     }
+    return r;
+}
+
+// Quantizes and inserts loaded rows, one warp a row. No lane waits on another: no shuffles, and
+// the RoPE work is spread over the whole warp instead of running beside the quantizer in a few
+// lanes. Each store instruction writes whole 32-byte sectors: codes 224 bytes, RoPE 128 bytes,
+// the 32-byte scale slot one byte a lane.
+__device__ __forceinline__ void insert_kv_rows(const Params& p, const KvRows& r, int lane) {
+    static_assert(NUM_GROUPS <= 32 && ROPE_PAIRS == 32 && SCALE_BYTES == 32, "one warp a row: a lane a group, a RoPE pair and a scale byte");
 #pragma unroll
-    for (int j = 0; j < KV_ROWS_PER_UNIT; ++j) {
-        // Uniform across the unit (one row), so skipping never splits a warp's shuffles.
-        if (slot[j] < 0 || slot[j] >= p.capacity) continue;
+    for (int j = 0; j < KV_ROWS_PER_WARP; ++j) {
+        // Uniform across the warp (one row).
+        if (r.slot[j] < 0 || r.slot[j] >= p.capacity) continue;
 #if KV_ROPE
-        if (pos[j] < 0 || (pos[j] + 1) % COMPRESS_RATIO != 0) continue;
-        const i64 rope_row = pos[j] / COMPRESS_RATIO * COMPRESS_RATIO;
+        if (r.pos[j] < 0 || (r.pos[j] + 1) % COMPRESS_RATIO != 0) continue;
+        const i64 rope_row = r.pos[j] / COMPRESS_RATIO * COMPRESS_RATIO;
         if (rope_row >= p.max_position) continue;  // never read outside cos_sin_cache
+        // Loaded here, used after the quantizer: this second round trip overlaps its work.
+        const float* cos_sin = p.cos_sin + rope_row * ROPE_DIM;
+        const float cos = cos_sin[lane], sin = cos_sin[ROPE_PAIRS + lane];
 #endif
-        u8* page = p.cache + (slot[j] / PAGE_SIZE) * p.page_stride;
-        const i64 entry = slot[j] % PAGE_SIZE;
+        // The slot is valid (0 <= slot < capacity), so unsigned division by the page size: no
+        // sign fix-ups.
+        const unsigned long long valid_slot = static_cast<unsigned long long>(r.slot[j]);
+        u8* page = p.cache + static_cast<i64>(valid_slot / PAGE_SIZE) * p.page_stride;
+        const i64 entry = static_cast<i64>(valid_slot % PAGE_SIZE);
         u8* data = page + entry * DATA_BYTES;
-        u8* scale_slot = page + PAGE_SIZE * DATA_BYTES + entry * SCALE_BYTES;
-        // Every lane takes part in the shuffles (RoPE lanes on data they discard); only NoPE
-        // lanes compute codes.
-        const float amax = half_amax(x[j]);
-        const u32 scale = scale_code(amax);
-        const u32 codes = c < NOPE_CHUNKS ? half_codes(x[j], amax, scale) : 0u;
-        // Four lanes' code words make one 16-byte store; lanes 8w, 8w+2, 8w+4, 8w+6 hold the
-        // scales of groups 4w..4w+3, one 4-byte store.
-        const u32 c1 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 1);
-        const u32 c2 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 2);
-        const u32 c3 = __shfl_down_sync(NVFP4_FULL_MASK, codes, 3);
-        const u32 s1 = __shfl_down_sync(NVFP4_FULL_MASK, scale, 2);
-        const u32 s2 = __shfl_down_sync(NVFP4_FULL_MASK, scale, 4);
-        const u32 s3 = __shfl_down_sync(NVFP4_FULL_MASK, scale, 6);
-        if (c < NOPE_CHUNKS) {
-            if ((c & 3) == 0) *reinterpret_cast<uint4*>(data + 4 * c) = make_uint4(codes, c1, c2, c3);
-            if ((c & 7) == 0) *reinterpret_cast<u32*>(scale_slot + c / 2) = scale | (s1 << 8) | (s2 << 16) | (s3 << 24);
-        } else {
-            const int k = c - NOPE_CHUNKS;
-#if KV_ROPE
-            const CosSin t = load_cos_sin(p, rope_row, k);
-            const uint4 out = rope_chunk(x[j], t.c, t.s);
-#else
-            const uint4 out = x[j];
-#endif
-            *reinterpret_cast<uint4*>(data + NOPE_BYTES + 16 * k) = out;
-            if (k == 0) *reinterpret_cast<u32*>(scale_slot + NUM_GROUPS) = 0u;  // the slot's 4 zero bytes
+        u32 scale = 0u;  // lanes past the groups write the slot's zero bytes
+        if (lane < NUM_GROUPS) {
+            const float2 amax = group_amax(r.h0[j], r.h1[j]);
+            scale = scale_code(amax.x);  // the group's scale byte is half 0's
+            const u32 scale1 = __float_as_uint(amax.y) == __float_as_uint(amax.x) ? scale : scale_code(amax.y);
+            *reinterpret_cast<uint2*>(data + 8 * lane) = group_codes(r.h0[j], r.h1[j], amax, scale, scale1);
         }
+#if KV_ROPE
+        const u32 rope_out = rope_pair_bits(r.rope[j], cos, sin);
+#else
+        const u32 rope_out = r.rope[j];
+#endif
+        reinterpret_cast<u32*>(data + NOPE_BYTES)[lane] = rope_out;
+        page[PAGE_SIZE * DATA_BYTES + entry * SCALE_BYTES + lane] = static_cast<u8>(scale);
+    }
+}
+
+// The KV units unit, unit + stride, ... below kv_units, software-pipelined: the next unit's loads
+// are in flight while this one is quantized, so a warp waits for memory once, not once a unit.
+__device__ __forceinline__ void insert_kv_units(const Params& p, i64 unit, i64 stride, i64 kv_units, int c) {
+    const int warp = c / 32, lane = c % 32;
+    KvRows rows = load_kv_rows(p, unit * KV_ROWS_PER_UNIT + warp * KV_ROWS_PER_WARP, lane);
+    for (;;) {
+        const i64 next = unit + stride;
+        const KvRows next_rows = load_kv_rows(p, next * KV_ROWS_PER_UNIT + warp * KV_ROWS_PER_WARP, lane);
+        insert_kv_rows(p, rows, lane);
+        if (next >= kv_units) return;
+        rows = next_rows;
+        unit = next;
     }
 }
 
@@ -154,37 +183,50 @@ __device__ __forceinline__ void write_q_out_rows(const Params& p, i64 qunit, int
 #endif
 
 #if Q_MODE == 2
-// In place: Q_ROWS_PER_UNIT groups of 8 heads x the 8 RoPE chunks of one token; out-of-range
-// positions leave q untouched.
+// In place: Q_ROWS_PER_UNIT consecutive groups of 8 heads (NUM_HEADS / 8 a token, so a unit may
+// span tokens) x the 8 RoPE chunks of each head; out-of-range positions leave their heads
+// untouched. All loads are issued before the first use.
 __device__ __forceinline__ void rotate_q_in_place(const Params& p, i64 qunit, int c) {
-    constexpr int heads_per_unit = 8 * Q_ROWS_PER_UNIT;
-    const i64 token = qunit / (NUM_HEADS / heads_per_unit);
-    const i64 head0 = (qunit % (NUM_HEADS / heads_per_unit)) * heads_per_unit + (c >> 3);
+    constexpr int groups_per_token = NUM_HEADS / 8;
     const int k = c & 7;
-    uint4* rows = p.q_out + (token * NUM_HEADS + head0) * CHUNKS + NOPE_CHUNKS + k;  // heads head0 + 8r
+    uint4* rows[Q_ROWS_PER_UNIT];
     uint4 x[Q_ROWS_PER_UNIT];
+    i64 pos[Q_ROWS_PER_UNIT];
 #pragma unroll
-    for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) x[r] = rows[8 * r * CHUNKS];
-    const i64 pos = p.positions[token];
-    if (pos < 0 || pos >= p.max_position) return;
-    const CosSin t = load_cos_sin(p, pos, k);
+    for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) {
+        const i64 group = qunit * Q_ROWS_PER_UNIT + r;
+        const i64 token = group / groups_per_token;
+        const i64 head = group % groups_per_token * 8 + (c >> 3);
+        rows[r] = p.q_out + (token * NUM_HEADS + head) * CHUNKS + NOPE_CHUNKS + k;
+        const bool exists = group < p.q_rows;  // uniform across the unit
+        x[r] = exists ? *rows[r] : make_uint4(0u, 0u, 0u, 0u);
+        pos[r] = exists ? p.positions[token] : -1;
+    }
 #pragma unroll
-    for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) rows[8 * r * CHUNKS] = rope_chunk(x[r], t.c, t.s);
+    for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) {
+        if (pos[r] < 0 || pos[r] >= p.max_position) continue;
+        const CosSin t = load_cos_sin(p, pos[r], k);
+        *rows[r] = rope_chunk(x[r], t.c, t.s);
+    }
 }
 #endif
 
 extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_write(const Params p) {
-    const i64 unit = static_cast<i64>(blockIdx.x) * UNITS_PER_BLOCK + (threadIdx.x / UNIT_THREADS);
     const int c = threadIdx.x % UNIT_THREADS;
-    const i64 kv_units = (p.num_kv_rows + KV_ROWS_PER_UNIT - 1) / KV_ROWS_PER_UNIT;
-    if (unit >= p.num_units) return;
-    if (unit < kv_units) {
-        insert_kv_rows(p, unit, c);
+    const i64 unit_of_block = threadIdx.x / UNIT_THREADS;
+    if (blockIdx.x < p.kv_blocks) {
+        const i64 kv_units = (p.num_kv_rows + KV_ROWS_PER_UNIT - 1) / KV_ROWS_PER_UNIT;
+        const i64 unit = static_cast<i64>(blockIdx.x) * UNITS_PER_BLOCK + unit_of_block;
+        if (unit < kv_units) insert_kv_units(p, unit, p.kv_blocks * UNITS_PER_BLOCK, kv_units, c);
         return;
     }
+#if Q_MODE != 0
+    const i64 unit = (static_cast<i64>(blockIdx.x) - p.kv_blocks) * UNITS_PER_BLOCK + unit_of_block;
+    if (unit * Q_ROWS_PER_UNIT >= p.q_rows) return;
 #if Q_MODE == 1
-    write_q_out_rows(p, unit - kv_units, c);
-#elif Q_MODE == 2
-    rotate_q_in_place(p, unit - kv_units, c);
+    write_q_out_rows(p, unit, c);
+#else
+    rotate_q_in_place(p, unit, c);
+#endif
 #endif
 }

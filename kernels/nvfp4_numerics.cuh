@@ -25,12 +25,21 @@ __device__ __forceinline__ u32 bf16_bits(float x) {
 
 __device__ __forceinline__ float bf16_value(u32 bits16) { return __uint_as_float(bits16 << 16); }
 
+// bf16(lo) | bf16(hi) << 16 in one conversion (cvt.rn.bf16x2.f32, sm_80+: nearest even, no flush,
+// overflow to inf); its NaN is 0x7FFF, so a pair with a NaN takes bf16_bits.
+__device__ __forceinline__ u32 bf16x2_bits(float lo, float hi) {
+    if (lo != lo || hi != hi) return bf16_bits(lo) | (bf16_bits(hi) << 16);
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 // GPT-J RoPE of one pair: one rounded product, one fused multiply-add.
 __device__ __forceinline__ u32 rope_pair_bits(u32 pair, float c, float s) {
     const float xe = bf16_value(pair & 0xffffu), xo = bf16_value(pair >> 16);
     const float even = __fmaf_rn(xe, c, -__fmul_rn(xo, s));
     const float odd = __fmaf_rn(xe, s, __fmul_rn(xo, c));
-    return bf16_bits(even) | (bf16_bits(odd) << 16);
+    return bf16x2_bits(even, odd);
 }
 
 // Rotates the 4 pairs of a 16-byte chunk of RoPE dims with their cos and sin.
@@ -92,20 +101,25 @@ __device__ __forceinline__ float sel(float a, float b) { return a > b ? a : b; }
 // Steps 2-7 in fp32, one element at a time: the definition the fast path below must match, and
 // the path it takes for the rare inputs it does not handle (NaN, zero or subnormal scales).
 
-// Steps 2-4 for one half (8 consecutive NoPE values, 16 bytes) of a 16-element group: the
-// half's amax after the reference quantizer's two-thread reduction. The partner half must be in
-// lane ^ 1 of the same warp, and every lane of the warp must call this (it shuffles).
-__device__ __forceinline__ float exact_half_amax(uint4 x) {
+// Steps 2-3 for one half (8 consecutive NoPE values, 16 bytes) of a 16-element group: the
+// per-lane folds (x: even elements, y: odd), in the reference quantizer's order.
+__device__ __forceinline__ float2 exact_lane_maxima(uint4 x) {
     const u32 w[4] = {x.x, x.y, x.z, x.w};
-    float mx = 0.0f, my = 0.0f;  // per-lane folds: x = even elements, y = odd
+    float mx = 0.0f, my = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const float ax = abs_ftz(bf16_value(w[i] & 0xffffu)), ay = abs_ftz(bf16_value(w[i] >> 16));
         mx = i ? sel(mx, ax) : ax;
         my = i ? sel(my, ay) : ay;
     }
-    const float px = __shfl_xor_sync(NVFP4_FULL_MASK, mx, 1), py = __shfl_xor_sync(NVFP4_FULL_MASK, my, 1);
-    return sel(sel(px, mx), sel(py, my));
+    return make_float2(mx, my);
+}
+
+// Steps 2-4 for a whole group (halves h0, h1): each half's amax after the reference quantizer's
+// two-thread reduction, where each half folds its partner's lane maxima into its own.
+__device__ __forceinline__ float2 exact_group_amax(uint4 h0, uint4 h1) {
+    const float2 m0 = exact_lane_maxima(h0), m1 = exact_lane_maxima(h1);
+    return make_float2(sel(sel(m1.x, m0.x), sel(m1.y, m0.y)), sel(sel(m0.x, m1.x), sel(m0.y, m1.y)));
 }
 
 // Steps 5-7: the 8 E2M1 codes of a half (element k in bits 4k..4k+3).
@@ -199,16 +213,15 @@ __device__ __forceinline__ u32 e4m3_value_bits(u32 code) {
 #endif
 }
 
-// Steps 2-4 for one half (8 consecutive NoPE values, 16 bytes) of a 16-element group: the
-// half's amax after the reference quantizer's two-thread reduction. The partner half must be in
-// lane ^ 1 of the same warp, and every lane of the warp must call this (it shuffles). A warp
-// with a NaN in any group takes the exact fold, whose order then matters.
-__device__ __forceinline__ float half_amax(uint4 x) {
-    const u32 lanes = half_magnitude_max(half_magnitudes(x));
-    const u32 group = bf16x2_max_nan(lanes, __shfl_xor_sync(NVFP4_FULL_MASK, lanes, 1));
-    const float amax = __uint_as_float(bf16x2_max_nan(group, prmt(group, group, 0x1032u)) & 0xffff0000u);
-    if (__any_sync(NVFP4_FULL_MASK, amax != amax)) return exact_half_amax(x);
-    return abs_ftz(amax);  // a subnormal amax counts as zero
+// Steps 2-4 for a whole group (halves h0, h1 of one thread): the amax of each half (x: half 0,
+// y: half 1). Without NaN both are the group's integer magnitude maximum, flushed; a group with a
+// NaN takes the exact fold, whose order then matters.
+__device__ __forceinline__ float2 group_amax(uint4 h0, uint4 h1) {
+    const u32 lanes = bf16x2_max_nan(half_magnitude_max(half_magnitudes(h0)), half_magnitude_max(half_magnitudes(h1)));
+    const float amax = __uint_as_float(bf16x2_max_nan(lanes, prmt(lanes, lanes, 0x1032u)) & 0xffff0000u);
+    if (amax != amax) return exact_group_amax(h0, h1);
+    const float flushed = abs_ftz(amax);  // a subnormal amax counts as zero
+    return make_float2(flushed, flushed);
 }
 
 // Step 4: E4M3 code of amax * R6 (nearest even, saturating at 448, NaN -> 0x7F).
@@ -278,12 +291,11 @@ __device__ __forceinline__ u32 e2m1_nibbles(u32 acc) {
     return (acc & 0x0F0F0F0Fu) | (prmt(acc, acc, 0x1032u) & 0xF0F0F0F0u);
 }
 
-// Steps 5-7: the 8 E2M1 codes of a half (element k in bits 4k..4k+3). Fast path for a scale code
-// in 1..0x7E and a half without NaN; otherwise the exact scalar path.
-__device__ __forceinline__ u32 half_codes(uint4 x, float amax, u32 code) {
-    if (code - 1u >= 0x7Eu) return exact_half_codes(x, amax, code);
+// Steps 5-7 under a scale code in 1..0x7E, whose thresholds are t: the 8 E2M1 codes of a half
+// (element k in bits 4k..4k+3). NaN elements need no special case: every threshold test of a NaN
+// fails, which gives magnitude 6, and the sign plane reads the canonical (positive) NaN.
+__device__ __forceinline__ u32 half_codes(uint4 x, const E2M1Thresholds& t) {
     const uint4 a = half_magnitudes(x);
-    const E2M1Thresholds t = e2m1_thresholds(code);
     const PairCodeBits p0 = pair_code_bits(a.x, t), p1 = pair_code_bits(a.y, t), p2 = pair_code_bits(a.z, t),
                        p3 = pair_code_bits(a.w, t);
     u32 acc = add_plane<0, false>(0u, p0.b0, p1.b0, p2.b0, p3.b0);
@@ -293,6 +305,17 @@ __device__ __forceinline__ u32 half_codes(uint4 x, float amax, u32 code) {
     acc = add_plane<3, false>(acc, bf16x2_max_nan(x.x, x.x), bf16x2_max_nan(x.y, x.y), bf16x2_max_nan(x.z, x.z),
                               bf16x2_max_nan(x.w, x.w));
     return e2m1_nibbles(acc);
+}
+
+// Steps 5-7 for a whole group: the codes of half 0 (x) and half 1 (y), each under its own amax
+// and scale code. The halves' scales differ only in NaN groups; those, and zero or NaN scales,
+// take the exact scalar path.
+__device__ __forceinline__ uint2 group_codes(uint4 h0, uint4 h1, float2 amax, u32 code0, u32 code1) {
+    if (code0 == code1 && code0 - 1u < 0x7Eu) {
+        const E2M1Thresholds t = e2m1_thresholds(code0);
+        return make_uint2(half_codes(h0, t), half_codes(h1, t));
+    }
+    return make_uint2(exact_half_codes(h0, amax.x, code0), exact_half_codes(h1, amax.y, code1));
 }
 
 // ---------------------------------------------------------------- decoding (reading records back)

@@ -1,10 +1,11 @@
-"""The benchmark's no-quantizer arm and the KV rows per unit A/B: the header transform, the stub
+"""The benchmark's no-quantizer arm and the KV rows per warp A/B: the header transform, the stub
 kernels' compile (NVRTC, no GPU needed), their key and cache, the entries' kernel swap, the arm in
 the measuring loop and the options. GPU tests (marked ``gpu``) run the stub and A/B kernels."""
 
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def _without_stubbed_bodies(header: str) -> str:
 def test_stub_header_replaces_exactly_the_listed_bodies():
     stubbed = stub.stub_header(HEADER)
     assert _without_stubbed_bodies(stubbed) == _without_stubbed_bodies(HEADER)  # all else is the shipped text
-    assert list(stub.STUBS) == ["half_amax", "scale_code", "half_codes"]
+    assert list(stub.STUBS) == ["group_amax", "scale_code", "group_codes"]
     for name, body in stub.STUBS.items():
         params, start, end = stub.definition(stubbed, name)
         shipped_params, shipped_start, shipped_end = stub.definition(HEADER, name)
@@ -50,16 +51,6 @@ def test_stub_header_replaces_exactly_the_listed_bodies():
         assert stubbed[start:end] == "{\n    " + body(*params) + "\n}" != HEADER[shipped_start:shipped_end]
         for param in params:  # the stub still depends on every input
             assert re.search(rf"\b{param}\b", stubbed[start:end]), (name, param)
-
-
-def test_half_amax_stub_keeps_the_partner_exchange():
-    stubbed = stub.stub_header(HEADER)
-    _, start, end = stub.definition(stubbed, "half_amax")
-    exchanges = re.findall(r"__shfl_xor_sync\(NVFP4_FULL_MASK, \w+, 1\)", stubbed[start:end])
-    assert len(exchanges) == 1 and stubbed[start:end].count("__shfl") == 1
-    for name in ("scale_code", "half_codes"):
-        _, start, end = stub.definition(stubbed, name)
-        assert "__shfl" not in stubbed[start:end]
 
 
 @pytest.mark.parametrize("name", list(stub.STUBS))
@@ -139,15 +130,22 @@ def test_stub_kernel_cache_compiles_in_memory_only(nvrtc, tmp_path, monkeypatch)
 # ---------------------------------------------------------------- the entries' kernel swap
 
 
+class _StandInLauncher(NamedTuple):
+    resident_blocks: int  # as launch.Launcher's: blocks the GPU holds at once
+
+
+STAND_IN = _StandInLauncher(resident_blocks=1)
+
+
 class _RecordingCache:
     """Stands in for a KernelCache: records what the entries bind."""
 
     def __init__(self) -> None:
         self.bound: list[tuple[int, Variant]] = []
 
-    def launcher(self, device_index: int, spec: Variant) -> str:
+    def launcher(self, device_index: int, spec: Variant) -> _StandInLauncher:
         self.bound.append((device_index, spec))
-        return "stand-in launcher"
+        return STAND_IN
 
 
 def _tables() -> tuple[dict, ...]:
@@ -155,25 +153,25 @@ def _tables() -> tuple[dict, ...]:
     return *kernels, ops._main_plans, ops._kv_plans, ops._append_plans, ops._pack_plans
 
 
-@pytest.mark.parametrize("kv_rows_per_unit", [None, 1, 3])
-def test_kernels_from_binds_from_its_cache_in_fresh_tables_and_restores_the_shipped(kv_rows_per_unit):
+@pytest.mark.parametrize("kv_rows_per_warp", [None, 1, 3])
+def test_kernels_from_binds_from_its_cache_in_fresh_tables_and_restores_the_shipped(kv_rows_per_warp):
     shipped_tables, shipped_cache = _tables(), ops._kernel_cache
     cache = _RecordingCache()
     variant = Variant.kv(128, torch.int64, 2)
     key = (5, 128, torch.int64, 2)
     geometry = validation.CacheGeometry(4, 128, 128 * 384)
-    with ops.kernels_from(cache, kv_rows_per_unit):
+    with ops.kernels_from(cache, kv_rows_per_warp):
         assert all(t == {} and t is not s for t, s in zip(_tables(), shipped_tables))
         plan = ops._plan(ops._kv_plans, ("signature",), ops._kv_kernels, key, variant, None, geometry, 0, 0, 10)
-        assert ops._kv_kernels[key] == "stand-in launcher" and ops._kv_plans[("signature",)] is plan
-    expected = variant if kv_rows_per_unit is None else variant._replace(kv_rows_per_unit=kv_rows_per_unit)
-    assert plan.launcher == "stand-in launcher" and cache.bound == [(5, expected)]
-    assert plan.blocks == expected.blocks(expected.num_units(0, 10))
+        assert ops._kv_kernels[key] is STAND_IN and ops._kv_plans[("signature",)] is plan
+    expected = variant if kv_rows_per_warp is None else variant._replace(kv_rows_per_warp=kv_rows_per_warp)
+    assert plan.launcher is STAND_IN and cache.bound == [(5, expected)]
+    assert plan.blocks == expected.grid(0, 10, STAND_IN.resident_blocks)[1]
     assert all(t is s for t, s in zip(_tables(), shipped_tables)) and ops._kernel_cache is shipped_cache
-    assert ops._kv_rows_per_unit is None and key not in ops._kv_kernels and ("signature",) not in ops._kv_plans
+    assert ops._kv_rows_per_warp is None and key not in ops._kv_kernels and ("signature",) not in ops._kv_plans
     with pytest.raises(RuntimeError, match="inside"), ops.kernels_from(cache, 2):
         raise RuntimeError("inside")
-    assert all(t is s for t, s in zip(_tables(), shipped_tables)) and ops._kv_rows_per_unit is None
+    assert all(t is s for t, s in zip(_tables(), shipped_tables)) and ops._kv_rows_per_warp is None
 
 
 def test_a_plan_with_nothing_to_launch_has_no_launcher():
@@ -188,15 +186,15 @@ def test_a_plan_with_nothing_to_launch_has_no_launcher():
         empty = ops._plan(
             ops._kv_plans, ("none",), ops._kv_kernels, key, Variant.kv(128, torch.int64, 2), None, geometry, 0, 0, 0
         )
-    assert work.launcher == "stand-in launcher" and empty.launcher is None and len(cache.bound) == 1
+    assert work.launcher is STAND_IN and empty.launcher is None and len(cache.bound) == 1
 
 
 def test_kernel_library_of_the_shipped_kernels_is_ops():
-    assert stub.kernel_library(grid.SHIPPED_KV_ROWS_PER_UNIT, False) is ops
+    assert stub.kernel_library(grid.SHIPPED_KV_ROWS_PER_WARP, False) is ops
 
 
-@pytest.mark.parametrize(("kv_rows_per_unit", "stubbed"), [(2, False), (1, True), (4, True)])
-def test_kernel_library_calls_each_entry_inside_its_swap(kv_rows_per_unit, stubbed, monkeypatch):
+@pytest.mark.parametrize(("kv_rows_per_warp", "stubbed"), [(2, False), (1, True), (4, True)])
+def test_kernel_library_calls_each_entry_inside_its_swap(kv_rows_per_warp, stubbed, monkeypatch):
     swaps: list[tuple[object, int | None]] = []
     shipped_kernels_from = ops.kernels_from
 
@@ -208,7 +206,7 @@ def test_kernel_library_calls_each_entry_inside_its_swap(kv_rows_per_unit, stubb
     monkeypatch.setattr(stub, "stub_kernel_cache", lambda: "stub cache")
     stub.kernel_library.cache_clear()
     try:
-        library = stub.kernel_library(kv_rows_per_unit, stubbed)
+        library = stub.kernel_library(kv_rows_per_warp, stubbed)
     finally:
         stub.kernel_library.cache_clear()
     assert isinstance(library, Entries)
@@ -219,7 +217,7 @@ def test_kernel_library_calls_each_entry_inside_its_swap(kv_rows_per_unit, stubb
     with pytest.raises(ValueError):
         library.nvfp4_quantize_pack_sparse_mla_cache(kv.view(1, 4, 512))
     expected_cache = "stub cache" if stubbed else kernel_cache.default()
-    assert swaps == [(expected_cache, kv_rows_per_unit)] * 2
+    assert swaps == [(expected_cache, kv_rows_per_warp)] * 2
 
 
 # ---------------------------------------------------------------- the arm in the measuring loop
@@ -244,11 +242,11 @@ def test_the_stub_arm_calls_the_stubbed_library_of_the_rows_kernels(seed):
     asked: list[tuple[int, bool]] = []
     called: list[tuple[int, bool]] = []
 
-    def libraries(kv_rows_per_unit: int, stubbed: bool):
-        asked.append((kv_rows_per_unit, stubbed))
+    def libraries(kv_rows_per_warp: int, stubbed: bool):
+        asked.append((kv_rows_per_warp, stubbed))
 
         def append(*args, **kwargs):
-            called.append((kv_rows_per_unit, stubbed))
+            called.append((kv_rows_per_warp, stubbed))
             return reference.nvfp4_quantize_append_sparse_mla_cache(*args, **kwargs)
 
         return Entries(
@@ -259,14 +257,14 @@ def test_the_stub_arm_calls_the_stubbed_library_of_the_rows_kernels(seed):
         )
 
     ctx = run.Context(torch.device("cpu"), rope_table(grid.MAX_POSITION), _Timer(), 350_000, 0.0, libraries)
-    result = run.measure_row(Row.append(3)._replace(kv_rows_per_unit=2), ctx)
+    result = run.measure_row(Row.append(3)._replace(kv_rows_per_warp=2), ctx)
     assert result.seconds == {"fused": 10e-6, "graph": 2e-6, "stub": 2e-6, "compile": None}
     assert asked == [(2, False), (2, True)]
     assert called == [(2, False), (2, False), (2, True)]  # eager, graph, then the stub arm's graph
 
 
 def test_a_failing_stub_transform_is_the_arms_note(seed):
-    def libraries(kv_rows_per_unit: int, stubbed: bool):
+    def libraries(kv_rows_per_warp: int, stubbed: bool):
         if stubbed:
             stub.stub_header("no quantizer here")
         return reference
@@ -275,23 +273,23 @@ def test_a_failing_stub_transform_is_the_arms_note(seed):
     result = run.measure_row(Row.kv(4, 1), ctx)
     assert result.seconds["stub"] is None and result.seconds["graph"] == 2e-6
     assert (
-        "no quantizer (stub kernels), CUDA graph: n/a: ValueError: the quantizer function half_amax is defined 0 times"
+        "no quantizer (stub kernels), CUDA graph: n/a: ValueError: the quantizer function group_amax is defined 0 times"
         in result.notes[0]
     )
 
 
-def test_entries_and_kv_rows_per_unit_options(capsys):
+def test_entries_and_kv_rows_per_warp_options(capsys):
     args = run.parse_args([])
-    assert (args.entries, args.kv_rows_per_unit) == (list(grid.ENTRIES), [grid.SHIPPED_KV_ROWS_PER_UNIT])
-    args = run.parse_args(["--quick", "--entries", "kv", "pack", "--kv-rows-per-unit", "1", "2", "4"])
-    assert (args.entries, args.kv_rows_per_unit) == (["kv", "pack"], [1, 2, 4])
-    for bad in (["--kv-rows-per-unit", "0"], ["--entries", "gather"]):
+    assert (args.entries, args.kv_rows_per_warp) == (list(grid.ENTRIES), [grid.SHIPPED_KV_ROWS_PER_WARP])
+    args = run.parse_args(["--quick", "--entries", "kv", "pack", "--kv-rows-per-warp", "1", "2", "4"])
+    assert (args.entries, args.kv_rows_per_warp) == (["kv", "pack"], [1, 2, 4])
+    for bad in (["--kv-rows-per-warp", "0"], ["--entries", "gather"]):
         with pytest.raises(SystemExit):
             run.parse_args(bad)
     with pytest.raises(SystemExit):
         run.parse_args(["--help"])
     out = capsys.readouterr().out
-    assert "--entries" in out and "--kv-rows-per-unit" in out and "quantizer stubbed" in out
+    assert "--entries" in out and "--kv-rows-per-warp" in out and "quantizer stubbed" in out
 
 
 # ---------------------------------------------------------------- on the GPU
@@ -313,7 +311,7 @@ def test_gpu_stub_kernels_keep_the_memory_pattern_not_the_codes(seed):
     slots = torch.randperm(rows + 2 * page_size, device="cuda")[:rows]
     caches = [torch.zeros(rows // page_size + 3, page_size, abi.RECORD_BYTES, dtype=torch.uint8, device="cuda")]
     caches.append(caches[0].clone())
-    stub.kernel_library(grid.SHIPPED_KV_ROWS_PER_UNIT, True).nvfp4_quantize_append_sparse_mla_cache(
+    stub.kernel_library(grid.SHIPPED_KV_ROWS_PER_WARP, True).nvfp4_quantize_append_sparse_mla_cache(
         kv, slots, caches[0]
     )
     ops.nvfp4_quantize_append_sparse_mla_cache(kv, slots, caches[1])
@@ -329,7 +327,7 @@ def test_gpu_stub_kernels_keep_the_memory_pattern_not_the_codes(seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_rows_per_unit", [2, 3, 4])
+@pytest.mark.parametrize("kv_rows_per_warp", [2, 3, 4])
 @pytest.mark.parametrize(
     "case",
     [
@@ -341,9 +339,9 @@ def test_gpu_stub_kernels_keep_the_memory_pattern_not_the_codes(seed):
     ],
     ids=str,
 )
-def test_gpu_kv_rows_per_unit_kernels_write_the_reference_bytes(case, kv_rows_per_unit, seed):
+def test_gpu_kv_rows_per_warp_kernels_write_the_reference_bytes(case, kv_rows_per_warp, seed):
     """The A/B's kernels are correct (canary caches, bad slots, rows not a multiple of the count)."""
-    check_case(case, "cuda", impl=stub.kernel_library(kv_rows_per_unit, False))
+    check_case(case, "cuda", impl=stub.kernel_library(kv_rows_per_warp, False))
 
 
 @pytest.mark.gpu
@@ -354,7 +352,7 @@ def test_gpu_benchmark_rows_measure_the_stub_arm(seed):
 
     device = torch.device("cuda", torch.cuda.current_device())
     ctx = run.Context(device, rope_table(grid.MAX_POSITION, device), DeviceTimer(reps=1), 50 * 2**20, 0.0)
-    rows = [Row.main(64, 8, 16), Row.kv(4096, 2), Row.pack(4096), Row.append(4096)._replace(kv_rows_per_unit=2)]
+    rows = [Row.main(64, 8, 16), Row.kv(4096, 2), Row.pack(4096), Row.append(4096)._replace(kv_rows_per_warp=2)]
     for result in run.run_grid(rows, ctx):
         assert result.notes == ["torch.compile(reference): skipped: --compile-budget 0"], result.notes
         assert all(result.seconds[arm] for arm in ("fused", "graph", "stub")), result.seconds

@@ -37,6 +37,7 @@ def representative_geometries():
 
 
 VARIANTS = sorted({g.variant() for g in representative_geometries()})
+MAX_REGISTERS = 80
 
 
 def test_variant_set_covers_every_mode():
@@ -61,7 +62,10 @@ def test_every_variant_compiles_without_spills(arch):
     for variant, result in zip(VARIANTS, results):
         assert f"for '{arch}'" in result.log, result.log
         assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{variant} on {arch}:\n{result.log}"
-        assert 0 < result.registers <= 64, f"{variant}: {result.registers} registers"
+        # The writer's KV warps keep their next unit's loads in registers (about 13): up to 80
+        # registers, 3 blocks of 256 threads an SM, measured faster than 5 blocks without that
+        # pipeline.
+        assert 0 < result.registers <= MAX_REGISTERS, f"{variant}: {result.registers} registers"
 
 
 @pytest.mark.gpu
@@ -79,23 +83,30 @@ def test_compile_error_names_the_variant(monkeypatch):
         jit.compile_kernel(VARIANTS[0], "sm_90")
 
 
-@pytest.mark.parametrize("rows_per_unit", [1, 2, 4])
-def test_work_units_cover_every_row_once(rows_per_unit):
-    """Units a launch needs: ceil(rows / kv_rows_per_unit) for the KV rows, then the query's."""
-    kv_units = -(-37 // rows_per_unit)
+@pytest.mark.parametrize("rows_per_warp", [1, 2, 4])
+def test_work_units_cover_every_row_once(rows_per_warp):
+    """Units a launch needs: ceil(rows / (2 warps x kv_rows_per_warp)) for the KV rows, then the
+    query's; the KV rows' blocks are capped at the resident blocks (they loop), the query's not."""
+    kv_units = -(-37 // (2 * rows_per_warp))
 
     def tuned(geometry):
-        return geometry.variant()._replace(kv_rows_per_unit=rows_per_unit)
+        return geometry.variant()._replace(kv_rows_per_warp=rows_per_warp)
 
     padded = tuned(Geometry("main", 16, 5, 8))
-    assert padded.num_units(40, 37) == kv_units + 40 * 8 // 4  # 4 q_out rows a unit
+    assert (padded.kv_units(37), padded.q_units(40)) == (kv_units, 40 * 8 // 4)  # 4 q_out rows a unit
     in_place = tuned(Geometry("main", 16, 64, 64, q_inplace=True))
-    assert in_place.num_units(40, 37) == kv_units + 40 * 64 // (8 * 4)  # 4 x 8 heads a unit
+    assert in_place.q_units(40) == 40 * 64 // (8 * 4)  # 4 x 8 heads a unit
     small = tuned(Geometry("main", 16, 8, 8, q_inplace=True))
-    assert small.num_units(40, 37) == kv_units + 40  # one group of 8 heads a unit
+    assert (small.q_rows(41), small.q_units(41)) == (41, 11)  # 4 groups of 8 heads a unit, across tokens
     for entry in ("kv", "append", "pack"):
-        assert tuned(Geometry(entry, 16)).num_units(0, 37) == kv_units
-    assert padded.defines()["KV_ROWS_PER_UNIT"] == rows_per_unit
+        variant = tuned(Geometry(entry, 16))
+        assert (variant.kv_units(37), variant.q_units(40)) == (kv_units, 0)
+        assert variant.grid(40, 37, 1000) == (-(-kv_units // 4),) * 2
+    assert padded.grid(40, 37, 1000) == (-(-kv_units // 4), -(-kv_units // 4) + 20)
+    assert padded.grid(40, 37, 1) == (1, 21)  # the KV blocks loop; the query's do a unit each
+    assert padded.grid(40, 0, 1) == (0, 20)
+    assert small.grid(41, 0, 1) == (0, 3)  # 11 units: the last block partly idle
+    assert padded.defines()["KV_ROWS_PER_WARP"] == rows_per_warp
 
 
 def test_params_size_is_checked_by_the_compiler(monkeypatch):

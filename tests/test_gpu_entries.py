@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, reference
+from nvfp4_mla import abi, ops, reference
 from nvfp4_mla.testing import (
     ARG_NAMES,
     CANARY,
@@ -36,6 +36,7 @@ from nvfp4_mla.testing import (
     storage_bytes,
     synchronize,
 )
+from nvfp4_mla.variant import Variant
 
 DEVICE = "cuda"
 gpu = pytest.mark.gpu  # on every test of this file but test_cpu_tensors_rejected
@@ -250,6 +251,29 @@ def test_kv_entry(case, seed):
 def test_num_tokens(case, seed):
     """T = 0, 1, 37, 4096 through the main (padded and in place), KV and append entries; rows
     present but no slots at all."""
+    check_case(case, DEVICE)
+
+
+# Calls whose KV units outnumber their blocks' units: the KV blocks' grid-stride loop and its
+# pipeline, a unit with rows for only one of its warps, and the query's blocks after the KV block.
+ONE_BLOCK_CASES = [
+    Case(num_tokens=37),
+    Case(num_tokens=37, q_head_padded=128, num_heads=96),
+    Case(num_tokens=40, q_inplace=True, q_head_padded=0, num_heads=16),
+    Case(entry="kv", num_tokens=301, compress_ratio=2),
+    Case(entry="append", num_tokens=9),
+    Case(entry="pack", layout="HND", page_size=16, pages=3),
+]
+
+
+@gpu
+@cases(ONE_BLOCK_CASES)
+def test_one_block_does_every_kv_unit(case, seed, monkeypatch):
+    """Every KV row inserted by a single block (4 units of 64 threads), whatever their number."""
+    grid = Variant.grid
+    monkeypatch.setattr(Variant, "grid", lambda self, tokens, kv_rows, _: grid(self, tokens, kv_rows, 1))
+    for plans in ("_main_plans", "_kv_plans", "_append_plans", "_pack_plans"):
+        monkeypatch.setattr(ops, plans, {})  # plans built under the patch, dropped after it
     check_case(case, DEVICE)
 
 

@@ -414,7 +414,7 @@ def test_key_changes_with_everything_that_shapes_the_kernel(monkeypatch, part):
         monkeypatch.setitem(jit._sources, jit.HEADER_FILE, jit._source(jit.HEADER_FILE) + "\n// edit")
     elif part == "nvrtc":
         monkeypatch.setattr(jit, "_nvrtc_identity", jit.nvrtc_identity() + " patched")
-    variant = VARIANT._replace(kv_rows_per_unit=2) if part == "options" else VARIANT
+    variant = VARIANT._replace(kv_rows_per_warp=2) if part == "options" else VARIANT
     assert jit.kernel_key(variant, "sm_80" if part == "arch" else ARCH) != before
 
 

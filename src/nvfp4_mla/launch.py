@@ -77,7 +77,7 @@ _storage = _LaunchStorage()
 class Launcher:
     """A kernel loaded on one device from verified bytes: packs the parameters and launches."""
 
-    __slots__ = ("_driver", "_module", "context", "function", "pack_into", "threads")
+    __slots__ = ("_driver", "_module", "context", "function", "pack_into", "resident_blocks", "threads")
 
     def __init__(self, cubin: bytes, template: Template, device_index: int):
         assert template.params.size <= PARAMS_CAPACITY
@@ -93,11 +93,18 @@ class Launcher:
             self._module.load(cubin)  # the bytes that were verified: no second read of the file
             self.function = self._module.get_function(template.function).ptr
             self.context = driver.ctxGetCurrent()
+            if template.max_shared_bytes > 48 * 1024:
+                attribute = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                driver.funcSetAttribute(self.function, attribute, template.max_shared_bytes)
+            # Blocks the whole GPU holds at once (at the template's most dynamic shared memory):
+            # a grid-stride kernel needs no more.
+            sms = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_index)
+            per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                self.function, template.threads, template.max_shared_bytes
+            )
+            self.resident_blocks = max(1, sms * per_sm)
         finally:
             driver.ctxSetCurrent(previous)
-        if template.max_shared_bytes > 48 * 1024:
-            attribute = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            driver.funcSetAttribute(self.function, attribute, template.max_shared_bytes)
         self.pack_into = template.params.pack_into
         self.threads = template.threads
 

@@ -30,7 +30,7 @@ class _Plan(NamedTuple):
     launcher: launch.Launcher | None  # None when there is nothing to launch
     device_index: int
     blocks: int
-    scalars: tuple[int, ...]  # page_stride, capacity (slots), max_position, num_kv_rows, num_units
+    scalars: tuple[int, ...]  # page_stride, capacity (slots), max_position, num_kv_rows, kv_blocks, q_rows
     out_shape: tuple[int, ...]  # of the tensor the entry allocates (q_out, the packed cache); () if none
 
     def launch(self, q: int, q_out: int, kv: int, cache: int, slots: int, positions: int, cos_sin: int) -> None:
@@ -53,17 +53,17 @@ _main_plans: dict[tuple | None, _Plan] = {}
 _kv_plans: dict[tuple | None, _Plan] = {}
 _append_plans: dict[tuple | None, _Plan] = {}
 _pack_plans: dict[tuple | None, _Plan] = {}
-# Where a miss takes its kernel: the process's kernel cache, and the KV rows a unit (None: the
+# Where a miss takes its kernel: the process's kernel cache, and the KV rows a warp (None: the
 # Variant constructors' own). kernels_from() swaps both, with fresh tables, for the benchmark.
 _kernel_cache = kernel_cache.default
-_kv_rows_per_unit: int | None = None
+_kv_rows_per_warp: int | None = None
 
 
 @contextlib.contextmanager
-def kernels_from(cache: kernel_cache.KernelCache, kv_rows_per_unit: int | None = None) -> Iterator[None]:
+def kernels_from(cache: kernel_cache.KernelCache, kv_rows_per_warp: int | None = None) -> Iterator[None]:
     """Within the block, the entries take their kernels from ``cache``, in tables of their own.
 
-    For the benchmark's other kernels (a stubbed quantizer, another number of KV rows a unit):
+    For the benchmark's other kernels (a stubbed quantizer, another number of KV rows a warp):
     the same validation and launch geometry, other cubins. The shipped tables and cache are back
     after the block. Not thread-safe: no other thread may call the entries meanwhile.
 
@@ -71,23 +71,23 @@ def kernels_from(cache: kernel_cache.KernelCache, kv_rows_per_unit: int | None =
     ----------
     cache
         Where the kernels come from (compiled there on first use).
-    kv_rows_per_unit
-        The Variant's ``kv_rows_per_unit`` (None: the constructors' default).
+    kv_rows_per_warp
+        The Variant's ``kv_rows_per_warp`` (None: the constructors' default).
     """
-    global _kernel_cache, _kv_rows_per_unit, _main_kernels, _kv_kernels, _append_kernels, _pack_kernels
+    global _kernel_cache, _kv_rows_per_warp, _main_kernels, _kv_kernels, _append_kernels, _pack_kernels
     global _main_plans, _kv_plans, _append_plans, _pack_plans
     shipped = (
-        (_kernel_cache, _kv_rows_per_unit),
+        (_kernel_cache, _kv_rows_per_warp),
         (_main_kernels, _kv_kernels, _append_kernels, _pack_kernels),
         (_main_plans, _kv_plans, _append_plans, _pack_plans),
     )
-    _kernel_cache, _kv_rows_per_unit = (lambda: cache), kv_rows_per_unit
+    _kernel_cache, _kv_rows_per_warp = (lambda: cache), kv_rows_per_warp
     _main_kernels, _kv_kernels, _append_kernels, _pack_kernels = {}, {}, {}, {}
     _main_plans, _kv_plans, _append_plans, _pack_plans = {}, {}, {}, {}
     try:
         yield
     finally:
-        (_kernel_cache, _kv_rows_per_unit), kernels, plans = shipped
+        (_kernel_cache, _kv_rows_per_warp), kernels, plans = shipped
         _main_kernels, _kv_kernels, _append_kernels, _pack_kernels = kernels
         _main_plans, _kv_plans, _append_plans, _pack_plans = plans
 
@@ -107,17 +107,18 @@ def _plan(
 ) -> _Plan:
     """Builds (after the full checks passed) and stores the plan of ``signature``."""
     device_index = kernel_key[0]
-    if _kv_rows_per_unit is not None:
-        variant = variant._replace(kv_rows_per_unit=_kv_rows_per_unit)
-    num_units = variant.num_units(num_tokens, num_kv_rows)
+    if _kv_rows_per_warp is not None:
+        variant = variant._replace(kv_rows_per_warp=_kv_rows_per_warp)
     launcher = None  # a call with nothing to launch loads and launches no kernel (a 0-block grid is an error)
-    if num_units:
+    kv_blocks = blocks = 0
+    if variant.kv_units(num_kv_rows) or variant.q_units(num_tokens):
         launcher = kernels.get(kernel_key)
         if launcher is None:
             launcher = kernels[kernel_key] = _kernel_cache().launcher(device_index, variant)
+        kv_blocks, blocks = variant.grid(num_tokens, num_kv_rows, launcher.resident_blocks)
     num_pages, page_size, page_stride = geometry
-    scalars = (page_stride, num_pages * page_size, max_position, num_kv_rows, num_units)
-    plan = _Plan(checks, launcher, device_index, variant.blocks(num_units), scalars, out_shape)
+    scalars = (page_stride, num_pages * page_size, max_position, num_kv_rows, kv_blocks, variant.q_rows(num_tokens))
+    plan = _Plan(checks, launcher, device_index, blocks, scalars, out_shape)
     if signature is not None:
         if len(plans) >= MAX_PLANS:
             plans.clear()

@@ -26,12 +26,14 @@ class QMode(enum.IntEnum):
     IN_PLACE = 2  # rotate q's RoPE dims in place
 
 
-UNIT_THREADS = 64  # a work unit: one thread per 16-byte chunk of a 512-dim BF16 row
+UNIT_THREADS = 64  # a work unit: one thread per 16-byte chunk of a 512-dim BF16 row (the query's work)
+WARPS_PER_UNIT = UNIT_THREADS // 32  # the KV rows' work is a warp a row
+Q_ROWS_PER_UNIT = 4  # 16-byte query loads in flight per thread: rows of q_out, or groups of 8 heads in place
 UNITS_PER_BLOCK = 4
 
-# kernels/nvfp4_mla_write.cu: Params is 7 pointers then 5 int64 (its static_assert checks the size).
+# kernels/nvfp4_mla_write.cu: Params is 7 pointers then 6 int64 (its static_assert checks the size).
 WRITE_TEMPLATE = Template(
-    "nvfp4_mla_write.cu", "nvfp4_mla_write", struct.Struct("<7Q5q"), UNITS_PER_BLOCK * UNIT_THREADS
+    "nvfp4_mla_write.cu", "nvfp4_mla_write", struct.Struct("<7Q6q"), UNITS_PER_BLOCK * UNIT_THREADS
 )
 
 
@@ -47,7 +49,7 @@ class Variant(NamedTuple):
     num_heads: int = 0
     q_head_padded: int = 0  # heads of q_out (q_mode PADDED), num_heads in place
     apply_q_rope: bool = False
-    kv_rows_per_unit: int = 1  # KV rows one unit inserts, their loads in flight together
+    kv_rows_per_warp: int = 1  # KV rows one warp inserts, their loads in flight together
 
     @property
     def template(self) -> Template:
@@ -106,29 +108,26 @@ class Variant(NamedTuple):
 
     # ------------------------------------------------------------ what the kernel needs
 
-    @property
-    def q_rows_per_unit(self) -> int:
-        """16-byte query loads in flight per thread: 4 rows of q_out, or up to 4 groups of 8
-        heads in place."""
-        if self.q_mode == QMode.PADDED:
-            return 4
-        if self.q_mode == QMode.IN_PLACE:
-            return min(4, self.num_heads // 8)
-        return 1
+    def kv_units(self, num_kv_rows: int) -> int:
+        """Work units (64 threads, a warp a row) of the KV rows."""
+        return -(-num_kv_rows // (WARPS_PER_UNIT * self.kv_rows_per_warp))
 
-    def num_units(self, num_tokens: int, num_kv_rows: int) -> int:
-        """Work units of a launch (64 threads each): the KV rows, then the query's units."""
-        kv_units = -(-num_kv_rows // self.kv_rows_per_unit)
+    def q_rows(self, num_tokens: int) -> int:
+        """Rows of the query's work: q_out rows, or groups of 8 heads in place."""
         if self.q_mode == QMode.NONE:
-            return kv_units
-        # q_out rows, or groups of 8 heads in place
-        q_rows = num_tokens * (self.q_head_padded if self.q_mode == QMode.PADDED else self.num_heads // 8)
-        return kv_units + q_rows // self.q_rows_per_unit
+            return 0
+        return num_tokens * (self.q_head_padded if self.q_mode == QMode.PADDED else self.num_heads // 8)
 
-    @staticmethod
-    def blocks(num_units: int) -> int:
-        """Blocks of a launch of ``num_units`` units."""
-        return -(-num_units // UNITS_PER_BLOCK)
+    def q_units(self, num_tokens: int) -> int:
+        """Work units (64 threads) of the query; the last one in place may be partial."""
+        return -(-self.q_rows(num_tokens) // Q_ROWS_PER_UNIT)
+
+    def grid(self, num_tokens: int, num_kv_rows: int, resident_blocks: int) -> tuple[int, int]:
+        """(KV blocks, all blocks) of a launch. The KV blocks loop over the KV units, so no more
+        of them than the GPU holds at once (``resident_blocks``); the query's blocks follow, a
+        unit each."""
+        kv_blocks = min(_blocks(self.kv_units(num_kv_rows)), resident_blocks)
+        return kv_blocks, kv_blocks + _blocks(self.q_units(num_tokens))
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants of this variant."""
@@ -142,8 +141,8 @@ class Variant(NamedTuple):
             "NUM_HEADS": self.num_heads,
             "Q_HEADS": self.q_head_padded,
             "APPLY_Q_ROPE": int(self.apply_q_rope),
-            "Q_ROWS_PER_UNIT": self.q_rows_per_unit,
-            "KV_ROWS_PER_UNIT": self.kv_rows_per_unit,
+            "Q_ROWS_PER_UNIT": Q_ROWS_PER_UNIT,
+            "KV_ROWS_PER_WARP": self.kv_rows_per_warp,
             "UNIT_THREADS": UNIT_THREADS,
         }
 
@@ -161,8 +160,12 @@ class Variant(NamedTuple):
             what = "append"
         else:
             what = f"kv ratio {self.compress_ratio}"
-        extra = f" kv_rows_per_unit={self.kv_rows_per_unit}" if self.kv_rows_per_unit != 1 else ""
+        extra = f" kv_rows_per_warp={self.kv_rows_per_warp}" if self.kv_rows_per_warp != 1 else ""
         return f"{what} page_size={self.page_size} {slots}{extra}"
+
+
+def _blocks(units: int) -> int:
+    return -(-units // UNITS_PER_BLOCK)
 
 
 assert abi.HEAD_DIM * 2 // 16 == UNIT_THREADS  # one thread per 16-byte chunk of a BF16 row

@@ -1,12 +1,12 @@
 """The benchmark: the fused writer against what a user runs without it, all in one run.
 
 ``nvfp4-mla bench [--quick] [--out DIR] [--reps N] [--compile-budget S] [--entries E ...]
-[--kv-rows-per-unit N ...]`` (also ``python -m nvfp4_mla.bench``). Every row of the grid is one
+[--kv-rows-per-warp N ...]`` (also ``python -m nvfp4_mla.bench``). Every row of the grid is one
 entry and geometry, timed in up to five arms in the same process (:mod:`.arms`): the fused entry
 eagerly and replayed from a CUDA graph, torch RoPE + the append kernel, ``torch.compile`` of the
 reference, and the no-quantizer arm (:mod:`.stub`: the same launch, graph-replayed, from kernels
-whose quantizer functions are stubbed). ``--kv-rows-per-unit`` repeats the KV, append and pack
-rows for each count of KV rows a unit (the A/B).
+whose quantizer functions are stubbed). ``--kv-rows-per-warp`` repeats the KV, append and pack
+rows for each count of KV rows a warp (the A/B).
 
 Ceilings from the same run (device copy bandwidth, an empty kernel's launch time, a torch
 ``add_`` launch's host time) turn times into fractions, and the targets of docs/performance.md

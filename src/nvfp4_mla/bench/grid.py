@@ -18,8 +18,8 @@ MAIN_PAGE_SIZE = 256  # main entry, head-padded and in place
 KV_PAGE_SIZE = 128  # KV entry, append and pack
 
 ENTRIES = ("main", "inplace", "kv", "append", "pack")
-KV_ONLY_ENTRIES = ("kv", "append", "pack")  # no query: the KV rows per unit A/B is theirs
-SHIPPED_KV_ROWS_PER_UNIT: int = Variant._field_defaults["kv_rows_per_unit"]
+KV_ONLY_ENTRIES = ("kv", "append", "pack")  # no query: the KV rows per warp A/B is theirs
+SHIPPED_KV_ROWS_PER_WARP: int = Variant._field_defaults["kv_rows_per_warp"]
 
 MAIN_TOKENS = (1, 8, 64, 384, 4096, 16384)
 WIDE_TOKENS = (1, 64, 4096)  # main entry with 64 and 128 heads
@@ -59,7 +59,7 @@ class Row(NamedTuple):
     page_size: int = MAIN_PAGE_SIZE
     compress_ratio: int = 1  # the KV entry's
     slot_dtype: torch.dtype = torch.int64
-    kv_rows_per_unit: int = SHIPPED_KV_ROWS_PER_UNIT  # the kernel's (the A/B's rows differ)
+    kv_rows_per_warp: int = SHIPPED_KV_ROWS_PER_WARP  # the kernel's (the A/B's rows differ)
 
     @staticmethod
     def main(num_tokens: int, num_heads: int, q_head_padded: int) -> Row:
@@ -93,7 +93,7 @@ class Row(NamedTuple):
     @property
     def ships(self) -> bool:
         """Whether the row runs the kernels as shipped (the targets judge only those)."""
-        return self.kv_rows_per_unit == SHIPPED_KV_ROWS_PER_UNIT
+        return self.kv_rows_per_warp == SHIPPED_KV_ROWS_PER_WARP
 
     @property
     def label(self) -> str:
@@ -104,7 +104,7 @@ class Row(NamedTuple):
             "append": "append",
             "pack": "pack",
         }[self.entry]
-        return name if self.ships else f"{name} ({self.kv_rows_per_unit} rows/unit)"
+        return name if self.ships else f"{name} ({self.kv_rows_per_warp} rows/warp)"
 
     @property
     def is_plot_row(self) -> bool:
@@ -136,14 +136,14 @@ def quick_grid() -> list[Row]:
     return rows
 
 
-def select_rows(rows: list[Row], entries: tuple[str, ...], kv_rows_per_unit: tuple[int, ...]) -> list[Row]:
+def select_rows(rows: list[Row], entries: tuple[str, ...], kv_rows_per_warp: tuple[int, ...]) -> list[Row]:
     """The rows of ``entries``, each KV-only row (KV entry, append, pack) once per count of KV
-    rows a unit in ``kv_rows_per_unit`` (the A/B)."""
+    rows a warp in ``kv_rows_per_warp`` (the A/B)."""
     selected = []
     for row in rows:
         if row.entry in entries:
-            counts = kv_rows_per_unit if row.entry in KV_ONLY_ENTRIES else (row.kv_rows_per_unit,)
-            selected += [row._replace(kv_rows_per_unit=n) for n in counts]
+            counts = kv_rows_per_warp if row.entry in KV_ONLY_ENTRIES else (row.kv_rows_per_warp,)
+            selected += [row._replace(kv_rows_per_warp=n) for n in counts]
     return selected
 
 

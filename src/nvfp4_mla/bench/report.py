@@ -125,7 +125,7 @@ def csv_rows(results: list[RowResult], ceilings: Ceilings) -> list[dict[str, obj
             "q_heads": row.q_head_padded,
             "page_size": row.page_size,
             "compress_ratio": row.compress_ratio,
-            "kv_rows_per_unit": row.kv_rows_per_unit,
+            "kv_rows_per_warp": row.kv_rows_per_warp,
             "slot_bytes": row.slot_bytes,
             "input_sets": result.input_sets,
             "calls_per_batch": result.calls_per_batch,

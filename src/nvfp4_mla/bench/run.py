@@ -21,7 +21,7 @@ from .ceilings import measure_ceilings
 from .grid import (
     ENTRIES,
     MAX_POSITION,
-    SHIPPED_KV_ROWS_PER_UNIT,
+    SHIPPED_KV_ROWS_PER_WARP,
     Row,
     full_grid,
     input_set_count,
@@ -59,7 +59,7 @@ SUITES = {
 class Context:
     """What every row's measurement shares.
 
-    ``libraries(kv_rows_per_unit, stubbed)`` gives the entries the fused arms (``stubbed`` False)
+    ``libraries(kv_rows_per_warp, stubbed)`` gives the entries the fused arms (``stubbed`` False)
     and the no-quantizer arm (True) call: :func:`~nvfp4_mla.bench.stub.kernel_library`; the CPU
     tests give ``nvfp4_mla.reference``.
     """
@@ -112,7 +112,7 @@ def measure_row(row: Row, ctx: Context) -> RowResult:
     """Every arm of one row; a failed arm is n/a with a note."""
     sets = [make_inputs(row, ctx.device) for _ in range(input_set_count(modelled_bytes(row), ctx.l2_bytes))]
     result = RowResult(row, modelled_bytes(row, inserted_rows(row, sets)), len(sets))
-    library = ctx.libraries(row.kv_rows_per_unit, False)
+    library = ctx.libraries(row.kv_rows_per_warp, False)
     fused = fused_call(row, library, ctx.cos_sin)
 
     def fused_eager() -> float:
@@ -120,7 +120,7 @@ def measure_row(row: Row, ctx: Context) -> RowResult:
         return seconds
 
     def stub_graph() -> float:  # the library is built here: a failing stub transform is this arm's n/a
-        stub = fused_call(row, ctx.libraries(row.kv_rows_per_unit, True), ctx.cos_sin)
+        stub = fused_call(row, ctx.libraries(row.kv_rows_per_warp, True), ctx.cos_sin)
         return ctx.timer.graph(stub, sets)
 
     attempt(result, "fused", fused_eager)
@@ -213,13 +213,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"measure only these entries' rows, of {', '.join(ENTRIES)} (default: all)",
     )
     parser.add_argument(
-        "--kv-rows-per-unit",
+        "--kv-rows-per-warp",
         nargs="+",
         type=int,
-        default=[SHIPPED_KV_ROWS_PER_UNIT],
+        default=[SHIPPED_KV_ROWS_PER_WARP],
         metavar="N",
-        help="the KV rows per unit A/B: measure the kv, append and pack rows once with each N KV rows a work "
-        f"unit (default: {SHIPPED_KV_ROWS_PER_UNIT}, the shipped kernels; the targets judge only those)",
+        help="the KV rows per warp A/B: measure the kv, append and pack rows once with each N KV rows a "
+        f"warp (default: {SHIPPED_KV_ROWS_PER_WARP}, the shipped kernels; the targets judge only those)",
     )
     parser.add_argument("--first-call-probe", choices=("cold", "warm"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -229,8 +229,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.compile_budget = 0.0 if args.quick else DEFAULT_COMPILE_BUDGET_S
     if args.reps < 1:
         parser.error("--reps must be at least 1")
-    if min(args.kv_rows_per_unit) < 1:
-        parser.error("--kv-rows-per-unit takes counts of at least 1")
+    if min(args.kv_rows_per_warp) < 1:
+        parser.error("--kv-rows-per-warp takes counts of at least 1")
     return args
 
 
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(device)
     out = results_dir(args.out, props.name)
-    rows = select_rows(quick_grid() if args.quick else full_grid(), tuple(args.entries), tuple(args.kv_rows_per_unit))
+    rows = select_rows(quick_grid() if args.quick else full_grid(), tuple(args.entries), tuple(args.kv_rows_per_warp))
     _progress(f"nvfp4-mla bench on {props.name}: {len(rows)} rows, results to {out}")
 
     timer = DeviceTimer(args.reps)
@@ -320,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     run = [
         (
             "run",
-            f"{'--quick' if args.quick else 'full'} grid ({' '.join(args.entries)}; KV rows per unit "
-            f"{' '.join(map(str, args.kv_rows_per_unit))}), {args.reps} timed batches per eager arm, "
+            f"{'--quick' if args.quick else 'full'} grid ({' '.join(args.entries)}; KV rows per warp "
+            f"{' '.join(map(str, args.kv_rows_per_warp))}), {args.reps} timed batches per eager arm, "
             f"compile budget {args.compile_budget:.0f} s (spent {ctx.compile_spent_s:.0f} s), "
             f"{started}, {time.perf_counter() - began:.0f} s",
         ),

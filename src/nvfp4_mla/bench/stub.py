@@ -2,12 +2,12 @@
 
 Built mechanically from the shipped source: :func:`stub_header` replaces the body of each
 function named in :data:`STUBS` (found by name in ``kernels/nvfp4_numerics.cuh``) with a few bit
-operations on its inputs, keeping its signature and ``half_amax``'s partner exchange, so the
-stub kernel's loads, shuffles and stores are the real kernel's. No bench-only branch ships in the
-kernel. The stub kernels compile through ``jit.compile_kernel`` with that header (so their key
-differs from the shipped kernels') and stay in memory (:class:`StubKernelCache`).
-:func:`kernel_library` gives ``nvfp4_mla.ops``'s entries (same validation, same launch geometry)
-on them, or on the shipped kernels with another number of KV rows a unit (the A/B).
+operations on its inputs, keeping its signature, so the stub kernel's loads and stores are the
+real kernel's. No bench-only branch ships in the kernel. The stub kernels compile through
+``jit.compile_kernel`` with that header (so their key differs from the shipped kernels') and stay
+in memory (:class:`StubKernelCache`). :func:`kernel_library` gives ``nvfp4_mla.ops``'s entries
+(same validation, same launch geometry) on them, or on the shipped kernels with another number
+of KV rows a warp (the A/B).
 """
 
 from __future__ import annotations
@@ -19,18 +19,20 @@ from pathlib import Path
 
 from .. import jit, kernel_cache, ops
 from .arms import Entries, Library
-from .grid import SHIPPED_KV_ROWS_PER_UNIT
+from .grid import SHIPPED_KV_ROWS_PER_WARP
 
 # The quantizer: function name -> its stub body, given the definition's parameter names. Each
 # stub still depends on every input, so the compiler keeps the loads that feed it.
 STUBS: dict[str, Callable[..., str]] = {
-    # One partner exchange (lane ^ 1) of a word, as the real amax makes with its two BF16 maxima.
-    "half_amax": lambda x: (
-        f"const u32 mine = {x}.x ^ {x}.y ^ {x}.z ^ {x}.w;\n"
-        "    return __uint_as_float(mine ^ __shfl_xor_sync(NVFP4_FULL_MASK, mine, 1));"
+    "group_amax": lambda h0, h1: (
+        f"const float amax = __uint_as_float({h0}.x ^ {h0}.y ^ {h0}.z ^ {h0}.w ^ {h1}.x ^ {h1}.y ^ {h1}.z ^ {h1}.w);\n"
+        "    return make_float2(amax, amax);"
     ),
     "scale_code": lambda amax: f"return __float_as_uint({amax}) >> 25;",  # 7 bits, as an E4M3 code of amax >= 0
-    "half_codes": lambda x, amax, code: f"return {x}.x ^ {x}.y ^ {x}.z ^ {x}.w ^ __float_as_uint({amax}) ^ {code};",
+    "group_codes": lambda h0, h1, amax, code0, code1: (
+        f"return make_uint2({h0}.x ^ {h0}.y ^ {h0}.z ^ {h0}.w ^ __float_as_uint({amax}.x) ^ {code0},\n"
+        f"                      {h1}.x ^ {h1}.y ^ {h1}.z ^ {h1}.w ^ __float_as_uint({amax}.y) ^ {code1});"
+    ),
 }
 
 # What brace counting must skip: comments, string and character literals; and the braces.
@@ -103,20 +105,20 @@ def stub_kernel_cache() -> StubKernelCache:
 
 
 @functools.cache
-def kernel_library(kv_rows_per_unit: int, stubbed: bool) -> Library:
-    """``nvfp4_mla.ops``'s entries on the kernels with ``kv_rows_per_unit`` KV rows a unit, with
+def kernel_library(kv_rows_per_warp: int, stubbed: bool) -> Library:
+    """``nvfp4_mla.ops``'s entries on the kernels with ``kv_rows_per_warp`` KV rows a warp, with
     the quantizer stubbed or not (``nvfp4_mla.ops`` itself for the shipped kernels).
 
     Each call binds its kernel inside ``ops.kernels_from``: host time is not representative, the
     device time (graph-replayed) is what this library is for.
     """
-    if not stubbed and kv_rows_per_unit == SHIPPED_KV_ROWS_PER_UNIT:
+    if not stubbed and kv_rows_per_warp == SHIPPED_KV_ROWS_PER_WARP:
         return ops
     cache = stub_kernel_cache() if stubbed else kernel_cache.default()
 
     def on_these_kernels(entry: Callable[..., object]) -> Callable[..., object]:
         def call(*args: object, **kwargs: object) -> object:
-            with ops.kernels_from(cache, kv_rows_per_unit):
+            with ops.kernels_from(cache, kv_rows_per_warp):
                 return entry(*args, **kwargs)
 
         return call

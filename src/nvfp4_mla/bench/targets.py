@@ -1,6 +1,6 @@
 """The performance targets as same-run ratios, and each row's derived metrics and verdicts.
 
-Only rows of the kernels as shipped (``Row.ships``) count in the summary; the KV rows per unit
+Only rows of the kernels as shipped (``Row.ships``) count in the summary; the KV rows per warp
 A/B's other rows get their verdicts in the table only.
 """
 
