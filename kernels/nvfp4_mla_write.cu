@@ -11,7 +11,7 @@
 //   Q_ROWS_PER_UNIT 16-byte query loads in flight per thread (variant.Q_ROWS_PER_UNIT)
 //   KV_ROWS_PER_WARP KV rows a warp inserts, their loads in flight together
 //
-// Work is cut into units of 64 threads (two whole warps, so an early exit never splits a warp).
+// Work is cut into units of 64 threads, as many as a 512-dim BF16 row has 16-byte chunks.
 // The first kv_blocks blocks insert the KV rows, a warp its own KV_ROWS_PER_WARP rows of a unit,
 // looping over the units (grid-stride) with the next unit's loads in flight; the host launches at
 // most as many of them as the GPU holds at once (launch.Launcher.resident_blocks). The blocks

@@ -159,20 +159,6 @@ class Plan(NamedTuple):
     tiles_per_split: int
 
 
-def _device_numbers(index: int, spec: DecodeSpec, launcher: Launcher) -> tuple[int, int]:
-    """(SMs, blocks of ``spec`` an SM holds at once) of device ``index``."""
-    from cupy.cuda import driver, runtime
-
-    sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, index)
-    previous = driver.ctxGetCurrent()
-    driver.ctxSetCurrent(launcher.context)
-    try:
-        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(launcher.function, spec.threads, spec.shared_bytes)
-    finally:
-        driver.ctxSetCurrent(previous)
-    return sms, max(per_sm, 1)
-
-
 def make_plan(
     index: int, num_heads: int, rows: int, num_tokens: int, head_tile: int | None = None, num_splits: int | None = None
 ) -> Plan:
@@ -190,8 +176,7 @@ def make_plan(
     blocks = rows * -(-num_heads // head_tile)
     num_tiles = -(-num_tokens // BLOCK_N)
     if num_splits is None:
-        sms, per_sm = _device_numbers(index, spec, attend)
-        num_splits, tiles_per_split = choose_split(blocks, num_tokens, sms * per_sm)
+        num_splits, tiles_per_split = choose_split(blocks, num_tokens, attend.resident_blocks)
     else:
         tiles_per_split = -(-num_tiles // min(num_splits, MAX_SPLITS))
         num_splits = -(-num_tiles // tiles_per_split)

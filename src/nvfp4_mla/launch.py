@@ -97,12 +97,12 @@ class Launcher:
                 attribute = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 driver.funcSetAttribute(self.function, attribute, template.max_shared_bytes)
             # Blocks the whole GPU holds at once (at the template's most dynamic shared memory):
-            # a grid-stride kernel needs no more.
+            # the writer's grid-stride KV blocks need no more, and the decode sizes its splits by it.
             sms = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_index)
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(
                 self.function, template.threads, template.max_shared_bytes
             )
-            self.resident_blocks = max(1, sms * per_sm)
+            self.resident_blocks = sms * max(per_sm, 1)
         finally:
             driver.ctxSetCurrent(previous)
         self.pack_into = template.params.pack_into
