@@ -118,10 +118,10 @@ __device__ __forceinline__ void insert_kv_rows(const Params& p, const KvRows& r,
         u8* data = page + entry * DATA_BYTES;
         u32 scale = 0u;  // lanes past the groups write the slot's zero bytes
         if (lane < NUM_GROUPS) {
-            const float2 amax = group_amax(r.h0[j], r.h1[j]);
-            scale = scale_code(amax.x);  // the group's scale byte is half 0's
-            const u32 scale1 = __float_as_uint(amax.y) == __float_as_uint(amax.x) ? scale : scale_code(amax.y);
-            *reinterpret_cast<uint2*>(data + 8 * lane) = group_codes(r.h0[j], r.h1[j], amax, scale, scale1);
+            const GroupAmax a = group_amax(r.h0[j], r.h1[j]);
+            scale = scale_code(a.amax.x);  // the group's scale byte is half 0's
+            const u32 scale1 = a.nan ? scale_code(a.amax.y) : scale;  // the halves' amax differ only with a NaN
+            *reinterpret_cast<uint2*>(data + 8 * lane) = group_codes(r.h0[j], r.h1[j], a, scale, scale1);
         }
 #if KV_ROPE
         const u32 rope_out = rope_pair_bits(r.rope[j], cos, sin);

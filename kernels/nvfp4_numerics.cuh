@@ -142,7 +142,7 @@ __device__ __forceinline__ u32 exact_half_codes(uint4 x, float amax, u32 code) {
 // integer order), flushed afterwards. Step 7's code of a value v is the number of thresholds
 // T1 < ... < T7 its magnitude reaches, where Tk is the smallest BF16 magnitude whose scaled
 // product rounds to E2M1 boundary k or above (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, ties as in
-// step 7): seven packed BF16 subtractions a pair of values, with no product formed.
+// step 7): packed BF16 subtractions, four a pair of values (pair_code_bits), no product formed.
 //
 // The thresholds, for a scale d = 2^e (1 + m/8) (every nonzero E4M3 value has this form; m is
 // its fp32 mantissa's top 3 bits): Bk * d is exact in BF16 (at most 3 + 4 significant bits), and
@@ -214,14 +214,20 @@ __device__ __forceinline__ u32 e4m3_value_bits(u32 code) {
 }
 
 // Steps 2-4 for a whole group (halves h0, h1 of one thread): the amax of each half (x: half 0,
-// y: half 1). Without NaN both are the group's integer magnitude maximum, flushed; a group with a
-// NaN takes the exact fold, whose order then matters.
-__device__ __forceinline__ float2 group_amax(uint4 h0, uint4 h1) {
+// y: half 1), and whether the group holds a NaN. Without NaN both are the group's integer
+// magnitude maximum, flushed; a group with a NaN takes the exact fold, whose order then matters,
+// and the exact scalar codes (group_codes).
+struct GroupAmax {
+    float2 amax;
+    bool nan;
+};
+
+__device__ __forceinline__ GroupAmax group_amax(uint4 h0, uint4 h1) {
     const u32 lanes = bf16x2_max_nan(half_magnitude_max(half_magnitudes(h0)), half_magnitude_max(half_magnitudes(h1)));
     const float amax = __uint_as_float(bf16x2_max_nan(lanes, prmt(lanes, lanes, 0x1032u)) & 0xffff0000u);
-    if (amax != amax) return exact_group_amax(h0, h1);
+    if (amax != amax) return {exact_group_amax(h0, h1), true};
     const float flushed = abs_ftz(amax);  // a subnormal amax counts as zero
-    return make_float2(flushed, flushed);
+    return {make_float2(flushed, flushed), false};
 }
 
 // Step 4: E4M3 code of amax * R6 (nearest even, saturating at 448, NaN -> 0x7F).
@@ -261,20 +267,21 @@ __device__ __forceinline__ E2M1Thresholds e2m1_thresholds(u32 code) {
     return t;
 }
 
-// The code bits of one pair of values, each at bits 15 and 31 (low value, high value): b0 and b1,
-// and b2 inverted (the sign of |v| - T4).
+// The code bits of one pair of values, inverted, each at bits 15 and 31 (low value, high value):
+// the sign of |v| - T, set where |v| < T. b2 is |v| >= T4; the rest of the code counts the
+// thresholds reached among the three of v's side of T4 (T1..T3 below it, T5..T7 from it), a
+// thermometer of three: b1 = t2, b0 = t1 ^ t2 ^ t3. Four subtractions a pair instead of seven.
 struct PairCodeBits {
-    u32 b0, b1, not_b2;
+    u32 not_b0, not_b1, not_b2;
 };
 
 __device__ __forceinline__ PairCodeBits pair_code_bits(u32 magnitudes, const E2M1Thresholds& t) {
-    u32 below[7];  // bit 15/31: |v| < Tk
+    const u32 below4 = bf16x2_add(magnitudes, t.neg[3]);
+    const u32 lower = prmt(below4, below4, 0xBB99u);  // 0xFFFF in each half where |v| < T4
+    u32 below[3];
 #pragma unroll
-    for (int k = 0; k < 7; ++k) below[k] = bf16x2_add(magnitudes, t.neg[k]);
-    // n = #{k: |v| >= Tk}, a thermometer: b2 = t4, b1 = t2 & !t4 | t6, b0 = parity of the seven.
-    const u32 b1 = (~below[1] & below[3]) | ~below[5];
-    const u32 b0 = ~(below[0] ^ below[1] ^ below[2] ^ below[3] ^ below[4] ^ below[5] ^ below[6]);
-    return {b0, b1, below[3]};
+    for (int k = 0; k < 3; ++k) below[k] = bf16x2_add(magnitudes, (t.neg[k] & lower) | (t.neg[k + 4] & ~lower));
+    return {below[0] ^ below[1] ^ below[2], below[1], below4};  // ~t1 ^ ~t2 ^ ~t3 = ~b0
 }
 
 // ORs bit `bit` (0..3) of each of the 8 nibbles of `acc` from a plane: bits 15 and 31 of the words
@@ -291,31 +298,28 @@ __device__ __forceinline__ u32 e2m1_nibbles(u32 acc) {
     return (acc & 0x0F0F0F0Fu) | (prmt(acc, acc, 0x1032u) & 0xF0F0F0F0u);
 }
 
-// Steps 5-7 under a scale code in 1..0x7E, whose thresholds are t: the 8 E2M1 codes of a half
-// (element k in bits 4k..4k+3). NaN elements need no special case: every threshold test of a NaN
-// fails, which gives magnitude 6, and the sign plane reads the canonical (positive) NaN.
+// Steps 5-7 under a scale code in 1..0x7E, whose thresholds are t, for a half without NaN: the
+// 8 E2M1 codes (element k in bits 4k..4k+3). The sign plane is the values' own sign bits.
 __device__ __forceinline__ u32 half_codes(uint4 x, const E2M1Thresholds& t) {
     const uint4 a = half_magnitudes(x);
     const PairCodeBits p0 = pair_code_bits(a.x, t), p1 = pair_code_bits(a.y, t), p2 = pair_code_bits(a.z, t),
                        p3 = pair_code_bits(a.w, t);
-    u32 acc = add_plane<0, false>(0u, p0.b0, p1.b0, p2.b0, p3.b0);
-    acc = add_plane<1, false>(acc, p0.b1, p1.b1, p2.b1, p3.b1);
+    u32 acc = add_plane<0, true>(0u, p0.not_b0, p1.not_b0, p2.not_b0, p3.not_b0);
+    acc = add_plane<1, true>(acc, p0.not_b1, p1.not_b1, p2.not_b1, p3.not_b1);
     acc = add_plane<2, true>(acc, p0.not_b2, p1.not_b2, p2.not_b2, p3.not_b2);
-    // The signs, NaN's cleared: max.NaN gives the canonical NaN 0x7FFF, and v itself otherwise.
-    acc = add_plane<3, false>(acc, bf16x2_max_nan(x.x, x.x), bf16x2_max_nan(x.y, x.y), bf16x2_max_nan(x.z, x.z),
-                              bf16x2_max_nan(x.w, x.w));
+    acc = add_plane<3, false>(acc, x.x, x.y, x.z, x.w);
     return e2m1_nibbles(acc);
 }
 
 // Steps 5-7 for a whole group: the codes of half 0 (x) and half 1 (y), each under its own amax
-// and scale code. The halves' scales differ only in NaN groups; those, and zero or NaN scales,
-// take the exact scalar path.
-__device__ __forceinline__ uint2 group_codes(uint4 h0, uint4 h1, float2 amax, u32 code0, u32 code1) {
-    if (code0 == code1 && code0 - 1u < 0x7Eu) {
+// and scale code. Groups with a NaN (the only ones whose halves' scales may differ), and zero or
+// NaN scales, take the exact scalar path.
+__device__ __forceinline__ uint2 group_codes(uint4 h0, uint4 h1, GroupAmax a, u32 code0, u32 code1) {
+    if (!a.nan && code0 - 1u < 0x7Eu) {
         const E2M1Thresholds t = e2m1_thresholds(code0);
         return make_uint2(half_codes(h0, t), half_codes(h1, t));
     }
-    return make_uint2(exact_half_codes(h0, amax.x, code0), exact_half_codes(h1, amax.y, code1));
+    return make_uint2(exact_half_codes(h0, a.amax.x, code0), exact_half_codes(h1, a.amax.y, code1));
 }
 
 // ---------------------------------------------------------------- decoding (reading records back)

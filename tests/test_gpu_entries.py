@@ -261,6 +261,7 @@ ONE_BLOCK_CASES = [
     Case(num_tokens=37, q_head_padded=128, num_heads=96),
     Case(num_tokens=40, q_inplace=True, q_head_padded=0, num_heads=16),
     Case(entry="kv", num_tokens=301, compress_ratio=2),
+    Case(entry="kv", num_tokens=2000, compress_ratio=2, bad_positions=True),  # many units insert nothing
     Case(entry="append", num_tokens=9),
     Case(entry="pack", layout="HND", page_size=16, pages=3),
 ]
@@ -269,7 +270,8 @@ ONE_BLOCK_CASES = [
 @gpu
 @cases(ONE_BLOCK_CASES)
 def test_one_block_does_every_kv_unit(case, seed, monkeypatch):
-    """Every KV row inserted by a single block (4 units of 64 threads), whatever their number."""
+    """Every KV row inserted by a single block (4 units of 64 threads), whatever their number and
+    however few of them are inserted."""
     grid = Variant.grid
     monkeypatch.setattr(Variant, "grid", lambda self, tokens, kv_rows, _: grid(self, tokens, kv_rows, 1))
     for plans in ("_main_plans", "_kv_plans", "_append_plans", "_pack_plans"):

@@ -26,12 +26,12 @@ from .grid import SHIPPED_KV_ROWS_PER_WARP
 STUBS: dict[str, Callable[..., str]] = {
     "group_amax": lambda h0, h1: (
         f"const float amax = __uint_as_float({h0}.x ^ {h0}.y ^ {h0}.z ^ {h0}.w ^ {h1}.x ^ {h1}.y ^ {h1}.z ^ {h1}.w);\n"
-        "    return make_float2(amax, amax);"
+        "    return {make_float2(amax, amax), false};"
     ),
     "scale_code": lambda amax: f"return __float_as_uint({amax}) >> 25;",  # 7 bits, as an E4M3 code of amax >= 0
-    "group_codes": lambda h0, h1, amax, code0, code1: (
-        f"return make_uint2({h0}.x ^ {h0}.y ^ {h0}.z ^ {h0}.w ^ __float_as_uint({amax}.x) ^ {code0},\n"
-        f"                      {h1}.x ^ {h1}.y ^ {h1}.z ^ {h1}.w ^ __float_as_uint({amax}.y) ^ {code1});"
+    "group_codes": lambda h0, h1, a, code0, code1: (
+        f"return make_uint2({h0}.x ^ {h0}.y ^ {h0}.z ^ {h0}.w ^ __float_as_uint({a}.amax.x) ^ {code0},\n"
+        f"                      {h1}.x ^ {h1}.y ^ {h1}.z ^ {h1}.w ^ __float_as_uint({a}.amax.y) ^ {code1});"
     ),
 }
 
