@@ -104,6 +104,9 @@ def test_work_units_cover_every_row_once(rows_per_warp):
         assert variant.grid(40, 37, 1000) == (-(-kv_units // 4),) * 2
     assert padded.grid(40, 37, 1000) == (-(-kv_units // 4), -(-kv_units // 4) + 20)
     assert padded.grid(40, 37, 1) == (1, 21)  # the KV blocks loop; the query's do a unit each
+    # With query work the KV blocks take at most half the resident blocks; alone, all of them.
+    assert padded.grid(40, 37, 8)[0] == min(-(-kv_units // 4), 4)
+    assert tuned(Geometry("kv", 16)).grid(40, 37, 8)[0] == min(-(-kv_units // 4), 8)
     assert padded.grid(40, 0, 1) == (0, 20)
     assert small.grid(41, 0, 1) == (0, 3)  # 11 units: the last block partly idle
     assert padded.defines()["KV_ROWS_PER_WARP"] == rows_per_warp

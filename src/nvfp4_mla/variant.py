@@ -124,9 +124,11 @@ class Variant(NamedTuple):
 
     def grid(self, num_tokens: int, num_kv_rows: int, resident_blocks: int) -> tuple[int, int]:
         """(KV blocks, all blocks) of a launch. The KV blocks loop over the KV units, so no more
-        of them than the GPU holds at once (``resident_blocks``); the query's blocks follow, a
-        unit each."""
-        kv_blocks = min(_blocks(self.kv_units(num_kv_rows)), resident_blocks)
+        of them than the GPU holds at once (``resident_blocks``), and half as many when the query
+        has work: its blocks, a unit each, follow them and then run beside their loop (memory-bound
+        blocks beside issue-bound ones; measured 1-12% faster on the H200 than all of them)."""
+        cap = resident_blocks if self.q_mode == QMode.NONE else max(1, resident_blocks // 2)
+        kv_blocks = min(_blocks(self.kv_units(num_kv_rows)), cap)
         return kv_blocks, kv_blocks + _blocks(self.q_units(num_tokens))
 
     def defines(self) -> dict[str, int]:
