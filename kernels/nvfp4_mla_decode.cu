@@ -156,13 +156,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// BF16 pair of (lo, hi), each rounded to nearest even (p is never NaN: finite scores or -inf).
-__device__ __forceinline__ u32 bf16x2_rn(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // Waits at barrier `id` with `count` threads (whole warps): the warps of one row block.
 __device__ __forceinline__ void named_barrier(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
@@ -410,6 +403,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
             const float p2 = exp2_approx(s[n][2] - base_hi), p3 = exp2_approx(s[n][3] - base_hi);
             sum_lo += p0 + p1;
             sum_hi += p2 + p3;
+            // p is never NaN (finite scores or -inf): the plain conversion.
             pa[n / 2][(n & 1) * 2] = bf16x2_rn(p0, p1);      // row g, tokens 8n + 2 quad + {0, 1}
             pa[n / 2][(n & 1) * 2 + 1] = bf16x2_rn(p2, p3);  // row g + 8
         }

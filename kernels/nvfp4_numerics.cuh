@@ -26,12 +26,17 @@ __device__ __forceinline__ u32 bf16_bits(float x) {
 __device__ __forceinline__ float bf16_value(u32 bits16) { return __uint_as_float(bits16 << 16); }
 
 // bf16(lo) | bf16(hi) << 16 in one conversion (cvt.rn.bf16x2.f32, sm_80+: nearest even, no flush,
-// overflow to inf); its NaN is 0x7FFF, so a pair with a NaN takes bf16_bits.
-__device__ __forceinline__ u32 bf16x2_bits(float lo, float hi) {
-    if (lo != lo || hi != hi) return bf16_bits(lo) | (bf16_bits(hi) << 16);
+// overflow to inf); a NaN becomes 0x7FFF, not torch's 0x7FC0 (for values that cannot be NaN).
+__device__ __forceinline__ u32 bf16x2_rn(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+}
+
+// bf16x2_rn with torch's NaN: a pair with a NaN takes bf16_bits.
+__device__ __forceinline__ u32 bf16x2_bits(float lo, float hi) {
+    if (lo != lo || hi != hi) return bf16_bits(lo) | (bf16_bits(hi) << 16);
+    return bf16x2_rn(lo, hi);
 }
 
 // GPT-J RoPE of one pair: one rounded product, one fused multiply-add.
@@ -270,7 +275,7 @@ __device__ __forceinline__ E2M1Thresholds e2m1_thresholds(u32 code) {
 // The code bits of one pair of values, inverted, each at bits 15 and 31 (low value, high value):
 // the sign of |v| - T, set where |v| < T. b2 is |v| >= T4; the rest of the code counts the
 // thresholds reached among the three of v's side of T4 (T1..T3 below it, T5..T7 from it), a
-// thermometer of three: b1 = t2, b0 = t1 ^ t2 ^ t3. Four subtractions a pair instead of seven.
+// thermometer of three: b1 = t2, b0 = t1 ^ t2 ^ t3. Four subtractions a pair, not one a threshold.
 struct PairCodeBits {
     u32 not_b0, not_b1, not_b2;
 };

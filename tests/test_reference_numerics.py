@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from nvfp4_mla import abi, reference
-from nvfp4_mla.testing import make_cache, rope_table
+from nvfp4_mla.testing import e4m3_byte, make_cache, rope_table
 
 INF = math.inf
 NAN = math.nan
@@ -108,14 +108,7 @@ def bf16_bits_of(values) -> list[int]:
 E2M1 = [Fraction(0), Fraction(1, 2), Fraction(1), Fraction(3, 2), Fraction(2), Fraction(3), Fraction(4), Fraction(6)]
 
 
-def e4m3_fraction(code: int) -> Fraction:
-    e, m = code >> 3, code & 7
-    if e == 0:
-        return Fraction(m, 8) * Fraction(1, 64)
-    return (1 + Fraction(m, 8)) * Fraction(2) ** (e - 7)
-
-
-E4M3 = [e4m3_fraction(c) for c in range(0x7F)]  # codes 0..0x7E, ascending; 0x7E = 448
+E4M3 = [Fraction(e4m3_byte(c)) for c in range(0x7F)]  # codes 0..0x7E, ascending; 0x7E = 448 (exact in a float)
 
 
 def nearest_even_code(a: Fraction, table: list[Fraction]) -> int:

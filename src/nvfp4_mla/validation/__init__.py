@@ -16,7 +16,7 @@ import os
 import torch
 
 from .. import abi
-from .core import _BF16, _SLOT_DTYPES, _check_aligned, _check_bf16_rows, _check_device, _check_disjoint, _extent, _fail
+from .core import _SLOT_DTYPES, _check_aligned, _check_bf16_rows, _check_device, _check_disjoint, _extent, _fail
 from .core import (  # the shared checks, also validation.X for callers
     CacheGeometry as CacheGeometry,
 )
@@ -217,12 +217,9 @@ def check_append(latent_kv, slot_mapping, cache, need_cuda) -> CacheGeometry:
 def check_pack(latent_kv, kv_layout, need_cuda) -> None:
     """``nvfp4_quantize_pack_sparse_mla_cache``."""
     check_tensors((latent_kv,), ("latent_kv",))
-    if latent_kv.dtype != _BF16:
-        _fail(f"latent_kv must have dtype torch.bfloat16, got {latent_kv.dtype}")
-    if latent_kv.dim() != 3 or latent_kv.shape[2] != abi.HEAD_DIM or latent_kv.shape[1] < 1:
+    _check_bf16_rows(latent_kv, "latent_kv", "num_pages, page_size, 512", 3)
+    if latent_kv.shape[1] < 1:
         _fail(f"latent_kv must be [num_pages, page_size, 512] with page_size >= 1, got {list(latent_kv.shape)}")
-    if not latent_kv.is_contiguous():
-        _fail("latent_kv must be contiguous")
     _check_device((latent_kv,), ("latent_kv",), need_cuda)
     if type(kv_layout) is not str or kv_layout not in abi.KV_LAYOUTS:
         _fail(f"kv_layout must be one of {abi.KV_LAYOUTS}, got {kv_layout!r}")

@@ -73,6 +73,10 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return start, start + t.nbytes
 
 
+def _fail_overlap(name: str, written_name: str) -> None:
+    _fail(f"{name} overlaps {written_name} in memory: the call writes {written_name}; pass separate tensors")
+
+
 def _check_disjoint(written: tuple[int, int], written_name: str, tensors: tuple, names: tuple) -> None:
     """No input shares a byte with a tensor the call writes (on the GPU that would be a race)."""
     lo, hi = written
@@ -81,7 +85,7 @@ def _check_disjoint(written: tuple[int, int], written_name: str, tensors: tuple,
     for t, name in zip(tensors, names):  # (inlined _extent: this runs on every call)
         t_lo = t.data_ptr()
         if t_lo < hi and lo < t_lo + t.nbytes:
-            _fail(f"{name} overlaps {written_name} in memory: the call writes {written_name}; pass separate tensors")
+            _fail_overlap(name, written_name)
 
 
 def signature(tensors: tuple, options: tuple) -> tuple | None:
@@ -126,7 +130,7 @@ def check_pointers(tensors: tuple, checks: PointerChecks) -> tuple[int, ...]:
             continue
         for i, start in enumerate(pointers):
             if i != w and start < hi and lo < start + spans[i]:
-                _fail(f"{checks.names[i]} overlaps {name} in memory: the call writes {name}; pass separate tensors")
+                _fail_overlap(checks.names[i], name)
     return pointers
 
 
