@@ -36,6 +36,9 @@ def main() -> None:
         kv_blocks, blocks = variant.grid(0, 1, launcher.resident_blocks)
         launcher.launch(
             blocks,
+            1,
+            1,
+            0,
             stream,
             0,
             0,

@@ -24,15 +24,15 @@ def test_host_is_a_suite_and_says_it_needs_a_gpu(monkeypatch):
 
 def test_writer_gives_the_rows_and_verdicts(tmp_path):
     rows = [
-        dict(call="torch add_ (reference)", us=6.8, x_add=1.0, target="", verdict=""),
-        dict(call="kv r1, T=1", us=9.7, x_add=9.7 / 6.8, target="<= 1.5x", verdict="PASS"),
+        dict(call="main 8->16, T=1", us=13.0, add_us=6.9, x_add=13.0 / 6.9, target="<= 1.8x", verdict="MISS"),
+        dict(call="kv r1, T=1", us=9.7, add_us=6.8, x_add=9.7 / 6.8, target="<= 1.5x", verdict="PASS"),
     ]
     host.write(rows, tmp_path, "NVIDIA H200")
     with (tmp_path / "host_bench.csv").open() as f:
         written = list(csv.DictReader(f))
     assert [r["call"] for r in written] == [r["call"] for r in rows] and list(written[0]) == host.COLUMNS
     text = (tmp_path / "host_bench.md").read_text()
-    assert "on NVIDIA H200" in text and "| kv r1, T=1 | 9.70 | 1.43 | <= 1.5x | PASS |" in text
+    assert "on NVIDIA H200" in text and "| kv r1, T=1 | 9.70 | 6.80 | 1.43 | <= 1.5x | PASS |" in text
 
 
 def _main_tensors():

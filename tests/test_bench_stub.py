@@ -133,6 +133,9 @@ def test_stub_kernel_cache_compiles_in_memory_only(nvrtc, tmp_path, monkeypatch)
 class _StandInLauncher(NamedTuple):
     resident_blocks: int  # as launch.Launcher's: blocks the GPU holds at once
 
+    def launch(self, *args: int) -> None:
+        raise AssertionError("a plan is built, never launched, here")
+
 
 STAND_IN = _StandInLauncher(resident_blocks=1)
 
@@ -165,8 +168,8 @@ def test_kernels_from_binds_from_its_cache_in_fresh_tables_and_restores_the_ship
         plan = ops._plan(ops._kv_plans, ("signature",), ops._kv_kernels, key, variant, None, geometry, 0, 0, 10)
         assert ops._kv_kernels[key] is STAND_IN and ops._kv_plans[("signature",)] is plan
     expected = variant if kv_rows_per_warp is None else variant._replace(kv_rows_per_warp=kv_rows_per_warp)
-    assert plan.launcher is STAND_IN and cache.bound == [(5, expected)]
-    assert plan.blocks == expected.grid(0, 10, STAND_IN.resident_blocks)[1]
+    assert plan.launch.func == STAND_IN.launch and cache.bound == [(5, expected)]
+    assert plan.launch.args == (expected.grid(0, 10, STAND_IN.resident_blocks)[1], 1, 1, 0)
     assert all(t is s for t, s in zip(_tables(), shipped_tables)) and ops._kernel_cache is shipped_cache
     assert ops._kv_rows_per_warp is None and key not in ops._kv_kernels and ("signature",) not in ops._kv_plans
     with pytest.raises(RuntimeError, match="inside"), ops.kernels_from(cache, 2):
@@ -174,7 +177,7 @@ def test_kernels_from_binds_from_its_cache_in_fresh_tables_and_restores_the_ship
     assert all(t is s for t, s in zip(_tables(), shipped_tables)) and ops._kv_rows_per_warp is None
 
 
-def test_a_plan_with_nothing_to_launch_has_no_launcher():
+def test_a_plan_with_nothing_to_launch_has_no_launch():
     """Even when the kernel is already loaded: a grid of 0 blocks is a launch error."""
     cache = _RecordingCache()
     key = (5, 128, torch.int64, 2)
@@ -186,7 +189,7 @@ def test_a_plan_with_nothing_to_launch_has_no_launcher():
         empty = ops._plan(
             ops._kv_plans, ("none",), ops._kv_kernels, key, Variant.kv(128, torch.int64, 2), None, geometry, 0, 0, 0
         )
-    assert work.launcher is STAND_IN and empty.launcher is None and len(cache.bound) == 1
+    assert work.launch.func == STAND_IN.launch and empty.launch is None and len(cache.bound) == 1
 
 
 def test_kernel_library_of_the_shipped_kernels_is_ops():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import reference, validation
+from nvfp4_mla import launch, reference, validation
 from nvfp4_mla.testing import make_cache, random_rows, random_slots, rope_table, storage_bytes
 
 gpu = pytest.mark.gpu
@@ -71,6 +71,43 @@ def test_inference_tensors_written_outside_inference_mode_are_refused(device, li
     refused(lambda: lib.nvfp4_quantize_append_sparse_mla_cache(kv, rest[0], cache), "cache is an inference tensor")
     with torch.inference_mode():  # inside inference mode they are fine
         lib.cake_dsv4_nvfp4_rope_quantize_insert(q, kv, cache, *rest, q_inplace=True)
+
+
+@pytest.mark.parametrize("device, lib", ENTRY_PATHS)
+def test_new_outputs_are_plain_contiguous_tensors_that_follow_inference_mode(device, lib):
+    """q_out, the packed cache and the reader's rows are what torch.empty would give: on the
+    inputs' device, contiguous, never requiring grad, inference tensors exactly inside inference mode."""
+    q, kv, cache, *rest = main_args(device)
+    page = random_rows((1, 16, 512), device)
+    slots = rest[0].view(2, 3)
+    for inference in (False, True):
+        with torch.inference_mode(inference):
+            outputs = [
+                lib.cake_dsv4_nvfp4_rope_quantize_insert(q, kv, cache, *rest, q_head_padded=8),
+                lib.nvfp4_quantize_pack_sparse_mla_cache(page),
+                lib.nvfp4_dequantize_sparse_mla_cache(cache, slots),
+                lib.nvfp4_dequantize_sparse_mla_cache(cache, slots[:0]),
+            ]
+        for out in outputs:
+            assert out.is_inference() == inference and not out.requires_grad
+            assert out.is_contiguous() and out.device == q.device
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (3, 512), (2, 3, 512), (0, 512), (2, 0, 3), (4, 1, 0)])
+def test_contiguous_strides_are_torchs(shape):
+    assert launch.contiguous_strides(shape) == torch.empty(shape).stride()
+
+
+def test_new_output_takes_new_empty_when_the_fast_allocation_is_elsewhere_or_missing(monkeypatch):
+    """launch.new_output keeps torch's fast allocation only on the device asked for."""
+    like = torch.zeros(2, dtype=torch.bfloat16)
+    fast = torch.empty(3, 4, dtype=torch.uint8)  # stands in for the fast allocation: a CPU tensor, device -1
+    monkeypatch.setattr(launch, "_fast_empty", lambda shape, strides, dtype: fast)
+    assert launch.new_output(like, (3, 4), (4, 1), torch.uint8, -1) is fast
+    for allocator in (lambda shape, strides, dtype: fast, None):  # on another device; no fast allocation
+        monkeypatch.setattr(launch, "_fast_empty", allocator)
+        out = launch.new_output(like, (3, 4), (4, 1), torch.uint8, 0)
+        assert out is not fast and out.shape == (3, 4) and out.dtype == torch.uint8 and out.device == like.device
 
 
 @pytest.mark.parametrize("device, lib", ENTRY_PATHS)

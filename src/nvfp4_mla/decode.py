@@ -25,7 +25,7 @@ from torch.autograd.graph import increment_version
 
 from . import abi, kernel_cache, reference, validation
 from .jit import Template
-from .launch import Launcher, current_raw_stream
+from .launch import Launcher, current_raw_stream, new_output
 
 BLOCK_N = 32  # selected tokens a tile
 HEAD_TILES = (16, 32, 64)  # heads a block; the largest that fits the GPU's shared memory
@@ -208,18 +208,19 @@ def _decode_cuda(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, ex
     swa, extra = validation.check_decode(
         q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, need_cuda=True
     )
+    device = q.get_device()
+    batch, q_len, num_heads = q.shape[0], q.shape[1], q.shape[2]
     if out is not None:
         validation.check_decode_out(out, q, swa_cache, swa, extra_cache, extra)
         increment_version(out)  # written in place: autograd and views must see a new version
-    else:
-        out = q.new_empty(q.shape)
-    batch, q_len, num_heads = q.shape[0], q.shape[1], q.shape[2]
+    else:  # the kernels write every element of out and lse
+        out = new_output(q, q.shape, q.stride(), torch.bfloat16, device)  # q is checked contiguous BF16
+    lse = new_output(q, (batch, q_len, num_heads), (q_len * num_heads, num_heads, 1), torch.float32, device)
     rows = batch * q_len
-    lse = q.new_empty((batch, q_len, num_heads), dtype=torch.float32)
     if rows == 0:
         return out, lse
     k_swa, k_extra = swa_slots.shape[2], 0 if extra_slots is None else extra_slots.shape[2]
-    key = (q.get_device(), num_heads, rows, k_swa, k_extra)
+    key = (device, num_heads, rows, k_swa, k_extra)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = make_plan(key[0], num_heads, rows, k_swa + k_extra)
@@ -246,10 +247,10 @@ def launch(plan: Plan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool) -> No
     partial_o = partial_ml = 0
     if plan.combine is not None:
         entries = q.shape[0] * q.shape[1] * num_heads * plan.num_splits
-        workspace = torch.empty(entries * (abi.HEAD_DIM + 2), dtype=torch.float32, device=q.device)
+        workspace = new_output(q, (entries * (abi.HEAD_DIM + 2),), (1,), torch.float32, q.get_device())
         partial_o = workspace.data_ptr()
         partial_ml = partial_o + entries * abi.HEAD_DIM * 4
-    plan.attend.launch_grid(
+    plan.attend.launch(
         plan.blocks,
         1,
         1,
@@ -272,6 +273,9 @@ def launch(plan: Plan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool) -> No
         rows_heads = q.shape[0] * q.shape[1] * num_heads
         plan.combine.launch(
             rows_heads,
+            1,
+            1,
+            0,
             stream,
             partial_o,
             partial_ml,

@@ -62,13 +62,45 @@ def _stream_getter() -> Callable[[int], int]:
 current_raw_stream = _stream_getter()
 
 
+def _output_allocator() -> Callable[[tuple, tuple, Any], Any] | None:
+    import torch
+
+    # torch's own allocation without the dispatcher (what inductor's generated code calls): on the
+    # current device and stream, 1.2 us against new_empty's 2.8 us on the H200's host. Private,
+    # hence the fallback.
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    return getattr(guards, "_empty_strided_cuda", None)
+
+
+_fast_empty = _output_allocator()
+
+
+def contiguous_strides(shape: tuple) -> tuple:
+    """The strides, in elements, of a contiguous tensor of ``shape`` (torch's: a 0-size dim counts as 1)."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):
+        strides[i - 1] = strides[i] * max(shape[i], 1)
+    return tuple(strides)
+
+
+def new_output(like: Any, shape: tuple, strides: tuple, dtype: Any, device_index: int) -> Any:
+    """An uninitialised contiguous tensor (``strides``: :func:`contiguous_strides` of ``shape``) for
+    a kernel to fill (every byte), on CUDA device ``device_index`` (``like``'s) and its current
+    stream: what ``like.new_empty`` gives, faster."""
+    if _fast_empty is not None:
+        out = _fast_empty(shape, strides, dtype)
+        if out.get_device() == device_index:  # it allocates on the current device, maybe not like's
+            return out
+    return like.new_empty(shape, dtype=dtype)
+
+
 class _LaunchStorage(threading.local):
     """Per-thread parameter buffer: cuLaunchKernel copies it at the call, so threads never share one."""
 
     def __init__(self) -> None:
-        self.buffer = ctypes.create_string_buffer(PARAMS_CAPACITY)
-        self._pointers = (ctypes.c_void_p * 1)(ctypes.addressof(self.buffer))
-        self.argv = ctypes.addressof(self._pointers)
+        buffer = ctypes.create_string_buffer(PARAMS_CAPACITY)
+        self._pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+        self.buffer_argv = buffer, ctypes.addressof(self._pointers)  # one thread-local read a launch
 
 
 _storage = _LaunchStorage()
@@ -77,7 +109,17 @@ _storage = _LaunchStorage()
 class Launcher:
     """A kernel loaded on one device from verified bytes: packs the parameters and launches."""
 
-    __slots__ = ("_driver", "_module", "context", "function", "pack_into", "resident_blocks", "threads")
+    __slots__ = (
+        "_current_context",
+        "_driver",
+        "_launch_kernel",
+        "_module",
+        "context",
+        "function",
+        "pack_into",
+        "resident_blocks",
+        "threads",
+    )
 
     def __init__(self, cubin: bytes, template: Template, device_index: int):
         assert template.params.size <= PARAMS_CAPACITY
@@ -107,6 +149,7 @@ class Launcher:
             driver.ctxSetCurrent(previous)
         self.pack_into = template.params.pack_into
         self.threads = template.threads
+        self._current_context, self._launch_kernel = driver.ctxGetCurrent, driver.launchKernel  # bound once
 
     @property
     def local_size_bytes(self) -> int:
@@ -114,24 +157,21 @@ class Launcher:
         driver = self._driver
         return driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, self.function)
 
-    def launch(self, blocks: int, stream: int, *params: int) -> None:
-        """Launches ``blocks`` blocks on ``stream``; ``params`` are the kernel's Params fields."""
-        self.launch_grid(blocks, 1, 1, 0, stream, *params)
-
-    def launch_grid(self, gx: int, gy: int, gz: int, shared_bytes: int, stream: int, *params: int) -> None:
-        """Launches a ``gx x gy x gz`` grid with ``shared_bytes`` of dynamic shared memory."""
-        storage = _storage
-        self.pack_into(storage.buffer, 0, *params)
-        driver = self._driver
-        current = driver.ctxGetCurrent()
-        threads = self.threads
+    def launch(self, gx: int, gy: int, gz: int, shared_bytes: int, stream: int, *params: int) -> None:
+        """Launches a ``gx x gy x gz`` grid with ``shared_bytes`` of dynamic shared memory on
+        ``stream``; ``params`` are the kernel's Params fields. The one launch path of every entry:
+        it packs and launches in this frame (a decode step calls it once per layer)."""
+        buffer, argv = _storage.buffer_argv
+        self.pack_into(buffer, 0, *params)
+        current = self._current_context()
         if current == self.context:
-            driver.launchKernel(self.function, gx, gy, gz, threads, 1, 1, shared_bytes, stream, storage.argv, 0)
+            self._launch_kernel(self.function, gx, gy, gz, self.threads, 1, 1, shared_bytes, stream, argv, 0)
             return
         # The tensors' GPU is not current here (another device, or a thread that has not used
         # CUDA yet): launch under its context, then give the thread its own back.
+        driver = self._driver
         driver.ctxSetCurrent(self.context)
         try:
-            driver.launchKernel(self.function, gx, gy, gz, threads, 1, 1, shared_bytes, stream, storage.argv, 0)
+            driver.launchKernel(self.function, gx, gy, gz, self.threads, 1, 1, shared_bytes, stream, argv, 0)
         finally:
             driver.ctxSetCurrent(current)

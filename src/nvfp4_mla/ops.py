@@ -10,6 +10,7 @@ graphs.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -21,23 +22,20 @@ from .reference import new_cache
 from .variant import Variant
 
 _NO_PTR = 0
+_BF16 = torch.bfloat16
 
 
 class _Plan(NamedTuple):
-    """What a signature fixes of a call: its per-call checks, kernel, grid and scalar parameters."""
+    """What a signature fixes of a call: its per-call checks, launch, grid and scalar parameters."""
 
     checks: validation.PointerChecks
-    launcher: launch.Launcher | None  # None when there is nothing to launch
+    # The loaded kernel's launch with this grid bound: called with the stream, the pointers and
+    # ``scalars`` (no Python frame of its own). None when there is nothing to launch.
+    launch: functools.partial[None] | None
     device_index: int
-    blocks: int
     scalars: tuple[int, ...]  # page_stride, capacity (slots), max_position, num_kv_rows, kv_blocks, q_rows
     out_shape: tuple[int, ...]  # of the tensor the entry allocates (q_out, the packed cache); () if none
-
-    def launch(self, q: int, q_out: int, kv: int, cache: int, slots: int, positions: int, cos_sin: int) -> None:
-        """One launch on the device's current stream with these pointers (0: unused by the entry)."""
-        assert self.launcher is not None
-        stream = launch.current_raw_stream(self.device_index)
-        self.launcher.launch(self.blocks, stream, q, q_out, kv, cache, slots, positions, cos_sin, *self.scalars)
+    out_strides: tuple[int, ...]  # its contiguous strides
 
 
 # The kernels loaded, one dict per entry, keyed on the device and the arguments that fix the kernel.
@@ -109,16 +107,17 @@ def _plan(
     device_index = kernel_key[0]
     if _kv_rows_per_warp is not None:
         variant = variant._replace(kv_rows_per_warp=_kv_rows_per_warp)
-    launcher = None  # a call with nothing to launch loads and launches no kernel (a 0-block grid is an error)
-    kv_blocks = blocks = 0
+    bound = None  # a call with nothing to launch loads and launches no kernel (a 0-block grid is an error)
+    kv_blocks = 0
     if variant.kv_units(num_kv_rows) or variant.q_units(num_tokens):
         launcher = kernels.get(kernel_key)
         if launcher is None:
             launcher = kernels[kernel_key] = _kernel_cache().launcher(device_index, variant)
         kv_blocks, blocks = variant.grid(num_tokens, num_kv_rows, launcher.resident_blocks)
+        bound = functools.partial(launcher.launch, blocks, 1, 1, 0)
     num_pages, page_size, page_stride = geometry
     scalars = (page_stride, num_pages * page_size, max_position, num_kv_rows, kv_blocks, variant.q_rows(num_tokens))
-    plan = _Plan(checks, launcher, device_index, blocks, scalars, out_shape)
+    plan = _Plan(checks, bound, device_index, scalars, out_shape, launch.contiguous_strides(out_shape))
     if signature is not None:
         if len(plans) >= MAX_PLANS:
             plans.clear()
@@ -154,10 +153,11 @@ def _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, 
             (num_tokens, q_head_padded, abi.HEAD_DIM),
         )
     q_ptr, kv_ptr, cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr = validation.check_pointers(tensors, plan.checks)
-    # new_empty: measured cheaper than torch.empty
-    q_out = q if q_inplace else q.new_empty(plan.out_shape)
-    if plan.launcher is not None:  # else T == 0, or a cache-only call without slots
-        plan.launch(q_ptr, q_out.data_ptr(), kv_ptr, cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr)
+    q_out = q if q_inplace else launch.new_output(q, plan.out_shape, plan.out_strides, _BF16, plan.device_index)
+    if plan.launch is not None:  # else T == 0, or a cache-only call without slots
+        stream = launch.current_raw_stream(plan.device_index)
+        q_out_ptr = q_out.data_ptr()
+        plan.launch(stream, q_ptr, q_out_ptr, kv_ptr, cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr, *plan.scalars)
         increment_version(cache)  # the kernel wrote it: autograd and views must see a new version
         if q_inplace and apply_q_rope:
             increment_version(q)
@@ -186,8 +186,9 @@ def _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, 
             slot_mapping.shape[0],
         )
     kv_ptr, cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr = validation.check_pointers(tensors, plan.checks)
-    if plan.launcher is not None:
-        plan.launch(_NO_PTR, _NO_PTR, kv_ptr, cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr)
+    if plan.launch is not None:
+        stream = launch.current_raw_stream(plan.device_index)
+        plan.launch(stream, _NO_PTR, _NO_PTR, kv_ptr, cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr, *plan.scalars)
         increment_version(cache)
     return None
 
@@ -212,8 +213,9 @@ def _append(latent_kv, slot_mapping, cache):
             slot_mapping.shape[0],
         )
     kv_ptr, slots_ptr, cache_ptr = validation.check_pointers(tensors, plan.checks)
-    if plan.launcher is not None:
-        plan.launch(_NO_PTR, _NO_PTR, kv_ptr, cache_ptr, slots_ptr, _NO_PTR, _NO_PTR)
+    if plan.launch is not None:
+        stream = launch.current_raw_stream(plan.device_index)
+        plan.launch(stream, _NO_PTR, _NO_PTR, kv_ptr, cache_ptr, slots_ptr, _NO_PTR, _NO_PTR, *plan.scalars)
         increment_version(cache)
     return None
 
@@ -240,9 +242,10 @@ def _pack(latent_kv, kv_layout):
             tuple(new_cache(num_pages, page_size, kv_layout, "meta").shape),
         )
     (kv_ptr,) = validation.check_pointers(tensors, plan.checks)
-    cache = latent_kv.new_empty(plan.out_shape, dtype=torch.uint8)  # new_empty: cheaper than torch.empty
-    if plan.launcher is not None:
-        plan.launch(_NO_PTR, _NO_PTR, kv_ptr, cache.data_ptr(), _NO_PTR, _NO_PTR, _NO_PTR)
+    cache = launch.new_output(latent_kv, plan.out_shape, plan.out_strides, torch.uint8, plan.device_index)
+    if plan.launch is not None:
+        stream = launch.current_raw_stream(plan.device_index)
+        plan.launch(stream, _NO_PTR, _NO_PTR, kv_ptr, cache.data_ptr(), _NO_PTR, _NO_PTR, _NO_PTR, *plan.scalars)
     return cache
 
 

@@ -18,7 +18,7 @@ from torch.autograd.graph import increment_version
 
 from . import abi, kernel_cache, reference, validation
 from .jit import Template
-from .launch import Launcher, current_raw_stream
+from .launch import Launcher, contiguous_strides, current_raw_stream, new_output
 
 TEAM_THREADS = 16  # threads that read one row together (the kernel's TEAM)
 BLOCK_THREADS = 256
@@ -94,7 +94,7 @@ def launch(launcher: Launcher, rows_per_block: int, device: int, cache, slots_pt
     """One launch reading ``num_rows > 0`` rows into ``out`` (arguments already checked), on the
     current stream of CUDA device ``device``; the kernel's ``Params`` in order."""
     num_pages, page_size, page_stride = geometry
-    launcher.launch_grid(
+    launcher.launch(
         -(-num_rows // rows_per_block),
         1,
         1,
@@ -119,19 +119,20 @@ def _dequantize_cuda(cache, slots, dtype, invalid, out):
     # Lean on purpose: this is the whole host cost of a decode step's read (see the benchmark).
     geometry = validation.check_dequantize(cache, slots, dtype, invalid, out, need_cuda=True)
     given = out is not None
+    device = cache.get_device()
     if slots is None:
         num_rows = geometry[0] * geometry[1]
-        if out is None:
-            out = cache.new_empty((num_rows, abi.HEAD_DIM), dtype=dtype)
         slot_dtype, slots_ptr = None, 0
+        shape: tuple = (num_rows, abi.HEAD_DIM)
     else:
         num_rows = slots.numel()
-        if out is None:
-            out = cache.new_empty((*slots.shape, abi.HEAD_DIM), dtype=dtype)
         slot_dtype, slots_ptr = slots.dtype, slots.data_ptr()
+        shape = (*slots.shape, abi.HEAD_DIM)
+    if out is None:  # every row is written (invalid slots get the fill)
+        strides = (abi.HEAD_DIM, 1) if len(shape) == 2 else contiguous_strides(shape)
+        out = new_output(cache, shape, strides, dtype, device)
     if num_rows == 0:
         return out
-    device = cache.get_device()
     key = (device, geometry[1], slot_dtype, dtype)
     found = _kernels.get(key)
     if found is None:

@@ -9,7 +9,9 @@ the best of 5 batches of 4,000 back-to-back calls, each batch from an idle devic
 (:func:`~nvfp4_mla.bench.timing.host_batches`: ``torch.utils.benchmark.Timer`` on the host clock,
 the timer of the reader suite's host rows). The best batch, not the median: on a shared host,
 noise only adds time, and the targets are about the code path. At ``T = 1`` every kernel's device
-time (about 2 us) is below its host time, so the GPU keeps up and the host is what is timed.
+time (about 2 us) is below its host time, so the GPU keeps up and the host is what is timed. Each
+row's batches alternate with batches of the reference, and its ratio is to that reference's best:
+the host's speed drifts within a run.
 
 - the reference: torch ``add_`` on a 1-element CUDA tensor;
 - each writer entry at ``T = 1`` (main 8 -> 16 heads, in place 8, KV ratio 1 and 2, append, pack
@@ -18,8 +20,8 @@ time (about 2 us) is below its host time, so the GPU keeps up and the host is wh
 - the pieces of a writer's call, each alone: the full argument checks (what a call's first use
   of a signature runs: ``validation.check_main``), the per-call part a warm call runs instead
   (``validation.signature``, the plan lookup and ``validation.check_pointers``), the ``q_out``
-  allocation (``new_empty``), ``Launcher.launch`` of an already-loaded kernel and torch's stream
-  handle (``launch.current_raw_stream``).
+  allocation (``launch.new_output``, and ``new_empty``, its fallback), the plan's launch of an
+  already-loaded kernel and torch's stream handle (``launch.current_raw_stream``).
 """
 
 from __future__ import annotations
@@ -41,15 +43,21 @@ from .timing import host_batches
 
 HOST_CALLS, HOST_BATCHES = 4000, 5
 OUTPUT_STEM = "host_bench"  # host_bench.csv, host_bench.md
-COLUMNS = ["call", "us", "x_add", "target", "verdict"]
+COLUMNS = ["call", "us", "add_us", "x_add", "target", "verdict"]
 MAIN_TARGET, OTHER_TARGET = 1.8, 1.5  # x add_ (issue 11)
 MAX_POSITION = 4096
 DECODE_HEADS, DECODE_K = 64, 128  # sparse_mla_decode: one query row, 64 heads, 128 selected tokens
 
 
-def best_host_seconds(call: Callable[[], object]) -> float:
-    """Host seconds per call: the best of HOST_BATCHES batches of HOST_CALLS eager calls."""
-    return min(host_batches(lambda _: call(), None, HOST_CALLS, HOST_BATCHES))
+def best_host_seconds(call: Callable[[], object], reference: Callable[[], object]) -> tuple[float, float]:
+    """Host seconds per call of ``call`` and of ``reference``: the best of HOST_BATCHES batches of
+    HOST_CALLS eager calls each, the two's batches interleaved so that both see the same host (a
+    shared host's speed drifted by 10-30% between rows of one run: measured)."""
+    call_s, reference_s = [], []
+    for _ in range(HOST_BATCHES):
+        reference_s += host_batches(lambda _: reference(), None, HOST_CALLS, 1)
+        call_s += host_batches(lambda _: call(), None, HOST_CALLS, 1)
+    return min(call_s), min(reference_s)
 
 
 def calls(device: torch.device) -> list[tuple[str, Callable[[], object], float | None]]:
@@ -73,8 +81,8 @@ def calls(device: torch.device) -> list[tuple[str, Callable[[], object], float |
     main(*main_args, q_head_padded=16)  # loads the kernel: the plan below is the warm call's
     tensors = (q, kv, cache, slots, positions, cos_sin)
     plan = ops._main_plans[validation.signature(tensors, (16, True, False))]
-    launcher, stream_index = plan.launcher, plan.device_index
-    assert launcher is not None
+    bound, device_index = plan.launch, plan.device_index
+    assert bound is not None
     pointers = validation.check_pointers(tensors, plan.checks)
     q_out = q.new_empty(plan.out_shape)
 
@@ -83,14 +91,12 @@ def calls(device: torch.device) -> list[tuple[str, Callable[[], object], float |
         return validation.check_pointers(tensors, warm.checks)  # type: ignore[union-attr]
 
     def launch_loaded() -> None:
-        launcher.launch(
-            plan.blocks,
-            launch.current_raw_stream(stream_index),
-            pointers[0],
-            q_out.data_ptr(),
-            *pointers[1:],
-            *plan.scalars,
-        )
+        bound(launch.current_raw_stream(device_index), pointers[0], q_out.data_ptr(), *pointers[1:], *plan.scalars)
+
+    launch_loaded()  # packs the parameters the driver-only launch below reuses
+    launcher, stream = bound.func.__self__, launch.current_raw_stream(device_index)  # type: ignore[attr-defined]
+    argv = launch._storage.buffer_argv[1]
+    kernel_args = (launcher.function, bound.args[0], 1, 1, launcher.threads, 1, 1, 0, stream, argv, 0)
 
     return [
         ("torch add_ (reference)", lambda: scalar.add_(1), None),
@@ -120,33 +126,47 @@ def calls(device: torch.device) -> list[tuple[str, Callable[[], object], float |
             None,
         ),
         ("  piece: signature + plan lookup + check_pointers (warm call)", warm_checks, None),
-        ("  piece: q.new_empty((1, 16, 512))", lambda: q.new_empty((1, 16, abi.HEAD_DIM)), None),
-        ("  piece: Launcher.launch of the loaded main kernel", launch_loaded, None),
-        ("  piece: launch.current_raw_stream", lambda: launch.current_raw_stream(stream_index), None),
+        (
+            "  piece: launch.new_output((1, 16, 512)) (q_out)",
+            lambda: launch.new_output(q, plan.out_shape, plan.out_strides, torch.bfloat16, device_index),
+            None,
+        ),
+        ("  piece: q.new_empty((1, 16, 512)) (its fallback)", lambda: q.new_empty((1, 16, abi.HEAD_DIM)), None),
+        ("  piece: the plan's launch of the loaded main kernel", launch_loaded, None),
+        ("  piece: launch.current_raw_stream", lambda: launch.current_raw_stream(device_index), None),
+        ("  piece: CuPy's launchKernel alone (the floor)", lambda: launcher._launch_kernel(*kernel_args), None),
     ]
 
 
 def run(device: torch.device) -> list[dict[str, Any]]:
-    """Every call of :func:`calls`, timed, with its ratio to ``add_`` and verdict; printed as it goes."""
+    """Every call of :func:`calls`, timed beside ``add_``, with its ratio to that ``add_`` and
+    verdict; printed as it goes."""
     results: list[dict[str, Any]] = []
-    add_s = None
-    for name, call, target in calls(device):
+    (_, reference, _), *rows = calls(device)
+    for name, call, target in rows:
         call()  # compiles or loads its kernel, outside the timing
-        seconds = best_host_seconds(call)
-        add_s = add_s or seconds
+        seconds, add_s = best_host_seconds(call, reference)
         ratio = seconds / add_s
         verdict = "" if target is None else ("PASS" if ratio <= target else "MISS")
         row = dict(
-            call=name, us=1e6 * seconds, x_add=ratio, target="" if target is None else f"<= {target}x", verdict=verdict
+            call=name,
+            us=1e6 * seconds,
+            add_us=1e6 * add_s,
+            x_add=ratio,
+            target="" if target is None else f"<= {target}x",
+            verdict=verdict,
         )
         results.append(row)
-        print(f"{name:64s} {row['us']:8.2f} us {ratio:6.2f}x {row['target']:8s} {verdict}")
+        print(f"{name:64s} {row['us']:8.2f} us {row['add_us']:6.2f} us {ratio:6.2f}x {row['target']:8s} {verdict}")
     return results
 
 
 def markdown(results: list[dict[str, Any]], device_name: str) -> str:
     """The markdown table of ``results`` under a title naming the GPU."""
-    cells = [[r["call"], f"{r['us']:.2f}", f"{r['x_add']:.2f}", r["target"], r["verdict"]] for r in results]
+    cells = [
+        [r["call"], f"{r['us']:.2f}", f"{r['add_us']:.2f}", f"{r['x_add']:.2f}", r["target"], r["verdict"]]
+        for r in results
+    ]
     title = f"# Host time of one eager call on {device_name} (best of {HOST_BATCHES} x {HOST_CALLS} calls)"
     return "\n".join([title, "", *markdown_grid(COLUMNS, cells)]) + "\n"
 

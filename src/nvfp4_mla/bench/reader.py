@@ -54,6 +54,7 @@ import nvfp4_mla
 
 from .. import abi, kernel_cache, reference, validation
 from .. import reader as gpu_reader
+from ..launch import new_output
 from ..testing import make_cache, raw_bytes
 from .ceilings import copy_bandwidth, empty_kernel_launcher
 from .report import markdown_grid, write_suite
@@ -183,7 +184,9 @@ def run(device: torch.device, timer: Timer) -> Results:
     # Where the host time goes: the parts of a call, each timed alone the same way.
     parts = {
         "cuLaunchKernel through CuPy (empty kernel)": empty_kernel,
-        "the output's new_empty": lambda _: cache.new_empty((1, abi.HEAD_DIM), dtype=torch.bfloat16),
+        "the output's launch.new_output": lambda _: new_output(
+            cache, (1, abi.HEAD_DIM), (abi.HEAD_DIM, 1), torch.bfloat16, index
+        ),
         "validation.check_dequantize": lambda _: validation.check_dequantize(
             cache, one, torch.bfloat16, 0.0, None, True
         ),

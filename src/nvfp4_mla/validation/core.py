@@ -110,11 +110,11 @@ def signature(tensors: tuple, options: tuple) -> tuple | None:
     return tuple(key)
 
 
-def check_pointers(tensors: tuple, checks: PointerChecks) -> tuple[int, ...]:
+def check_pointers(tensors: tuple, checks: PointerChecks) -> list[int]:
     """The checks that depend on where the tensors are and on their state, run on every call:
     16-byte alignment, a written tensor is mutable (:func:`check_mutable`) and shares no byte with
     another argument. Returns the tensors' data pointers."""
-    pointers = tuple([t.data_ptr() for t in tensors])
+    pointers = [t.data_ptr() for t in tensors]
     combined = 0
     for i in checks.aligned:
         combined |= pointers[i]
@@ -122,15 +122,15 @@ def check_pointers(tensors: tuple, checks: PointerChecks) -> tuple[int, ...]:
         _check_aligned(tuple(tensors[i] for i in checks.aligned), tuple(checks.names[i] for i in checks.aligned))
     spans = checks.spans
     for w in checks.written:
-        name = checks.names[w]
-        check_mutable(tensors[w], name)
+        t = tensors[w]
+        if t.requires_grad or t.is_inference():  # (the usual case, a plain tensor, in two reads)
+            check_mutable(t, checks.names[w])
         lo = pointers[w]
         hi = lo + spans[w]
-        if lo == hi:
-            continue
-        for i, start in enumerate(pointers):
-            if i != w and start < hi and lo < start + spans[i]:
-                _fail_overlap(checks.names[i], name)
+        if lo != hi:
+            for i, start in enumerate(pointers):
+                if i != w and start < hi and lo < start + spans[i]:
+                    _fail_overlap(checks.names[i], checks.names[w])
     return pointers
 
 
