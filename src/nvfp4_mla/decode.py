@@ -214,7 +214,7 @@ def _decode_cuda(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, ex
         validation.check_decode_out(out, q, swa_cache, swa, extra_cache, extra)
         increment_version(out)  # written in place: autograd and views must see a new version
     else:  # the kernels write every element of out and lse
-        out = new_output(q, q.shape, q.stride(), torch.bfloat16, device)  # q is checked contiguous BF16
+        out = new_output(q, tuple(q.shape), q.stride(), torch.bfloat16, device)  # q is checked contiguous BF16
     lse = new_output(q, (batch, q_len, num_heads), (q_len * num_heads, num_heads, 1), torch.float32, device)
     rows = batch * q_len
     if rows == 0:

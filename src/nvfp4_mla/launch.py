@@ -86,7 +86,8 @@ def contiguous_strides(shape: tuple) -> tuple:
 def new_output(like: Any, shape: tuple, strides: tuple, dtype: Any, device_index: int) -> Any:
     """An uninitialised contiguous tensor (``strides``: :func:`contiguous_strides` of ``shape``) for
     a kernel to fill (every byte), on CUDA device ``device_index`` (``like``'s) and its current
-    stream: what ``like.new_empty`` gives, faster."""
+    stream: what ``like.new_empty`` gives, faster. ``shape`` and ``strides`` are plain tuples of
+    ints: the fast allocation raises on anything else, a ``torch.Size`` included."""
     if _fast_empty is not None:
         out = _fast_empty(shape, strides, dtype)
         if out.get_device() == device_index:  # it allocates on the current device, maybe not like's
