@@ -39,7 +39,7 @@ from .. import abi, launch, ops, validation
 from ..testing import make_cache, random_rows, random_slots, rope_table
 from .report import markdown_grid, write_suite
 from .run import require_gpu, results_dir, suite_parser
-from .timing import host_batches
+from .timing import host_pair
 
 HOST_CALLS, HOST_BATCHES = 4000, 5
 OUTPUT_STEM = "host_bench"  # host_bench.csv, host_bench.md
@@ -47,17 +47,6 @@ COLUMNS = ["call", "us", "add_us", "x_add", "target", "verdict"]
 MAIN_TARGET, OTHER_TARGET = 1.8, 1.5  # x add_ (issue 11)
 MAX_POSITION = 4096
 DECODE_HEADS, DECODE_K = 64, 128  # sparse_mla_decode: one query row, 64 heads, 128 selected tokens
-
-
-def best_host_seconds(call: Callable[[], object], reference: Callable[[], object]) -> tuple[float, float]:
-    """Host seconds per call of ``call`` and of ``reference``: the best of HOST_BATCHES batches of
-    HOST_CALLS eager calls each, the two's batches interleaved so that both see the same host (a
-    shared host's speed drifted by 10-30% between rows of one run: measured)."""
-    call_s, reference_s = [], []
-    for _ in range(HOST_BATCHES):
-        reference_s += host_batches(lambda _: reference(), None, HOST_CALLS, 1)
-        call_s += host_batches(lambda _: call(), None, HOST_CALLS, 1)
-    return min(call_s), min(reference_s)
 
 
 def calls(device: torch.device) -> list[tuple[str, Callable[[], object], float | None]]:
@@ -145,7 +134,7 @@ def run(device: torch.device) -> list[dict[str, Any]]:
     (_, reference, _), *rows = calls(device)
     for name, call, target in rows:
         call()  # compiles or loads its kernel, outside the timing
-        seconds, add_s = best_host_seconds(call, reference)
+        seconds, add_s = host_pair(call, reference, HOST_CALLS, HOST_BATCHES)
         ratio = seconds / add_s
         verdict = "" if target is None else ("PASS" if ratio <= target else "MISS")
         row = dict(

@@ -17,10 +17,10 @@ What is measured (one process, one GPU):
   run: an A/B of the kernel's rows in flight);
 - **1 row, graph-replayed**: device time of one call replayed from a CUDA graph (slot and
   record then sit in L2, as in a decode loop), next to an empty kernel's;
-- **eager host time**: best of 5 batches of 4,000 calls, host clock, each from an idle device
-  (:func:`~nvfp4_mla.bench.timing.host_batches`), over torch ``add_`` on a 1-element tensor
-  measured the same way; also its parts alone (an empty kernel's launch, the
-  output's allocation, the argument checks);
+- **eager host time**: best of 5 batches of 4,000 calls, host clock, each from an idle device,
+  over torch ``add_`` on a 1-element tensor measured the same way in batches alternating with
+  the call's (:func:`~nvfp4_mla.bench.timing.host_pair`); also its parts alone (an empty
+  kernel's launch, the output's allocation, the argument checks);
 - **4,096 rows vs the pure-torch reference** (``nvfp4_mla.reference`` on the same GPU): eager
   time per call, back to back (median of 5 batches), BF16 out.
 
@@ -59,7 +59,7 @@ from ..testing import make_cache, raw_bytes
 from .ceilings import copy_bandwidth, empty_kernel_launcher
 from .report import markdown_grid, write_suite
 from .run import require_gpu, results_dir, suite_parser
-from .timing import SUITE_GRAPH_S, SUITE_REPS, DeviceTimer, Timer, host_batches
+from .timing import SUITE_GRAPH_S, SUITE_REPS, DeviceTimer, Timer, host_pair
 
 PAGE_SIZE = 64
 HOST_CALLS, HOST_BATCHES = 4000, 5
@@ -68,11 +68,6 @@ OUTPUT_STEM = "reader_bench"  # reader_bench.csv, reader_bench.md
 COLUMNS = ["measure", "value", "unit", "target", "note"]
 read = nvfp4_mla.nvfp4_dequantize_sparse_mla_cache
 SlotsOut = tuple[torch.Tensor, torch.Tensor]  # one call's slots and output rows
-
-
-def best_host_seconds(call: Callable[[Any], object], inputs: Any = None) -> float:
-    """Host seconds per call: the best of HOST_BATCHES batches of HOST_CALLS eager calls."""
-    return min(host_batches(call, inputs, HOST_CALLS, HOST_BATCHES))
 
 
 # ---------------------------------------------------------------- inputs and the bytes model
@@ -175,24 +170,26 @@ def run(device: torch.device, timer: Timer) -> Results:
     empty_kernel = empty_kernel_launcher(device)
     results.add("empty kernel, graph-replayed", 1e6 * timer.graph(empty_kernel, [None]), "us")
 
-    add_s = best_host_seconds(lambda t: t.add_(1), torch.zeros(1, device=device))
-    new_s = best_host_seconds(lambda _: read(cache, one, dtype=torch.bfloat16))
-    out_s = best_host_seconds(lambda _: read(cache, one, dtype=torch.bfloat16, out=out_one))
-    results.add("torch add_ host time", 1e6 * add_s, "us")
-    results.add("eager host time / add_ (new output)", new_s / add_s, "x", "<= 1.5", f"{new_s * 1e6:.2f} us")
-    results.add("eager host time / add_ (out=)", out_s / add_s, "x", "", f"{out_s * 1e6:.2f} us")
+    scalar = torch.zeros(1, device=device)
+
+    def timed(call: Callable[[], object]) -> tuple[float, float]:  # (call, add_ beside it) host seconds
+        return host_pair(call, lambda: scalar.add_(1), HOST_CALLS, HOST_BATCHES)
+
+    new_s, new_add_s = timed(lambda: read(cache, one, dtype=torch.bfloat16))
+    out_s, out_add_s = timed(lambda: read(cache, one, dtype=torch.bfloat16, out=out_one))
+    results.add("torch add_ host time", 1e6 * min(new_add_s, out_add_s), "us")
+    results.add("eager host time / add_ (new output)", new_s / new_add_s, "x", "<= 1.5", f"{new_s * 1e6:.2f} us")
+    results.add("eager host time / add_ (out=)", out_s / out_add_s, "x", "", f"{out_s * 1e6:.2f} us")
     # Where the host time goes: the parts of a call, each timed alone the same way.
     parts = {
-        "cuLaunchKernel through CuPy (empty kernel)": empty_kernel,
-        "the output's launch.new_output": lambda _: new_output(
+        "cuLaunchKernel through CuPy (empty kernel)": lambda: empty_kernel(None),
+        "the output's launch.new_output": lambda: new_output(
             cache, (1, abi.HEAD_DIM), (abi.HEAD_DIM, 1), torch.bfloat16, index
         ),
-        "validation.check_dequantize": lambda _: validation.check_dequantize(
-            cache, one, torch.bfloat16, 0.0, None, True
-        ),
+        "validation.check_dequantize": lambda: validation.check_dequantize(cache, one, torch.bfloat16, 0.0, None, True),
     }
     for part, call in parts.items():
-        part_s = best_host_seconds(call)
+        part_s, add_s = timed(call)
         results.add(f"  part: {part}", part_s / add_s, "x", "", f"{part_s * 1e6:.2f} us")
 
     slots = torch.randperm(capacity, device=device)[:4096]

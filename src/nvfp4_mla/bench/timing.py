@@ -73,6 +73,20 @@ def host_batches(call: Callable[[Any], object], inputs: Any, calls: int, batches
     return samples
 
 
+def host_pair(
+    call: Callable[[], object], reference: Callable[[], object], calls: int, batches: int
+) -> tuple[float, float]:
+    """Best host seconds per call of ``call`` and of ``reference`` over ``batches`` batches of
+    ``calls`` (:func:`host_batches`), the two's batches alternating so that both see the same host:
+    a shared host's speed drifted by 10-30% within one run (measured on the H200 machines)."""
+    call_s: list[float] = []
+    reference_s: list[float] = []
+    for _ in range(batches):
+        reference_s += host_batches(lambda _: reference(), None, calls, 1)
+        call_s += host_batches(lambda _: call(), None, calls, 1)
+    return min(call_s), min(reference_s)
+
+
 class DeviceTimer:
     """The benchmark's :class:`Timer` on the current CUDA device.
 
