@@ -39,9 +39,8 @@ from .. import abi, launch, ops, validation
 from ..testing import make_cache, random_rows, random_slots, rope_table
 from .report import markdown_grid, write_suite
 from .run import require_gpu, results_dir, suite_parser
-from .timing import host_pair
+from .timing import SUITE_HOST_BATCHES, SUITE_HOST_CALLS, host_pair
 
-HOST_CALLS, HOST_BATCHES = 4000, 5
 OUTPUT_STEM = "host_bench"  # host_bench.csv, host_bench.md
 COLUMNS = ["call", "us", "add_us", "x_add", "target", "verdict"]
 MAIN_TARGET, OTHER_TARGET = 1.8, 1.5  # x add_ (issue 11)
@@ -134,7 +133,7 @@ def run(device: torch.device) -> list[dict[str, Any]]:
     (_, reference, _), *rows = calls(device)
     for name, call, target in rows:
         call()  # compiles or loads its kernel, outside the timing
-        seconds, add_s = host_pair(call, reference, HOST_CALLS, HOST_BATCHES)
+        seconds, add_s = host_pair(call, reference, SUITE_HOST_CALLS, SUITE_HOST_BATCHES)
         ratio = seconds / add_s
         verdict = "" if target is None else ("PASS" if ratio <= target else "MISS")
         row = dict(
@@ -156,7 +155,7 @@ def markdown(results: list[dict[str, Any]], device_name: str) -> str:
         [r["call"], f"{r['us']:.2f}", f"{r['add_us']:.2f}", f"{r['x_add']:.2f}", r["target"], r["verdict"]]
         for r in results
     ]
-    title = f"# Host time of one eager call on {device_name} (best of {HOST_BATCHES} x {HOST_CALLS} calls)"
+    title = f"# Host time of one eager call on {device_name} (best of {SUITE_HOST_BATCHES} x {SUITE_HOST_CALLS} calls)"
     return "\n".join([title, "", *markdown_grid(COLUMNS, cells)]) + "\n"
 
 
