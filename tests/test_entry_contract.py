@@ -75,11 +75,14 @@ def test_inference_tensors_written_outside_inference_mode_are_refused(device, li
 
 @pytest.mark.parametrize("device, lib", ENTRY_PATHS)
 def test_new_outputs_are_plain_contiguous_tensors_that_follow_inference_mode(device, lib):
-    """q_out, the packed cache and the reader's rows are what torch.empty would give: on the
-    inputs' device, contiguous, never requiring grad, inference tensors exactly inside inference mode."""
+    """q_out, the packed cache, the reader's rows and the decode's out and lse are what torch.empty
+    would give: on the inputs' device, contiguous, never requiring grad, inference tensors exactly
+    inside inference mode. On the GPU, torch's fast allocation stays in use throughout."""
     q, kv, cache, *rest = main_args(device)
     page = random_rows((1, 16, 512), device)
     slots = rest[0].view(2, 3)
+    decode_q = random_rows((1, 2, 16, 512), device)  # one batch row: split, with a workspace
+    decode_slots = torch.randint(0, 32, (1, 2, 8), dtype=torch.int32).to(device)
     for inference in (False, True):
         with torch.inference_mode(inference):
             outputs = [
@@ -87,15 +90,37 @@ def test_new_outputs_are_plain_contiguous_tensors_that_follow_inference_mode(dev
                 lib.nvfp4_quantize_pack_sparse_mla_cache(page),
                 lib.nvfp4_dequantize_sparse_mla_cache(cache, slots),
                 lib.nvfp4_dequantize_sparse_mla_cache(cache, slots[:0]),
+                *lib.sparse_mla_decode(decode_q, cache, decode_slots, sm_scale=0.05),
             ]
         for out in outputs:
             assert out.is_inference() == inference and not out.requires_grad
             assert out.is_contiguous() and out.device == q.device
+    assert launch._fast_empty is launch._output_allocator(), "an entry turned the fast allocation off"
 
 
 @pytest.mark.parametrize("shape", [(), (5,), (3, 512), (2, 3, 512), (0, 512), (2, 0, 3), (4, 1, 0)])
 def test_contiguous_strides_are_torchs(shape):
     assert launch.contiguous_strides(shape) == torch.empty(shape).stride()
+
+
+def test_new_output_turns_a_raising_fast_allocation_off_but_reraises_out_of_memory(monkeypatch, caplog):
+    like = torch.zeros(2, dtype=torch.bfloat16)
+
+    def out_of_memory(shape, strides, dtype):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(launch, "_fast_empty", out_of_memory)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        launch.new_output(like, (3, 4), (4, 1), torch.uint8, -1)
+    assert launch._fast_empty is out_of_memory
+
+    def changed(shape, strides, dtype):
+        raise TypeError("_empty_strided_cuda(): incompatible function arguments")
+
+    monkeypatch.setattr(launch, "_fast_empty", changed)
+    out = launch.new_output(like, (3, 4), (4, 1), torch.uint8, -1)
+    assert out.shape == (3, 4) and out.dtype == torch.uint8 and launch._fast_empty is None
+    assert "incompatible function arguments" in caplog.text
 
 
 def test_new_output_takes_new_empty_when_the_fast_allocation_is_elsewhere_or_missing(monkeypatch):

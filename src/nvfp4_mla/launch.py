@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .jit import CUPY_FIX, MIN_ARCH, Template
+from .jit import CUPY_FIX, MIN_ARCH, Template, log
 
 PARAMS_CAPACITY = 256  # bytes of the per-thread launch buffer; every template's Params fits
 
@@ -67,12 +67,24 @@ def _output_allocator() -> Callable[[tuple, tuple, Any], Any] | None:
 
     # torch's own allocation without the dispatcher (what inductor's generated code calls): on the
     # current device and stream, 1.2 us against new_empty's 2.5 us on the H200's host. Private,
-    # hence the fallback.
+    # hence the fallbacks of new_output.
     guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
     return getattr(guards, "_empty_strided_cuda", None)
 
 
 _fast_empty = _output_allocator()
+
+
+def _stop_fast_empty(exc: Exception) -> None:
+    """The private allocation raised: re-raises running out of memory, else turns it off for good
+    (a torch that changed it must not break the entries) and says so once."""
+    import torch
+
+    global _fast_empty
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        raise exc
+    _fast_empty = None
+    log.warning("torch's _empty_strided_cuda raised (%s): nvfp4_mla's outputs come from new_empty from now on", exc)
 
 
 def contiguous_strides(shape: tuple) -> tuple:
@@ -87,11 +99,16 @@ def new_output(like: Any, shape: tuple, strides: tuple, dtype: Any, device_index
     """An uninitialised contiguous tensor (``strides``: :func:`contiguous_strides` of ``shape``) for
     a kernel to fill (every byte), on CUDA device ``device_index`` (``like``'s) and its current
     stream: what ``like.new_empty`` gives, faster. ``shape`` and ``strides`` are plain tuples of
-    ints: the fast allocation raises on anything else, a ``torch.Size`` included."""
+    ints: the fast allocation raises on anything else, a ``torch.Size`` included, and turns itself
+    off (the GPU tests check that no entry does that)."""
     if _fast_empty is not None:
-        out = _fast_empty(shape, strides, dtype)
-        if out.get_device() == device_index:  # it allocates on the current device, maybe not like's
-            return out
+        try:
+            out = _fast_empty(shape, strides, dtype)
+        except (TypeError, RuntimeError) as exc:
+            _stop_fast_empty(exc)
+        else:
+            if out.get_device() == device_index:  # it allocates on the current device, maybe not like's
+                return out
     return like.new_empty(shape, dtype=dtype)
 
 
