@@ -62,9 +62,8 @@ def test_every_variant_compiles_without_spills(arch):
     for variant, result in zip(VARIANTS, results):
         assert f"for '{arch}'" in result.log, result.log
         assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{variant} on {arch}:\n{result.log}"
-        # The writer's KV warps keep their next unit's loads in registers (about 13): up to 80
-        # registers, 3 blocks of 256 threads an SM, measured faster than 5 blocks without that
-        # pipeline.
+        # The writer's KV warps keep their next unit's loads in registers (about 13): 58-64
+        # registers now (4 blocks of 256 threads an SM); the bound leaves room for the pipeline.
         assert 0 < result.registers <= MAX_REGISTERS, f"{variant}: {result.registers} registers"
 
 

@@ -25,7 +25,7 @@ from torch.autograd.graph import increment_version
 
 from . import abi, kernel_cache, reference, validation
 from .jit import Template
-from .launch import Launcher, current_raw_stream, new_output
+from .launch import Launcher, contiguous_strides, current_raw_stream, new_output
 
 BLOCK_N = 32  # selected tokens a tile
 HEAD_TILES = (16, 32, 64)  # heads a block; the largest that fits the GPU's shared memory
@@ -214,8 +214,10 @@ def _decode_cuda(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, ex
         validation.check_decode_out(out, q, swa_cache, swa, extra_cache, extra)
         increment_version(out)  # written in place: autograd and views must see a new version
     else:  # the kernels write every element of out and lse
-        out = new_output(q, tuple(q.shape), q.stride(), torch.bfloat16, device)  # q is checked contiguous BF16
-    lse = new_output(q, (batch, q_len, num_heads), (q_len * num_heads, num_heads, 1), torch.float32, device)
+        out_shape = tuple(q.shape)
+        out = new_output(q, out_shape, contiguous_strides(out_shape), torch.bfloat16, device)
+    lse_shape = (batch, q_len, num_heads)
+    lse = new_output(q, lse_shape, contiguous_strides(lse_shape), torch.float32, device)
     rows = batch * q_len
     if rows == 0:
         return out, lse

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -87,6 +88,7 @@ def _stop_fast_empty(exc: Exception) -> None:
     log.warning("torch's _empty_strided_cuda raised (%s): nvfp4_mla's outputs come from new_empty from now on", exc)
 
 
+@functools.lru_cache(maxsize=1024)  # per-call shapes repeat (a decode step's); a hit costs a hash
 def contiguous_strides(shape: tuple) -> tuple:
     """The strides, in elements, of a contiguous tensor of ``shape`` (torch's: a 0-size dim counts as 1)."""
     strides = [1] * len(shape)

@@ -129,8 +129,7 @@ def _dequantize_cuda(cache, slots, dtype, invalid, out):
         slot_dtype, slots_ptr = slots.dtype, slots.data_ptr()
         shape = (*slots.shape, abi.HEAD_DIM)
     if out is None:  # every row is written (invalid slots get the fill)
-        strides = (abi.HEAD_DIM, 1) if len(shape) == 2 else contiguous_strides(shape)
-        out = new_output(cache, shape, strides, dtype, device)
+        out = new_output(cache, shape, contiguous_strides(shape), dtype, device)
     if num_rows == 0:
         return out
     key = (device, geometry[1], slot_dtype, dtype)

@@ -59,7 +59,7 @@ from ..testing import make_cache, raw_bytes
 from .ceilings import copy_bandwidth, empty_kernel_launcher
 from .report import markdown_grid, write_suite
 from .run import require_gpu, results_dir, suite_parser
-from .timing import SUITE_GRAPH_S, SUITE_HOST_BATCHES, SUITE_HOST_CALLS, SUITE_REPS, DeviceTimer, Timer, host_pair
+from .timing import SUITE_GRAPH_S, SUITE_REPS, DeviceTimer, Timer, host_pair
 
 PAGE_SIZE = 64
 SLOT_SETS = 4  # calls rotate over these, so a call does not find the previous call's records in L2
@@ -172,7 +172,7 @@ def run(device: torch.device, timer: Timer) -> Results:
     scalar = torch.zeros(1, device=device)
 
     def timed(call: Callable[[], object]) -> tuple[float, float]:  # (call, add_ beside it) host seconds
-        return host_pair(call, lambda: scalar.add_(1), SUITE_HOST_CALLS, SUITE_HOST_BATCHES)
+        return host_pair(call, lambda: scalar.add_(1))
 
     new_s, new_add_s = timed(lambda: read(cache, one, dtype=torch.bfloat16))
     out_s, out_add_s = timed(lambda: read(cache, one, dtype=torch.bfloat16, out=out_one))

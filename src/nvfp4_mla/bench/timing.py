@@ -76,7 +76,10 @@ def host_batches(call: Callable[[Any], object], inputs: Any, calls: int, batches
 
 
 def host_pair(
-    call: Callable[[], object], reference: Callable[[], object], calls: int, batches: int
+    call: Callable[[], object],
+    reference: Callable[[], object],
+    calls: int = SUITE_HOST_CALLS,
+    batches: int = SUITE_HOST_BATCHES,
 ) -> tuple[float, float]:
     """Best host seconds per call of ``call`` and of ``reference`` over ``batches`` batches of
     ``calls`` (:func:`host_batches`), the two's batches alternating so that both see the same host:
