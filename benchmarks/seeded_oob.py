@@ -18,14 +18,14 @@ from nvfp4_mla import jit, kernel_cache, launch
 from nvfp4_mla.testing import random_rows
 from nvfp4_mla.variant import Variant
 
-BOUND = "r.slot[j] >= p.capacity"
+BOUND = "static_cast<u64>(r.slot[j]) >= static_cast<u64>(p.capacity)"
 
 
 def main() -> None:
     variant = Variant.append(16, torch.int64)
     source = jit._source(variant.template.file)
     assert source.count(BOUND) == 1, "the seeded mutation no longer matches the kernel source"
-    jit._sources[variant.template.file] = source.replace(BOUND, "r.slot[j] > p.capacity")
+    jit._sources[variant.template.file] = source.replace(BOUND, BOUND.replace(">=", ">"))
     with tempfile.TemporaryDirectory() as directory:
         launcher = kernel_cache.KernelCache([directory]).launcher(0, variant)
         num_pages, page_size = 2, 16

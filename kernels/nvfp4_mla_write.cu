@@ -55,6 +55,61 @@ __device__ __forceinline__ CosSin load_cos_sin(const Params& p, i64 r, int k) {
     return {*reinterpret_cast<const float4*>(row), *reinterpret_cast<const float4*>(row + ROPE_PAIRS)};
 }
 
+// The KV loop is bound by the ALU pipe (docs/performance.md), where the compiler puts 64-bit
+// index and address arithmetic (IADD3, LEA and ISETP pairs). So row and slot indices are 32 bits
+// (the host refuses 2^30 rows or cache slots and more) and addresses are mad.wide.u32 from the
+// page or a per-lane base computed once: IMAD.WIDE, the FMA pipe, at twice the ALU pipe's rate
+// (ptxas still turns those by a power of two into one LEA pair).
+typedef unsigned long long u64;
+
+// a * b + c, c 64-bit: one IMAD.WIDE.U32.
+__device__ __forceinline__ u64 mad_wide(u32 a, u32 b, u64 c) {
+    u64 r;
+    asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(r) : "r"(a), "r"(b), "l"(c));
+    return r;
+}
+
+// base + page * stride for a 64-bit stride: two multiply-adds.
+__device__ __forceinline__ u64 page_address(u32 page, i64 stride, u64 base) {
+    u64 r;
+    asm("{\n\t.reg .u32 lo, hi;\n\tmad.wide.u32 %0, %1, %2, %4;\n\tmov.b64 {lo, hi}, %0;\n\t"
+        "mad.lo.u32 hi, %1, %3, hi;\n\tmov.b64 %0, {lo, hi};\n\t}"
+        : "=l"(r)
+        : "r"(page), "r"(static_cast<u32>(stride)), "r"(static_cast<u32>(static_cast<u64>(stride) >> 32)), "l"(base));
+    return r;
+}
+
+// Global loads and stores at such an address (an integer: C++ would use generic addressing).
+// Volatile: the loads stay before the previous row's stores, in flight during its quantizer.
+__device__ __forceinline__ uint4 ld_global_v4(u64 a) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
+    return v;
+}
+
+__device__ __forceinline__ u32 ld_global_u32(u64 a) {
+    u32 v;
+    asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(a));
+    return v;
+}
+
+__device__ __forceinline__ void st_global_v2(u64 a, uint2 v) {
+    asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(a), "r"(v.x), "r"(v.y) : "memory");
+}
+
+__device__ __forceinline__ void st_global_u32(u64 a, u32 v) {
+    asm volatile("st.global.u32 [%0], %1;" ::"l"(a), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_global_u8(u64 a, u32 v) {
+    asm volatile("st.global.u8 [%0], %1;" ::"l"(a), "r"(v) : "memory");
+}
+
+// A lane's addresses in row 0 of kv: its NoPE group (32 bytes at 32 * lane) and its RoPE pair.
+struct LaneBases {
+    u64 group, rope;
+};
+
 // One warp's KV_ROWS_PER_WARP rows of a unit, loaded: lane g < NUM_GROUPS holds NoPE group g
 // whole (its two 16-byte halves), and every lane holds RoPE pair `lane` (one word).
 struct KvRows {
@@ -64,13 +119,14 @@ struct KvRows {
 };
 
 // Issues every load of the rows (slots, positions, data) and returns without waiting for them.
-// Rows at or past num_kv_rows load nothing and get slot -1.
-__device__ __forceinline__ KvRows load_kv_rows(const Params& p, i64 first_row, int lane) {
+// Rows at or past num_kv_rows get slot -1 and the last row's data (never used): every lane loads
+// unpredicated, lanes past the groups part of the RoPE dims.
+__device__ __forceinline__ KvRows load_kv_rows(const Params& p, u32 first_row, const LaneBases& b) {
     KvRows r;
 #pragma unroll
     for (int j = 0; j < KV_ROWS_PER_WARP; ++j) {
-        const i64 row = first_row + j;
-        const bool exists = row < p.num_kv_rows;
+        const u32 row = first_row + j;
+        const bool exists = row < static_cast<u32>(p.num_kv_rows);
 #if IDENTITY_SLOTS
         r.slot[j] = exists ? row : -1;
 #elif SLOT_INT64
@@ -83,11 +139,11 @@ __device__ __forceinline__ KvRows load_kv_rows(const Params& p, i64 first_row, i
 #else
         r.pos[j] = 0;
 #endif
-        const uint4* x = p.kv + row * CHUNKS;
-        const bool group = exists && lane < NUM_GROUPS;
-        r.h0[j] = group ? x[2 * lane] : make_uint4(0u, 0u, 0u, 0u);
-        r.h1[j] = group ? x[2 * lane + 1] : make_uint4(0u, 0u, 0u, 0u);
-        r.rope[j] = exists ? reinterpret_cast<const u32*>(x + NOPE_CHUNKS)[lane] : 0u;
+        const u32 data_row = min(row, static_cast<u32>(p.num_kv_rows) - 1u);
+        const u64 group = mad_wide(data_row, CHUNKS * 16, b.group);
+        r.h0[j] = ld_global_v4(group);
+        r.h1[j] = ld_global_v4(group + 16);
+        r.rope[j] = ld_global_u32(mad_wide(data_row, CHUNKS * 16, b.rope));
     }
     return r;
 }
@@ -101,7 +157,7 @@ __device__ __forceinline__ void insert_kv_rows(const Params& p, const KvRows& r,
 #pragma unroll
     for (int j = 0; j < KV_ROWS_PER_WARP; ++j) {
         // Uniform across the warp (one row).
-        if (r.slot[j] < 0 || r.slot[j] >= p.capacity) continue;
+        if (static_cast<u64>(r.slot[j]) >= static_cast<u64>(p.capacity)) continue;  // negative too
 #if KV_ROPE
         if (r.pos[j] < 0 || (r.pos[j] + 1) % COMPRESS_RATIO != 0) continue;
         const i64 rope_row = r.pos[j] / COMPRESS_RATIO * COMPRESS_RATIO;
@@ -110,37 +166,37 @@ __device__ __forceinline__ void insert_kv_rows(const Params& p, const KvRows& r,
         const float* cos_sin = p.cos_sin + rope_row * ROPE_DIM;
         const float cos = cos_sin[lane], sin = cos_sin[ROPE_PAIRS + lane];
 #endif
-        // The slot is valid (0 <= slot < capacity), so unsigned division by the page size: no
-        // sign fix-ups.
-        const unsigned long long valid_slot = static_cast<unsigned long long>(r.slot[j]);
-        u8* page = p.cache + static_cast<i64>(valid_slot / PAGE_SIZE) * p.page_stride;
-        const i64 entry = static_cast<i64>(valid_slot % PAGE_SIZE);
-        u8* data = page + entry * DATA_BYTES;
+        // 0 <= slot < capacity < 2^30: 32-bit unsigned division by the page size.
+        const u32 valid_slot = static_cast<u32>(r.slot[j]), entry = valid_slot % PAGE_SIZE, ulane = lane;
+        const u64 page = page_address(valid_slot / PAGE_SIZE, p.page_stride, reinterpret_cast<u64>(p.cache));
         u32 scale = 0u;  // lanes past the groups write the slot's zero bytes
         if (lane < NUM_GROUPS) {
             const GroupAmax a = group_amax(r.h0[j], r.h1[j]);
             scale = scale_code(a.amax.x);  // the group's scale byte is half 0's
             const u32 scale1 = a.nan ? scale_code(a.amax.y) : scale;  // the halves' amax differ only with a NaN
-            *reinterpret_cast<uint2*>(data + 8 * lane) = group_codes(r.h0[j], r.h1[j], a, scale, scale1);
+            const uint2 codes = group_codes(r.h0[j], r.h1[j], a, scale, scale1);
+            st_global_v2(mad_wide(entry * (DATA_BYTES / 8) + ulane, 8, page), codes);  // data + 8 * lane
         }
 #if KV_ROPE
         const u32 rope_out = rope_pair_bits(r.rope[j], cos, sin);
 #else
         const u32 rope_out = r.rope[j];
 #endif
-        reinterpret_cast<u32*>(data + NOPE_BYTES)[lane] = rope_out;
-        page[PAGE_SIZE * DATA_BYTES + entry * SCALE_BYTES + lane] = static_cast<u8>(scale);
+        st_global_u32(mad_wide(entry * (DATA_BYTES / 4) + ulane, 4, page) + NOPE_BYTES, rope_out);
+        st_global_u8(mad_wide(entry * SCALE_BYTES + ulane, 1, page) + PAGE_SIZE * DATA_BYTES, scale);
     }
 }
 
 // The KV units unit, unit + stride, ... below kv_units, software-pipelined: the next unit's loads
 // are in flight while this one is quantized, so a warp waits for memory once, not once a unit.
-__device__ __forceinline__ void insert_kv_units(const Params& p, i64 unit, i64 stride, i64 kv_units, int c) {
+__device__ __forceinline__ void insert_kv_units(const Params& p, u32 unit, u32 stride, u32 kv_units, int c) {
     const int warp = c / 32, lane = c % 32;
-    KvRows rows = load_kv_rows(p, unit * KV_ROWS_PER_UNIT + warp * KV_ROWS_PER_WARP, lane);
+    const u64 kv = reinterpret_cast<u64>(p.kv);
+    const LaneBases b = {kv + 32u * lane, kv + NOPE_CHUNKS * 16 + 4u * lane};
+    KvRows rows = load_kv_rows(p, unit * KV_ROWS_PER_UNIT + warp * KV_ROWS_PER_WARP, b);
     for (;;) {
-        const i64 next = unit + stride;
-        const KvRows next_rows = load_kv_rows(p, next * KV_ROWS_PER_UNIT + warp * KV_ROWS_PER_WARP, lane);
+        const u32 next = unit + stride;
+        const KvRows next_rows = load_kv_rows(p, next * KV_ROWS_PER_UNIT + warp * KV_ROWS_PER_WARP, b);
         insert_kv_rows(p, rows, lane);
         if (next >= kv_units) return;
         rows = next_rows;
@@ -217,7 +273,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_write(const Para
     if (blockIdx.x < p.kv_blocks) {
         const i64 kv_units = (p.num_kv_rows + KV_ROWS_PER_UNIT - 1) / KV_ROWS_PER_UNIT;
         const i64 unit = static_cast<i64>(blockIdx.x) * UNITS_PER_BLOCK + unit_of_block;
-        if (unit < kv_units) insert_kv_units(p, unit, p.kv_blocks * UNITS_PER_BLOCK, kv_units, c);
+        // The host's row limit (2^30) keeps unit indices in 32 bits.
+        if (unit < kv_units)
+            insert_kv_units(p, static_cast<u32>(unit), static_cast<u32>(p.kv_blocks * UNITS_PER_BLOCK), static_cast<u32>(kv_units), c);
         return;
     }
 #if Q_MODE != 0

@@ -143,11 +143,15 @@ __device__ __forceinline__ u32 exact_half_codes(uint4 x, float amax, u32 code) {
 // ---------------------------------------------------------------- the quantizer's fast path
 //
 // Two BF16 values a 32-bit word throughout. Without NaN the reduction order of steps 2-3 does
-// not matter: the amax is the integer maximum of the magnitude bits (nonnegative BF16 order is
-// integer order), flushed afterwards. Step 7's code of a value v is the number of thresholds
-// T1 < ... < T7 its magnitude reaches, where Tk is the smallest BF16 magnitude whose scaled
-// product rounds to E2M1 boundary k or above (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, ties as in
-// step 7): packed BF16 subtractions, four a pair of values (pair_code_bits), no product formed.
+// not matter: the amax is the maximum of the magnitudes, flushed afterwards. Step 7's code of a
+// value v is the number of thresholds T1 < ... < T7 its magnitude reaches, where Tk is the
+// smallest BF16 magnitude whose scaled product rounds to E2M1 boundary k or above (0.25, 0.75,
+// 1.25, 1.75, 2.5, 3.5, 5, ties as in step 7): packed BF16 subtractions, no product formed.
+//
+// The KV loop is bound by the ALU pipe (logic, permutes, integer adds and compares: half the
+// rate of the FMA pipe, which runs the BF16 arithmetic), so the fast path spends BF16
+// subtractions to save logic: seven a pair of values rather than a selection of three, and the
+// magnitudes as operand modifiers (|v|) rather than masks.
 //
 // The thresholds, for a scale d = 2^e (1 + m/8) (every nonzero E4M3 value has this form; m is
 // its fp32 mantissa's top 3 bits): Bk * d is exact in BF16 (at most 3 + 4 significant bits), and
@@ -185,22 +189,43 @@ __device__ __forceinline__ u32 bf16x2_max_nan(u32 a, u32 b) {
     return r;
 }
 
-// a + b on each BF16 half, as fma(a, 1, b): for the threshold tests the sign of the rounded
-// result is the sign of the exact one, and a difference of zero is +0.
-__device__ __forceinline__ u32 bf16x2_add(u32 a, u32 b) {
+// |a| + b on each BF16 half, as fma(|a|, 1, b): for the threshold tests the sign of the rounded
+// result is the sign of the exact one, and a difference of zero is +0. The abs is one instruction
+// per pair of values, shared by its seven tests (an FMA-pipe |a| on sm_90, not a mask).
+__device__ __forceinline__ u32 bf16x2_abs_add(u32 a, u32 b) {
     u32 r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(0x3F803F80u), "r"(b));
+    asm("{\n\t.reg .b32 m;\n\tabs.bf16x2 m, %1;\n\tfma.rn.bf16x2 %0, m, %2, %3;\n\t}"
+        : "=r"(r)
+        : "r"(a), "r"(0x3F803F80u), "r"(b));
     return r;
 }
 
-// The magnitudes of the 8 values of a half, in the word layout of x.
-__device__ __forceinline__ uint4 half_magnitudes(uint4 x) {
-    return make_uint4(x.x & 0x7fff7fffu, x.y & 0x7fff7fffu, x.z & 0x7fff7fffu, x.w & 0x7fff7fffu);
+// Per-lane maxima of a half's magnitudes (lane x, the even values, in the low half), NaN if any
+// is; the sign bits are not cleared (callers mask them). sm_86+ folds the abs into the maximum
+// (max.xorsign.abs: the sign is the XOR of the operands'), with no masking instruction.
+__device__ __forceinline__ u32 half_magnitude_max(uint4 x) {
+#if __CUDA_ARCH__ >= 860
+    u32 r;
+    asm("{\n\t.reg .b32 a, b;\n\tmax.NaN.xorsign.abs.bf16x2 a, %1, %2;\n\tmax.NaN.xorsign.abs.bf16x2 b, %3, %4;\n\t"
+        "max.NaN.xorsign.abs.bf16x2 %0, a, b;\n\t}"
+        : "=r"(r)
+        : "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
+    return r;
+#else
+    constexpr u32 m = 0x7fff7fffu;
+    return bf16x2_max_nan(bf16x2_max_nan(x.x & m, x.y & m), bf16x2_max_nan(x.z & m, x.w & m));
+#endif
 }
 
-// Per-lane maxima of a half's magnitudes (lane x, the even values, in the low half), NaN if any is.
-__device__ __forceinline__ u32 half_magnitude_max(uint4 a) {
-    return bf16x2_max_nan(bf16x2_max_nan(a.x, a.y), bf16x2_max_nan(a.z, a.w));
+// The maximum of two results of half_magnitude_max (or of this), in the same form.
+__device__ __forceinline__ u32 magnitude_max(u32 a, u32 b) {
+#if __CUDA_ARCH__ >= 860
+    u32 r;
+    asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+#else
+    return bf16x2_max_nan(a, b);  // both nonnegative already
+#endif
 }
 
 // The fp32 bits of the value of E4M3 code 0..0x7E.
@@ -219,8 +244,8 @@ __device__ __forceinline__ u32 e4m3_value_bits(u32 code) {
 }
 
 // Steps 2-4 for a whole group (halves h0, h1 of one thread): the amax of each half (x: half 0,
-// y: half 1), and whether the group holds a NaN. Without NaN both are the group's integer
-// magnitude maximum, flushed; a group with a NaN takes the exact fold, whose order then matters,
+// y: half 1), and whether the group holds a NaN. Without NaN both are the group's magnitude
+// maximum, flushed; a group with a NaN takes the exact fold, whose order then matters,
 // and the exact scalar codes (group_codes).
 struct GroupAmax {
     float2 amax;
@@ -228,8 +253,8 @@ struct GroupAmax {
 };
 
 __device__ __forceinline__ GroupAmax group_amax(uint4 h0, uint4 h1) {
-    const u32 lanes = bf16x2_max_nan(half_magnitude_max(half_magnitudes(h0)), half_magnitude_max(half_magnitudes(h1)));
-    const float amax = __uint_as_float(bf16x2_max_nan(lanes, prmt(lanes, lanes, 0x1032u)) & 0xffff0000u);
+    const u32 lanes = magnitude_max(half_magnitude_max(h0), half_magnitude_max(h1));
+    const float amax = __uint_as_float(magnitude_max(lanes, prmt(lanes, lanes, 0x1032u)) & 0x7fff0000u);
     if (amax != amax) return {exact_group_amax(h0, h1), true};
     const float flushed = abs_ftz(amax);  // a subnormal amax counts as zero
     return {make_float2(flushed, flushed), false};
@@ -272,21 +297,20 @@ __device__ __forceinline__ E2M1Thresholds e2m1_thresholds(u32 code) {
     return t;
 }
 
-// The code bits of one pair of values, inverted, each at bits 15 and 31 (low value, high value):
-// the sign of |v| - T, set where |v| < T. b2 is |v| >= T4; the rest of the code counts the
-// thresholds reached among the three of v's side of T4 (T1..T3 below it, T5..T7 from it), a
-// thermometer of three: b1 = t2, b0 = t1 ^ t2 ^ t3. Four subtractions a pair, not one a threshold.
+// The code bits of one pair of values, inverted, each at bits 15 and 31 (low value, high value).
+// n_k, the sign of |v| - Tk, is set where |v| < Tk; the tests t_k = ~n_k form a thermometer
+// (t7 => ... => t1), whose count c has b2 = t4, b1 = t2 ^ t4 ^ t6 and b0 = the parity of all
+// seven. An odd number of inversions inverts a XOR, so ~b1 = n2 ^ n4 ^ n6, ~b0 = n1 ^ ... ^ n7.
 struct PairCodeBits {
     u32 not_b0, not_b1, not_b2;
 };
 
-__device__ __forceinline__ PairCodeBits pair_code_bits(u32 magnitudes, const E2M1Thresholds& t) {
-    const u32 below4 = bf16x2_add(magnitudes, t.neg[3]);
-    const u32 lower = prmt(below4, below4, 0xBB99u);  // 0xFFFF in each half where |v| < T4
-    u32 below[3];
+__device__ __forceinline__ PairCodeBits pair_code_bits(u32 values, const E2M1Thresholds& t) {
+    u32 n[7];
 #pragma unroll
-    for (int k = 0; k < 3; ++k) below[k] = bf16x2_add(magnitudes, (t.neg[k] & lower) | (t.neg[k + 4] & ~lower));
-    return {below[0] ^ below[1] ^ below[2], below[1], below4};  // ~t1 ^ ~t2 ^ ~t3 = ~b0
+    for (int k = 0; k < 7; ++k) n[k] = bf16x2_abs_add(values, t.neg[k]);
+    const u32 not_b1 = n[1] ^ n[3] ^ n[5];
+    return {n[0] ^ n[2] ^ n[4] ^ not_b1 ^ n[6], not_b1, n[3]};
 }
 
 // ORs bit `bit` (0..3) of each of the 8 nibbles of `acc` from a plane: bits 15 and 31 of the words
@@ -306,9 +330,8 @@ __device__ __forceinline__ u32 e2m1_nibbles(u32 acc) {
 // Steps 5-7 under a scale code in 1..0x7E, whose thresholds are t, for a half without NaN: the
 // 8 E2M1 codes (element k in bits 4k..4k+3). The sign plane is the values' own sign bits.
 __device__ __forceinline__ u32 half_codes(uint4 x, const E2M1Thresholds& t) {
-    const uint4 a = half_magnitudes(x);
-    const PairCodeBits p0 = pair_code_bits(a.x, t), p1 = pair_code_bits(a.y, t), p2 = pair_code_bits(a.z, t),
-                       p3 = pair_code_bits(a.w, t);
+    const PairCodeBits p0 = pair_code_bits(x.x, t), p1 = pair_code_bits(x.y, t), p2 = pair_code_bits(x.z, t),
+                       p3 = pair_code_bits(x.w, t);
     u32 acc = add_plane<0, true>(0u, p0.not_b0, p1.not_b0, p2.not_b0, p3.not_b0);
     acc = add_plane<1, true>(acc, p0.not_b1, p1.not_b1, p2.not_b1, p3.not_b1);
     acc = add_plane<2, true>(acc, p0.not_b2, p1.not_b2, p2.not_b2, p3.not_b2);

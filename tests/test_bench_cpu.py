@@ -597,6 +597,23 @@ def test_results_go_to_a_folder_named_after_the_gpu():
     assert run.results_dir(Path("docs"), "NVIDIA H200") == Path("docs")
 
 
+def test_the_commit_line_marks_an_uncommitted_tree(tmp_path):
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path), *args], check=True)
+
+    assert probes.git_commit(tmp_path) == "not a git checkout"
+    git("init", "-q")
+    (tmp_path / "kernel.cu").write_text("v1")
+    git("add", "kernel.cu")
+    git("commit", "-q", "-m", "v1")
+    head = probes.git_commit(tmp_path)
+    assert len(head) >= 7 and all(c in "0123456789abcdef" for c in head)
+    (tmp_path / "notes.txt").write_text("untracked files do not count")
+    assert probes.git_commit(tmp_path) == head
+    (tmp_path / "kernel.cu").write_text("v2")
+    assert probes.git_commit(tmp_path) == f"{head} with uncommitted changes"
+
+
 @pytest.mark.skipif(GPU_USABLE, reason="would run the benchmark")
 def test_main_says_it_needs_a_gpu():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):

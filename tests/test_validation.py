@@ -252,6 +252,35 @@ def test_slot_mapping_never_longer():
     expect_rejected(call_kv, args, "never longer")
 
 
+def test_write_range_rows_and_slots():
+    """A writer call takes fewer than 2^30 rows and cache slots (the kernel indexes them in 32
+    bits). Meta tensors give the shapes without the bytes; the check comes before the device's."""
+    big = 1 << 30
+    meta_rows = torch.empty((big, 512), dtype=torch.bfloat16, device="meta")
+    meta_slots = torch.empty(big, dtype=torch.int64, device="meta")
+    small = make_cache(2, 4)
+    with pytest.raises(ValueError, match="fewer than 2\\^30"):
+        reference.nvfp4_quantize_append_sparse_mla_cache(meta_rows, meta_slots, small)
+    with pytest.raises(ValueError, match="fewer than 2\\^30"):
+        reference.cake_dsv4_nvfp4_kv_rope_quantize_insert(
+            meta_rows, small, meta_slots, torch.empty(big, dtype=torch.int64, device="meta"), rope_table(8)
+        )
+    huge_cache = torch.empty((big // 64, 64, 384), dtype=torch.uint8, device="meta")
+    rows = random_rows((T, 512))
+    with pytest.raises(ValueError, match="fewer than 2\\^30"):
+        reference.nvfp4_quantize_append_sparse_mla_cache(rows, torch.arange(T), huge_cache)
+    with pytest.raises(ValueError, match="fewer than 2\\^30"):
+        reference.nvfp4_quantize_pack_sparse_mla_cache(
+            torch.empty((big // 64, 64, 512), dtype=torch.bfloat16, device="meta")
+        )
+    # one below the limit passes the range check (and fails later, on the devices)
+    below = torch.empty((big - 1, 512), dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="same"):
+        reference.nvfp4_quantize_append_sparse_mla_cache(
+            below, torch.empty(big - 1, dtype=torch.int64, device="meta"), small
+        )
+
+
 # ------------------------------------------------------------------ positions and cos_sin_cache
 
 

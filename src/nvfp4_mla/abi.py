@@ -28,6 +28,10 @@ Q_HEAD_PADDINGS = (8, 16, 32, 64, 128)  # legal q_head_padded values besides 0
 COMPRESS_RATIOS = (1, 2)
 KV_LAYOUTS = ("HND", "NHD")
 
+# A writer call inserts fewer rows than this, into a cache of fewer slots: the kernel's row and
+# slot indices are 32-bit (docs/format.md section 6; 2^30 slots would be 412 GB of records).
+MAX_WRITE_ROWS = 1 << 30
+
 E4M3_MAX_CODE = 0x7E  # 448, where scales saturate
 E4M3_NAN_CODE = 0x7F
 BF16_NAN_BITS = 0x7FC0  # torch's NaN; written to q_out heads whose RoPE row is out of range

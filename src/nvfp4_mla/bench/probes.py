@@ -116,16 +116,23 @@ def nvidia_smi(device: torch.device) -> str:
     return failure
 
 
-def git_commit() -> str:
-    """The short commit of the checkout the package runs from, or why there is none."""
+def git_commit(directory: Path | None = None) -> str:
+    """The short commit of the checkout the package runs from (or ``directory``), marked when its
+    tracked files differ from that commit (a run of an uncommitted tree); or why there is none."""
+    here = str(directory or Path(__file__).parent)
     try:
-        out = subprocess.run(
-            ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
+        head = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        if not head:
+            return "not a git checkout"
+        changed = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
             capture_output=True,
             text=True,
             timeout=10,
-        )
-        return out.stdout.strip() or "not a git checkout"
+        ).stdout.strip()
+        return f"{head} with uncommitted changes" if changed else head
     except (OSError, subprocess.TimeoutExpired):
         return "git not available"
 

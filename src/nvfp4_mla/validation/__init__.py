@@ -84,7 +84,15 @@ def append_pointer_checks(tensors: tuple, geometry: CacheGeometry) -> PointerChe
 PACK_POINTER_CHECKS = PointerChecks(("latent_kv",), (0,), (0,), ())  # aligned; the output is new
 
 
-def _check_slots(slot_mapping: torch.Tensor, num_rows: int) -> None:
+def _check_write_range(rows: int, capacity: int) -> None:
+    if rows >= abi.MAX_WRITE_ROWS or capacity >= abi.MAX_WRITE_ROWS:
+        _fail(
+            f"a writer call inserts fewer than 2^30 rows into a cache of fewer than 2^30 slots, "
+            f"got {rows} rows and {capacity} slots"
+        )
+
+
+def _check_slots(slot_mapping: torch.Tensor, num_rows: int, geometry: CacheGeometry) -> None:
     if slot_mapping.dtype not in _SLOT_DTYPES:
         _fail(f"slot_mapping must have dtype torch.int32 or torch.int64, got {slot_mapping.dtype}")
     shape = slot_mapping.shape
@@ -95,6 +103,7 @@ def _check_slots(slot_mapping: torch.Tensor, num_rows: int) -> None:
             f"slot_mapping must hold at most one slot per token row (never longer than the rows): "
             f"{shape[0]} slots for {num_rows} rows"
         )
+    _check_write_range(shape[0], geometry.num_pages * geometry.page_size)
 
 
 def _check_kv_rows(kv: torch.Tensor, name: str) -> int:
@@ -156,7 +165,7 @@ def check_main(
     if kv_rows != num_tokens:
         _fail(f"kv must hold one row per query token: {kv_rows} rows for {num_tokens} tokens")
     geometry = check_cache(cache)
-    _check_slots(slot_mapping, num_tokens)
+    _check_slots(slot_mapping, num_tokens, geometry)
     _check_rope_inputs(positions, cos_sin_cache, num_tokens)
     _check_device(tensors, names, need_cuda)
     check_q_options(num_heads, q_head_padded, q_inplace)
@@ -173,7 +182,7 @@ def check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, 
     check_tensors(tensors, names)
     num_rows = _check_kv_rows(kv, "kv")
     geometry = check_cache(cache)
-    _check_slots(slot_mapping, num_rows)
+    _check_slots(slot_mapping, num_rows, geometry)
     _check_rope_inputs(positions, cos_sin_cache, num_rows)
     _check_device(tensors, names, need_cuda)
     check_compress_ratio(compress_ratio)
@@ -206,7 +215,7 @@ def check_append(latent_kv, slot_mapping, cache, need_cuda) -> CacheGeometry:
     check_tensors(tensors, APPEND_NAMES)
     num_rows = _check_kv_rows(latent_kv, "latent_kv")
     geometry = check_cache(cache)
-    _check_slots(slot_mapping, num_rows)
+    _check_slots(slot_mapping, num_rows, geometry)
     _check_device((latent_kv, cache, slot_mapping), ("latent_kv", "cache", "slot_mapping"), need_cuda)
     check_pointers(tensors, append_pointer_checks(tensors, geometry))
     if DEBUG_CHECKS:
@@ -220,6 +229,7 @@ def check_pack(latent_kv, kv_layout, need_cuda) -> None:
     _check_bf16_rows(latent_kv, "latent_kv", "num_pages, page_size, 512", 3)
     if latent_kv.shape[1] < 1:
         _fail(f"latent_kv must be [num_pages, page_size, 512] with page_size >= 1, got {list(latent_kv.shape)}")
+    _check_write_range(latent_kv.shape[0] * latent_kv.shape[1], latent_kv.shape[0] * latent_kv.shape[1])
     _check_device((latent_kv,), ("latent_kv",), need_cuda)
     if type(kv_layout) is not str or kv_layout not in abi.KV_LAYOUTS:
         _fail(f"kv_layout must be one of {abi.KV_LAYOUTS}, got {kv_layout!r}")
