@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nvfp4_mla import Geometry, abi, jit, kernel_cache
+from nvfp4_mla.testing import VirtualArchKernels
 from nvfp4_mla.variant import QMode, Variant
 
 pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install 'nvfp4-mla[cu12]')")
@@ -119,3 +120,15 @@ def test_params_size_is_checked_by_the_compiler(monkeypatch):
     monkeypatch.setattr(Variant, "template", wrong)
     with pytest.raises(RuntimeError, match="Params must match"):
         jit.compile_kernel(variant, "sm_80")
+
+
+def test_ptx_of_an_older_gpu_takes_its_code_paths(tmp_path):
+    """compile_ptx gives NUL-terminated PTX of the virtual architecture, whose ``__CUDA_ARCH__``
+    branches are that GPU's: what the sm_80 runs of the GPU quantizer tests load on a newer GPU."""
+    variant = Geometry("append", 16).variant()
+    ptx80, ptx90 = jit.compile_ptx(variant, "sm_80"), jit.compile_ptx(variant, "sm_90")
+    assert ptx80.endswith(b"\0") and ptx80.count(b"\0") == 1 and b"\n.target sm_80\n" in ptx80
+    assert b"xorsign" not in ptx80 and b"xorsign" in ptx90  # the amax: masked magnitudes below sm_86
+    assert b"e4m3x2" not in ptx80 and b"e4m3x2" in ptx90  # the scale's E4M3 conversions below sm_89
+    with pytest.raises(kernel_cache.CacheError, match="in memory"):
+        VirtualArchKernels().build(variant, "sm_90", tmp_path)

@@ -7,6 +7,9 @@ scale code the format produces, and every awkward value (NaN, inf, -0, subnormal
 every position of a group, through the append and KV entries: whole canary-filled storages must
 agree with the reference byte for byte. The threshold tables of the header are checked here too,
 on the CPU, against the reference's rounding of every (scale code, BF16 magnitude).
+
+The GPU tests run twice: on the native kernels and on PTX of sm_80 JIT-compiled by the driver,
+which takes the header's sm_80 branches (masked magnitudes, the E4M3 conversions in software).
 """
 
 from __future__ import annotations
@@ -16,13 +19,24 @@ import re
 import pytest
 import torch
 
-from nvfp4_mla import abi, jit, reference
-from nvfp4_mla.testing import SPECIAL_BITS, check, make_cache, rope_table
+from nvfp4_mla import abi, jit, ops, reference
+from nvfp4_mla.testing import SPECIAL_BITS, VirtualArchKernels, check, make_cache, rope_table
 
 DEVICE = "cuda"
 PAGE_SIZE = 64
 BF16_PATTERNS = 1 << 16
 MAGNITUDES = torch.arange(0x7F81, dtype=torch.int32)  # +0 .. +inf: every non-NaN BF16 magnitude
+SM80_KERNELS = VirtualArchKernels("sm_80")
+
+
+@pytest.fixture(params=["native", "sm_80 PTX"])
+def kernels(request):
+    """The entries' kernels: the native ones, or sm_80's code paths JIT-compiled for this GPU."""
+    if request.param == "native":
+        yield
+        return
+    with ops.kernels_from(SM80_KERNELS):
+        yield
 
 
 def bf16_of(bits: torch.Tensor) -> torch.Tensor:
@@ -110,7 +124,7 @@ def append_call(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.gpu
-def test_every_bf16_pattern_under_every_scale_code(seed):
+def test_every_bf16_pattern_under_every_scale_code(seed, kernels):
     """All 65536 BF16 patterns, as an element beside an amax fixing each of the 128 possible
     scales (0x00 .. 0x7E, and amax 0), through the append entry: about 560k groups."""
     groups = torch.cat([sweep_groups(int(a)) for a in amax_for_every_code()])
@@ -121,7 +135,7 @@ def test_every_bf16_pattern_under_every_scale_code(seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("entry", ["append", "kv"])
-def test_awkward_values_at_every_position(entry, seed):
+def test_awkward_values_at_every_position(entry, seed, kernels):
     """NaN, inf, zeros, subnormals, the BF16 maximum and E2M1 ties at each position of a group,
     mixed with random groups in the same warps, through the append and KV entries."""
     groups = torch.cat((special_groups(copies=64), sweep_groups(int(amax_for_every_code()[1 + 0x38]))))

@@ -164,6 +164,34 @@ def proof(key: str) -> bytes:
     return (_KEY_PREFIX + key).encode()
 
 
+def _run_nvrtc(spec: Spec, gpu_architecture: str, key: str, header: str | None, ptx: bool) -> tuple[bytes, str]:
+    """NVRTC's output (a cubin, or PTX when ``ptx``) and log for one spec."""
+    nvrtc = _nvrtc()
+    template = spec.template
+    header = _source(HEADER_FILE) if header is None else header
+    options = [*_options(spec, gpu_architecture), f'-DNVFP4_MLA_KEY="{_KEY_PREFIX}{key}"']
+    program = nvrtc.createProgram(_source(template.file), template.file, [header.encode()], [HEADER_FILE.encode()])
+    try:
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as exc:
+            log_text = nvrtc.getProgramLog(program)
+            raise RuntimeError(f"NVRTC failed for {spec} on {gpu_architecture}:\n{log_text}") from exc
+        output = nvrtc.getPTX(program) if ptx else nvrtc.getCUBIN(program)
+        return (output.encode() if isinstance(output, str) else output), nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def compile_ptx(spec: Spec, arch: str) -> bytes:
+    """PTX of one spec for ``arch``'s virtual architecture (sm_80 -> compute_80), NUL-terminated:
+    the driver compiles it for the GPU it is loaded on. The tests run the code paths of older GPUs
+    (the header's ``__CUDA_ARCH__`` branches) on a newer one this way; nothing caches it."""
+    virtual = "compute_" + check_arch(arch)[3:]
+    ptx, _ = _run_nvrtc(spec, virtual, kernel_key(spec, virtual), None, ptx=True)
+    return ptx.rstrip(b"\0") + b"\0"
+
+
 def compile_kernel(spec: Spec, arch: str, key: str | None = None, header: str | None = None) -> CompileResult:
     """Compiles one spec to a cubin for ``arch`` ("sm_80", "sm_90", ...). Needs no GPU.
 
@@ -173,21 +201,8 @@ def compile_kernel(spec: Spec, arch: str, key: str | None = None, header: str | 
     same ``header`` to :func:`kernel_key`.
     """
     check_arch(arch)
-    nvrtc = _nvrtc()
     key = kernel_key(spec, arch, header) if key is None else key
-    template = spec.template
-    header = _source(HEADER_FILE) if header is None else header
-    options = [*_options(spec, arch), f'-DNVFP4_MLA_KEY="{_KEY_PREFIX}{key}"']
-    program = nvrtc.createProgram(_source(template.file), template.file, [header.encode()], [HEADER_FILE.encode()])
-    try:
-        try:
-            nvrtc.compileProgram(program, options)
-        except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"NVRTC failed for {spec} on {arch}:\n{nvrtc.getProgramLog(program)}") from exc
-        report = nvrtc.getProgramLog(program)
-        cubin = nvrtc.getCUBIN(program)
-    finally:
-        nvrtc.destroyProgram(program)
+    cubin, report = _run_nvrtc(spec, arch, key, header, ptx=False)
 
     def number(pattern: str) -> int:
         return sum(int(x) for x in re.findall(pattern, report))

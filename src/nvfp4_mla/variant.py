@@ -125,8 +125,9 @@ class Variant(NamedTuple):
     def grid(self, num_tokens: int, num_kv_rows: int, resident_blocks: int) -> tuple[int, int]:
         """(KV blocks, all blocks) of a launch. The KV blocks loop over the KV units, so no more
         of them than the GPU holds at once (``resident_blocks``), and half as many when the query
-        has work: its blocks, a unit each, follow them and then run beside their loop (memory-bound
-        blocks beside issue-bound ones; measured 1-12% faster on the H200 than all of them)."""
+        has work: its blocks, a unit each, follow them and then run beside their loop (on the H200,
+        1-12% faster than all of them; a quarter, three quarters, all of them and more were slower,
+        before and after quantizer v8)."""
         cap = resident_blocks if self.q_mode == QMode.NONE else max(1, resident_blocks // 2)
         kv_blocks = min(_blocks(self.kv_units(num_kv_rows)), cap)
         return kv_blocks, kv_blocks + _blocks(self.q_units(num_tokens))

@@ -10,6 +10,7 @@ by slot, page and record field (docs/format.md section 3) or by element.
 
 - :mod:`.inputs`: RoPE tables, random and crafted rows, slots, positions, canary caches, :class:`Case`;
 - :mod:`.checks`: storage bytes, byte locators, :func:`check`;
+- :mod:`.kernels`: :class:`VirtualArchKernels`, an older GPU's kernel code paths on this one;
 - :mod:`.soak`: the soak loop of ``benchmarks/soak.py`` (import it by name).
 """
 
@@ -49,6 +50,7 @@ from .inputs import (
     random_slots,
     rope_table,
 )
+from .kernels import VirtualArchKernels
 
 __all__ = [
     "ARG_NAMES",
@@ -57,6 +59,7 @@ __all__ = [
     "SPECIAL_BITS",
     "Case",
     "Locator",
+    "VirtualArchKernels",
     "args_of",
     "assert_same",
     "bits",
