@@ -9,7 +9,7 @@
 //   NUM_HEADS       live query heads; Q_HEADS: heads of q_out (the padded count)
 //   APPLY_Q_ROPE    rotate the live heads (else copy them bitwise)
 //   Q_ROWS_PER_UNIT 16-byte query loads in flight per thread (variant.Q_ROWS_PER_UNIT)
-//   KV_ROWS_PER_WARP KV rows a warp inserts, their loads in flight together
+//   KV_ROWS_PER_WARP KV rows a warp inserts, their loads in flight together (compress ratio 1)
 //
 // Work is cut into units of 64 threads, as many as a 512-dim BF16 row has 16-byte chunks.
 // The first kv_blocks blocks insert the KV rows, a warp its own KV_ROWS_PER_WARP rows of a unit,
@@ -17,7 +17,8 @@
 // most as many of them as the GPU holds at once (launch.Launcher.resident_blocks). The blocks
 // after them write the query, a unit each, each thread one 16-byte chunk of a 512-dim BF16 row
 // (Q_ROWS_PER_UNIT (token, head) rows of q_out, or in place Q_ROWS_PER_UNIT x 8 heads x 8 RoPE
-// chunks).
+// chunks). With a compress ratio above 1 the KV blocks' warps take batches of rows instead
+// (insert_kv_batches), to read only the rows they insert.
 #include "nvfp4_numerics.cuh"
 
 // THREADS, UNIT_THREADS and the record ABI (HEAD_DIM, NOPE_DIM, ROPE_PAIRS, DATA_BYTES,
@@ -148,12 +149,37 @@ __device__ __forceinline__ KvRows load_kv_rows(const Params& p, u32 first_row, c
     return r;
 }
 
-// Quantizes and inserts loaded rows, one warp a row. No lane waits on another: no shuffles, and
-// the RoPE work is spread over the whole warp instead of running beside the quantizer in a few
-// lanes. Each store instruction writes whole 32-byte sectors: codes 224 bytes, RoPE 128 bytes,
-// the 32-byte scale slot one byte a lane.
-__device__ __forceinline__ void insert_kv_rows(const Params& p, const KvRows& r, int lane) {
+// Quantizes one loaded row and writes its record at valid_slot (< capacity): lane g < NUM_GROUPS
+// holds NoPE group g (halves h0, h1), every lane RoPE pair `lane` (`rope`), rotated by cos and sin
+// with KV_ROPE, after the quantizer, so that they may still be in flight when it starts. No lane
+// waits on another: no shuffles, and the RoPE work is spread over the whole warp instead of
+// running beside the quantizer in a few lanes. Each store instruction writes whole 32-byte
+// sectors: codes 224 bytes, RoPE 128 bytes, the 32-byte scale slot one byte a lane.
+__device__ __forceinline__ void store_kv_record(const Params& p, uint4 h0, uint4 h1, u32 rope, float cos, float sin,
+                                                u32 valid_slot, int lane) {
     static_assert(NUM_GROUPS <= 32 && ROPE_PAIRS == 32 && SCALE_BYTES == 32, "one warp a row: a lane a group, a RoPE pair and a scale byte");
+    // valid_slot < capacity < 2^30: 32-bit unsigned division by the page size.
+    const u32 entry = valid_slot % PAGE_SIZE, ulane = lane;
+    const u64 page = page_address(valid_slot / PAGE_SIZE, p.page_stride, reinterpret_cast<u64>(p.cache));
+    u32 scale = 0u;  // lanes past the groups write the slot's zero bytes
+    if (lane < NUM_GROUPS) {
+        const GroupAmax a = group_amax(h0, h1);
+        scale = scale_code(a.amax.x);  // the group's scale byte is half 0's
+        const u32 scale1 = a.nan ? scale_code(a.amax.y) : scale;  // the halves' amax differ only with a NaN
+        const uint2 codes = group_codes(h0, h1, a, scale, scale1);
+        st_global_v2(mad_wide(entry * (DATA_BYTES / 8) + ulane, 8, page), codes);  // data + 8 * lane
+    }
+#if KV_ROPE
+    const u32 rope_out = rope_pair_bits(rope, cos, sin);
+#else
+    const u32 rope_out = rope;
+#endif
+    st_global_u32(mad_wide(entry * (DATA_BYTES / 4) + ulane, 4, page) + NOPE_BYTES, rope_out);
+    st_global_u8(mad_wide(entry * SCALE_BYTES + ulane, 1, page) + PAGE_SIZE * DATA_BYTES, scale);
+}
+
+// Inserts loaded rows, one warp a row.
+__device__ __forceinline__ void insert_kv_rows(const Params& p, const KvRows& r, int lane) {
 #pragma unroll
     for (int j = 0; j < KV_ROWS_PER_WARP; ++j) {
         // Uniform across the warp (one row).
@@ -165,25 +191,10 @@ __device__ __forceinline__ void insert_kv_rows(const Params& p, const KvRows& r,
         // Loaded here, used after the quantizer: this second round trip overlaps its work.
         const float* cos_sin = p.cos_sin + rope_row * ROPE_DIM;
         const float cos = cos_sin[lane], sin = cos_sin[ROPE_PAIRS + lane];
-#endif
-        // 0 <= slot < capacity < 2^30: 32-bit unsigned division by the page size.
-        const u32 valid_slot = static_cast<u32>(r.slot[j]), entry = valid_slot % PAGE_SIZE, ulane = lane;
-        const u64 page = page_address(valid_slot / PAGE_SIZE, p.page_stride, reinterpret_cast<u64>(p.cache));
-        u32 scale = 0u;  // lanes past the groups write the slot's zero bytes
-        if (lane < NUM_GROUPS) {
-            const GroupAmax a = group_amax(r.h0[j], r.h1[j]);
-            scale = scale_code(a.amax.x);  // the group's scale byte is half 0's
-            const u32 scale1 = a.nan ? scale_code(a.amax.y) : scale;  // the halves' amax differ only with a NaN
-            const uint2 codes = group_codes(r.h0[j], r.h1[j], a, scale, scale1);
-            st_global_v2(mad_wide(entry * (DATA_BYTES / 8) + ulane, 8, page), codes);  // data + 8 * lane
-        }
-#if KV_ROPE
-        const u32 rope_out = rope_pair_bits(r.rope[j], cos, sin);
 #else
-        const u32 rope_out = r.rope[j];
+        const float cos = 0.0f, sin = 0.0f;
 #endif
-        st_global_u32(mad_wide(entry * (DATA_BYTES / 4) + ulane, 4, page) + NOPE_BYTES, rope_out);
-        st_global_u8(mad_wide(entry * SCALE_BYTES + ulane, 1, page) + PAGE_SIZE * DATA_BYTES, scale);
+        store_kv_record(p, r.h0[j], r.h1[j], r.rope[j], cos, sin, static_cast<u32>(r.slot[j]), lane);
     }
 }
 
@@ -203,6 +214,106 @@ __device__ __forceinline__ void insert_kv_units(const Params& p, u32 unit, u32 s
         unit = next;
     }
 }
+
+#if COMPRESS_RATIO > 1
+// The KV entry with compress ratio R inserts about one row in R. A warp takes batches of up to 32
+// consecutive rows (grid-stride) and reads a batch's slots and positions a lane a row, so that a
+// ballot tells it which rows it inserts before it needs their data. It reads only those rows' data,
+// with their cos and sin, the next inserted row's while it quantizes one, and the next batch's
+// slots and positions meanwhile: a skipped row costs its 16 bytes of slot and position. Batches
+// are as small as spreads the rows over every warp of the launch: a warp quantizes its inserted
+// rows one after another, so fewer, fuller warps would take longer.
+static_assert(KV_ROPE && !IDENTITY_SLOTS && Q_MODE == 0, "compress ratios belong to the KV entry");
+#define WARPS (THREADS / 32)
+
+struct KvBatches {
+    u32 size, first, stride;  // rows a batch (1..32); the batch's first row; rows from one of a warp's batches to the next
+    u32 pending;              // the batch's inserted rows not yet taken, a bit a lane
+    u32 slot, rope_row;       // this lane's row's, read only when it is inserted (its bit set)
+    i64 next_slot, next_pos;  // this lane's row of the next batch, as loaded (slot -1 past the rows)
+};
+
+__device__ __forceinline__ void load_batch_heads(const Params& p, const KvBatches& q, u32 first, int lane, i64& slot,
+                                                 i64& pos) {
+    const u32 row = first + lane;
+    const bool exists = lane < q.size && row < static_cast<u32>(p.num_kv_rows);
+#if SLOT_INT64
+    slot = exists ? static_cast<const i64*>(p.slots)[row] : -1;
+#else
+    slot = exists ? static_cast<const int*>(p.slots)[row] : -1;
+#endif
+    pos = exists ? p.positions[row] : -1;
+}
+
+// The warp's next inserted row (the same row, slot and RoPE row in every lane); false when no row
+// is left. A row is inserted when its slot is in [0, capacity), its position is nonnegative and
+// the last of its compression window, and its RoPE row is inside cos_sin_cache (max_position
+// rows of 256 bytes: fewer than 2^32).
+__device__ __forceinline__ bool next_inserted_row(const Params& p, KvBatches& q, int lane, u32& row, u32& slot,
+                                                  u32& rope_row) {
+    while (q.pending == 0u) {
+        q.first += q.stride;
+        if (q.first >= static_cast<u32>(p.num_kv_rows)) return false;
+        const i64 pos = q.next_pos, window_row = pos / COMPRESS_RATIO * COMPRESS_RATIO;
+        const bool inserted = static_cast<u64>(q.next_slot) < static_cast<u64>(p.capacity) && pos >= 0 &&
+                              (pos + 1) % COMPRESS_RATIO == 0 && window_row < p.max_position;
+        q.slot = static_cast<u32>(q.next_slot);
+        q.rope_row = static_cast<u32>(window_row);
+        q.pending = __ballot_sync(NVFP4_FULL_MASK, inserted);
+        load_batch_heads(p, q, q.first + q.stride, lane, q.next_slot, q.next_pos);
+    }
+    const int k = __ffs(q.pending) - 1;
+    q.pending &= q.pending - 1u;
+    row = q.first + k;
+    slot = __shfl_sync(NVFP4_FULL_MASK, q.slot, k);
+    rope_row = __shfl_sync(NVFP4_FULL_MASK, q.rope_row, k);
+    return true;
+}
+
+struct KvRow {
+    uint4 h0, h1;
+    u32 rope;
+    float cos, sin;
+};
+
+// Issues the loads of an inserted row and its cos and sin (lane bases b, and cos_sin + 4 * lane).
+__device__ __forceinline__ KvRow load_inserted_row(const LaneBases& b, u64 lane_cos_sin, u32 row, u32 rope_row) {
+    KvRow r;
+    const u64 group = mad_wide(row, CHUNKS * 16, b.group);
+    r.h0 = ld_global_v4(group);
+    r.h1 = ld_global_v4(group + 16);
+    r.rope = ld_global_u32(mad_wide(row, CHUNKS * 16, b.rope));
+    const u64 cos_sin = mad_wide(rope_row, ROPE_DIM * 4, lane_cos_sin);
+    r.cos = __uint_as_float(ld_global_u32(cos_sin));
+    r.sin = __uint_as_float(ld_global_u32(cos_sin + ROPE_PAIRS * 4));
+    return r;
+}
+
+__device__ __forceinline__ void insert_kv_batches(const Params& p, int lane) {
+    const u32 warp = blockIdx.x * WARPS + threadIdx.x / 32, warps = static_cast<u32>(p.kv_blocks) * WARPS;
+    KvBatches q;
+    q.size = min(32u, max(1u, (static_cast<u32>(p.num_kv_rows) + warps - 1) / warps));
+    q.stride = q.size * warps;
+    q.first = q.size * warp - q.stride;  // modulo 2^32: the first call of next_inserted_row adds the stride
+    q.pending = 0u;
+    load_batch_heads(p, q, q.size * warp, lane, q.next_slot, q.next_pos);
+    const u64 kv = reinterpret_cast<u64>(p.kv), lane_cos_sin = reinterpret_cast<u64>(p.cos_sin) + 4u * lane;
+    const LaneBases b = {kv + 32u * lane, kv + NOPE_CHUNKS * 16 + 4u * lane};
+    u32 row, slot, rope_row;
+    if (!next_inserted_row(p, q, lane, row, slot, rope_row)) return;
+    KvRow r = load_inserted_row(b, lane_cos_sin, row, rope_row);
+    for (;;) {
+        u32 next_slot;
+        const bool more = next_inserted_row(p, q, lane, row, next_slot, rope_row);
+        KvRow next = r;
+        if (more) next = load_inserted_row(b, lane_cos_sin, row, rope_row);
+        store_kv_record(p, r.h0, r.h1, r.rope, r.cos, r.sin, slot, lane);
+        if (!more) return;
+        r = next;
+        slot = next_slot;
+    }
+}
+#endif
 
 #if Q_MODE == 1
 // Q_ROWS_PER_UNIT consecutive (token, head) rows of q_out, one token's (Q_HEADS is a multiple
@@ -271,11 +382,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_write(const Para
     const int c = threadIdx.x % UNIT_THREADS;
     const i64 unit_of_block = threadIdx.x / UNIT_THREADS;
     if (blockIdx.x < p.kv_blocks) {
+#if COMPRESS_RATIO > 1
+        insert_kv_batches(p, threadIdx.x % 32);
+#else
         const i64 kv_units = (p.num_kv_rows + KV_ROWS_PER_UNIT - 1) / KV_ROWS_PER_UNIT;
         const i64 unit = static_cast<i64>(blockIdx.x) * UNITS_PER_BLOCK + unit_of_block;
         // The host's row limit (2^30) keeps unit indices in 32 bits.
         if (unit < kv_units)
             insert_kv_units(p, static_cast<u32>(unit), static_cast<u32>(p.kv_blocks * UNITS_PER_BLOCK), static_cast<u32>(kv_units), c);
+#endif
         return;
     }
 #if Q_MODE != 0

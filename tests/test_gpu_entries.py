@@ -150,6 +150,8 @@ BIG = 70_000
 OVER_65536_ROWS_CASES = [
     Case(num_tokens=BIG, slots=BIG - 1000, num_heads=1, q_head_padded=8, page_size=64),
     Case(entry="kv", num_tokens=BIG, page_size=64, compress_ratio=2, bad_positions=True),
+    # More rows than 32 a warp of any launch (135168 on the H200): several ratio-2 batches a warp.
+    Case(entry="kv", num_tokens=300_000, slots=299_000, page_size=64, compress_ratio=2, bad_positions=True),
     Case(entry="append", num_tokens=BIG, page_size=64, slot_dtype=torch.int32),
     Case(num_tokens=1024, num_heads=128, q_head_padded=128, page_size=64, bad_positions=True),
     Case(num_tokens=1024, num_heads=128, q_head_padded=0, q_inplace=True, page_size=64, bad_positions=True),
@@ -283,7 +285,8 @@ def test_one_block_does_every_kv_unit(case, seed, monkeypatch):
 @cases(OVER_65536_ROWS_CASES)
 def test_over_65536_rows(case, seed):
     """One launch over more than 65536 rows: 70000 tokens (q_out of 1 head padded to 8), the KV
-    and append entries over 70000 rows, and 1024 tokens x 128 heads (131072 q_out rows)."""
+    and append entries over 70000 rows (the KV entry over 300000 too), and 1024 tokens x 128
+    heads (131072 q_out rows)."""
     check_case(case, DEVICE)
 
 
