@@ -53,7 +53,10 @@ def test_queries_spread_and_focus(seed):
     focused = make_queries(rows, slots, num_heads=4, generator=torch.Generator().manual_seed(seed), focus=12.0)
     scores = accuracy.SM_SCALE * torch.einsum("bhd,bkd->bhk", focused[:, 0].double(), rows[slots[:, 0]].double())
     top = scores.topk(4, dim=-1).values.mean(-1) - scores.median(dim=-1).values
-    assert (top > 6).all()  # the planted targets stand out
+    # The planted targets stand out: by about 12.9 on average, never below 4.0 in 96,000 heads of
+    # 8,000 seeds, each run's mean of 12 heads never below 10.1. Without the focus the same
+    # measure is about 2.4. (A per-head bound of 6 failed 2% of runs.)
+    assert top.mean() > 9 and (top > 3).all(), top
 
 
 # ------------------------------------------------------------------ caches and decode
