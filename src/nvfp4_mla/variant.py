@@ -49,7 +49,7 @@ class Variant(NamedTuple):
     num_heads: int = 0
     q_head_padded: int = 0  # heads of q_out (q_mode PADDED), num_heads in place
     apply_q_rope: bool = False
-    kv_rows_per_warp: int = 1  # KV rows one warp inserts, their loads in flight together
+    kv_rows_per_warp: int = 1  # KV rows one warp inserts at compress ratio 1 (above it, batches)
 
     @property
     def template(self) -> Template:
