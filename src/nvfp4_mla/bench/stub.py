@@ -15,9 +15,9 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 from .. import jit, kernel_cache, ops
+from ..testing.kernels import MemoryKernels
 from .arms import Entries, Library
 from .grid import SHIPPED_KV_ROWS_PER_WARP
 
@@ -83,19 +83,18 @@ def shipped_header() -> str:
     return (jit.kernel_dir() / jit.HEADER_FILE).read_text()
 
 
-class StubKernelCache(kernel_cache.KernelCache):
-    """Kernels compiled with another numerics header, in memory only: nothing is read from or
-    written to a kernel cache directory, and their keys (which hash the header) are not the
-    shipped kernels'."""
+class StubKernelCache(MemoryKernels):
+    """Kernels compiled with another numerics header, in memory only; their keys (which hash the
+    header) are not the shipped kernels'."""
+
+    what = "stub kernels"
 
     def __init__(self, header: str):
-        super().__init__(layers=[])
+        super().__init__()
         self.header = header
 
-    def build(self, spec: jit.Spec, arch: str, directory: Path | None = None) -> tuple[bytes, Path | None]:
-        if directory is not None:
-            raise kernel_cache.CacheError("stub kernels are kept in memory, never in a kernel cache directory")
-        return jit.compile_kernel(spec, jit.check_arch(arch), header=self.header).cubin, None
+    def compile(self, spec: jit.Spec, arch: str) -> bytes:
+        return jit.compile_kernel(spec, jit.check_arch(arch), header=self.header).cubin
 
 
 @functools.cache

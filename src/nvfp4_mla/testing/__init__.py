@@ -10,7 +10,8 @@ by slot, page and record field (docs/format.md section 3) or by element.
 
 - :mod:`.inputs`: RoPE tables, random and crafted rows, slots, positions, canary caches, :class:`Case`;
 - :mod:`.checks`: storage bytes, byte locators, :func:`check`;
-- :mod:`.kernels`: :class:`VirtualArchKernels`, an older GPU's kernel code paths on this one;
+- :mod:`.kernels`: kernels kept in memory (:class:`MemoryKernels`), among them
+  :class:`VirtualArchKernels`, an older GPU's kernel code paths on this one;
 - :mod:`.soak`: the soak loop of ``benchmarks/soak.py`` (import it by name).
 """
 
