@@ -1,7 +1,8 @@
 """A small run of every entry and mode, for compute-sanitizer (memcheck, racecheck, initcheck).
 
 Edge cases that touch the bounds: page size 1 and 3, padded pools, the last slot of the pool,
-negative and out-of-range slots and positions, data-parallel padding rows, T = 1. Each call is
+negative and out-of-range slots and positions, data-parallel padding rows, T = 1, and one block
+taking several compress-ratio tiles in turn. Each call is
 also compared with the reference, so the run fails loudly on a wrong byte too.
 
     PYTHONPATH=src python3 benchmarks/sanitizer_workload.py
@@ -14,6 +15,7 @@ import torch
 import nvfp4_mla
 from nvfp4_mla import reference
 from nvfp4_mla.testing import ENTRIES, args_of, make_cache, random_rows, rope_table, storage_bytes
+from nvfp4_mla.variant import Variant
 
 DEVICE = "cuda"
 MAX_POSITION = 97
@@ -47,6 +49,19 @@ def run_both(entry, named, num_pages, page_size, layout, pad, **kwargs):
     return 0 if same else 1
 
 
+def one_block_tiles(cos_sin):
+    """The KV entry at compress ratio 2 over 1000 rows from a single block: four tiles of 256 rows
+    reuse its shared list of inserted rows (what racecheck must see). Returns 1 on a differing byte."""
+    grid = Variant.grid
+    Variant.grid = lambda self, tokens, rows, _, sms: grid(self, tokens, rows, 1, sms)
+    try:
+        q, kv, num_pages, slots, positions = inputs(1000, 8, 16, torch.int64)
+        named = {"q": q, "kv": kv, "slot_mapping": slots, "positions": positions, "cos_sin_cache": cos_sin}
+        return run_both("kv", named, num_pages, 16, "3D", 0, compress_ratio=2)
+    finally:
+        Variant.grid = grid
+
+
 def main():
     torch.manual_seed(0)
     cos_sin = rope_table(MAX_POSITION, DEVICE)
@@ -74,6 +89,7 @@ def main():
         for ratio in (1, 2):
             bad += run_both("kv", named, pages, *geometry, compress_ratio=ratio)
         bad += run_both("append", named, pages, *geometry)
+    bad += one_block_tiles(cos_sin)
     pages = random_rows((3, 5, 512), DEVICE)
     packed = (module.nvfp4_quantize_pack_sparse_mla_cache(pages).cpu() for module in (nvfp4_mla, reference))
     bad += int(not torch.equal(*packed))

@@ -33,7 +33,7 @@ def main() -> None:
         rows = random_rows((1, 512), "cuda")
         slots = torch.tensor([num_pages * page_size], device="cuda")  # == capacity: one past the end
         stream = launch.current_raw_stream(0)
-        kv_blocks, blocks = variant.grid(0, 1, launcher.resident_blocks)
+        kv_blocks, blocks = variant.grid(0, 1, launcher.resident_blocks, launcher.sms)
         launcher.launch(
             blocks,
             1,

@@ -15,10 +15,11 @@
 // The first kv_blocks blocks insert the KV rows, a warp its own KV_ROWS_PER_WARP rows of a unit,
 // looping over the units (grid-stride) with the next unit's loads in flight; the host launches at
 // most as many of them as the GPU holds at once (launch.Launcher.resident_blocks). The blocks
-// after them write the query, a unit each, each thread one 16-byte chunk of a 512-dim BF16 row
-// (Q_ROWS_PER_UNIT (token, head) rows of q_out, or in place Q_ROWS_PER_UNIT x 8 heads x 8 RoPE
-// chunks). With a compress ratio above 1 the KV blocks' warps take batches of rows instead
-// (insert_kv_batches), to read only the rows they insert.
+// after them write the query, UNITS_PER_BLOCK units each, each thread one 16-byte chunk of a
+// 512-dim BF16 row (Q_ROWS_PER_UNIT (token, head) rows of q_out, or in place Q_ROWS_PER_UNIT x 8
+// heads x 8 RoPE chunks); a small query is spread over more SMs, a unit or a row a block. With a
+// compress ratio above 1 the KV blocks take tiles of rows instead (insert_kv_tiles), to read only
+// the rows they insert.
 #include "nvfp4_numerics.cuh"
 
 // THREADS, UNIT_THREADS and the record ABI (HEAD_DIM, NOPE_DIM, ROPE_PAIRS, DATA_BYTES,
@@ -61,7 +62,6 @@ __device__ __forceinline__ CosSin load_cos_sin(const Params& p, i64 r, int k) {
 // (the host refuses 2^30 rows or cache slots and more) and addresses are mad.wide.u32 from the
 // page or a per-lane base computed once: IMAD.WIDE, the FMA pipe, at twice the ALU pipe's rate
 // (ptxas still turns those by a power of two into one LEA pair).
-typedef unsigned long long u64;
 
 // a * b + c, c 64-bit: one IMAD.WIDE.U32.
 __device__ __forceinline__ u64 mad_wide(u32 a, u32 b, u64 c) {
@@ -119,6 +119,22 @@ struct KvRows {
     u32 rope[KV_ROWS_PER_WARP];
 };
 
+// Row `row`'s slot and position (position 0 without KV_ROPE), or -1 and -1 when it does not exist.
+__device__ __forceinline__ void load_slot_position(const Params& p, u32 row, bool exists, i64& slot, i64& pos) {
+#if IDENTITY_SLOTS
+    slot = exists ? row : -1;
+#elif SLOT_INT64
+    slot = exists ? static_cast<const i64*>(p.slots)[row] : -1;
+#else
+    slot = exists ? static_cast<const int*>(p.slots)[row] : -1;
+#endif
+#if KV_ROPE
+    pos = exists ? p.positions[row] : -1;
+#else
+    pos = 0;
+#endif
+}
+
 // Issues every load of the rows (slots, positions, data) and returns without waiting for them.
 // Rows at or past num_kv_rows get slot -1 and the last row's data (never used): every lane loads
 // unpredicated, lanes past the groups part of the RoPE dims.
@@ -127,19 +143,7 @@ __device__ __forceinline__ KvRows load_kv_rows(const Params& p, u32 first_row, c
 #pragma unroll
     for (int j = 0; j < KV_ROWS_PER_WARP; ++j) {
         const u32 row = first_row + j;
-        const bool exists = row < static_cast<u32>(p.num_kv_rows);
-#if IDENTITY_SLOTS
-        r.slot[j] = exists ? row : -1;
-#elif SLOT_INT64
-        r.slot[j] = exists ? static_cast<const i64*>(p.slots)[row] : -1;
-#else
-        r.slot[j] = exists ? static_cast<const int*>(p.slots)[row] : -1;
-#endif
-#if KV_ROPE
-        r.pos[j] = exists ? p.positions[row] : -1;
-#else
-        r.pos[j] = 0;
-#endif
+        load_slot_position(p, row, row < static_cast<u32>(p.num_kv_rows), r.slot[j], r.pos[j]);
         const u32 data_row = min(row, static_cast<u32>(p.num_kv_rows) - 1u);
         const u64 group = mad_wide(data_row, CHUNKS * 16, b.group);
         r.h0[j] = ld_global_v4(group);
@@ -216,57 +220,79 @@ __device__ __forceinline__ void insert_kv_units(const Params& p, u32 unit, u32 s
 }
 
 #if COMPRESS_RATIO > 1
-// The KV entry with compress ratio R inserts about one row in R. A warp takes batches of up to 32
-// consecutive rows (grid-stride) and reads a batch's slots and positions a lane a row, so that a
-// ballot tells it which rows it inserts before it needs their data. It reads only those rows' data,
-// with their cos and sin, the next inserted row's while it quantizes one, and the next batch's
-// slots and positions meanwhile: a skipped row costs its 16 bytes of slot and position. Batches
-// are as small as spreads the rows over every warp of the launch: a warp quantizes its inserted
-// rows one after another, so fewer, fuller warps would take longer.
+// The KV entry with compress ratio R inserts about one row in R, which ones depending on their
+// positions. A KV block takes tiles of up to THREADS consecutive rows (grid-stride): each thread
+// reads one row's slot and position, the block lists the tile's inserted rows in shared memory,
+// and its warps take them in turn (warp w: entries w, w + WARPS, ...). So the block's warps insert
+// equally many rows however the inserted rows fall: with a batch of rows a warp, random positions
+// gave the warps unequal counts and the fullest set the time (70% of copy at T = 65536, 81% with
+// the same rows inserted every other one; the tiles: 77%). A warp reads only its rows' data, with
+// their cos and sin, the next row's while it quantizes one; the next tile's slots and positions
+// are in flight meanwhile. Tiles are as small as spreads the rows over every block.
 static_assert(KV_ROPE && !IDENTITY_SLOTS && Q_MODE == 0, "compress ratios belong to the KV entry");
 #define WARPS (THREADS / 32)
 
-struct KvBatches {
-    u32 size, first, stride;  // rows a batch (1..32); the batch's first row; rows from one of a warp's batches to the next
-    u32 pending;              // the batch's inserted rows not yet taken, a bit a lane
-    u32 slot, rope_row;       // this lane's row's, read only when it is inserted (its bit set)
-    i64 next_slot, next_pos;  // this lane's row of the next batch, as loaded (slot -1 past the rows)
+// A tile's inserted rows in row order: each one's row, slot and RoPE row.
+struct TileList {
+    u32 row[THREADS], slot[THREADS], rope_row[THREADS];
+    u32 warp_count[WARPS];  // inserted rows among each warp's 32 rows of the tile
 };
 
-__device__ __forceinline__ void load_batch_heads(const Params& p, const KvBatches& q, u32 first, int lane, i64& slot,
-                                                 i64& pos) {
-    const u32 row = first + lane;
-    const bool exists = lane < q.size && row < static_cast<u32>(p.num_kv_rows);
-#if SLOT_INT64
-    slot = exists ? static_cast<const i64*>(p.slots)[row] : -1;
-#else
-    slot = exists ? static_cast<const int*>(p.slots)[row] : -1;
-#endif
-    pos = exists ? p.positions[row] : -1;
+struct KvTiles {
+    u32 size, first, stride;  // rows a tile (1..THREADS); the tile's first row; rows from one of the block's tiles to the next
+    u32 taken, count;         // this warp's next entry of the list; the list's entries
+    i64 next_slot, next_pos;  // this thread's row of the next tile, as loaded (-1 past the rows)
+};
+
+__device__ __forceinline__ void load_tile_heads(const Params& p, KvTiles& q, u32 first) {
+    const u32 row = first + threadIdx.x;
+    load_slot_position(p, row, threadIdx.x < q.size && row < static_cast<u32>(p.num_kv_rows), q.next_slot, q.next_pos);
 }
 
-// The warp's next inserted row (the same row, slot and RoPE row in every lane); false when no row
-// is left. A row is inserted when its slot is in [0, capacity), its position is nonnegative and
-// the last of its compression window, and its RoPE row is inside cos_sin_cache (max_position
-// rows of 256 bytes: fewer than 2^32).
-__device__ __forceinline__ bool next_inserted_row(const Params& p, KvBatches& q, int lane, u32& row, u32& slot,
-                                                  u32& rope_row) {
-    while (q.pending == 0u) {
+// Lists the inserted rows of the tile at q.first, from its loaded slots and positions, and returns
+// their count. A row is inserted when its slot is in [0, capacity), its position is nonnegative
+// and the last of its compression window, and its RoPE row is inside cos_sin_cache (max_position
+// rows of 256 bytes: fewer than 2^32). Every thread of the block calls it once a tile, when its
+// warp has taken its entries of the previous tile's list: the first barrier orders those reads
+// before this tile's writes.
+__device__ __forceinline__ u32 list_tile(const Params& p, const KvTiles& q, TileList& list, int lane, int warp) {
+    const i64 pos = q.next_pos, window_row = pos / COMPRESS_RATIO * COMPRESS_RATIO;
+    const bool inserted = static_cast<u64>(q.next_slot) < static_cast<u64>(p.capacity) && pos >= 0 &&
+                          (pos + 1) % COMPRESS_RATIO == 0 && window_row < p.max_position;
+    const u32 ballot = __ballot_sync(NVFP4_FULL_MASK, inserted);
+    if (lane == 0) list.warp_count[warp] = __popc(ballot);
+    __syncthreads();
+    u32 index = __popc(ballot & ((1u << lane) - 1u)), count = 0u;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        const u32 n = list.warp_count[w];
+        index += w < warp ? n : 0u;
+        count += n;
+    }
+    if (inserted) {
+        list.row[index] = q.first + threadIdx.x;
+        list.slot[index] = static_cast<u32>(q.next_slot);
+        list.rope_row[index] = static_cast<u32>(window_row);
+    }
+    __syncthreads();
+    return count;
+}
+
+// The warp's next inserted row (the same row, slot and RoPE row in every lane); false when no
+// row is left, once the warp has passed as many barriers as every other warp of the block.
+__device__ __forceinline__ bool next_inserted_row(const Params& p, KvTiles& q, TileList& list, int lane, int warp,
+                                                  u32& row, u32& slot, u32& rope_row) {
+    while (q.taken >= q.count) {
         q.first += q.stride;
         if (q.first >= static_cast<u32>(p.num_kv_rows)) return false;
-        const i64 pos = q.next_pos, window_row = pos / COMPRESS_RATIO * COMPRESS_RATIO;
-        const bool inserted = static_cast<u64>(q.next_slot) < static_cast<u64>(p.capacity) && pos >= 0 &&
-                              (pos + 1) % COMPRESS_RATIO == 0 && window_row < p.max_position;
-        q.slot = static_cast<u32>(q.next_slot);
-        q.rope_row = static_cast<u32>(window_row);
-        q.pending = __ballot_sync(NVFP4_FULL_MASK, inserted);
-        load_batch_heads(p, q, q.first + q.stride, lane, q.next_slot, q.next_pos);
+        q.count = list_tile(p, q, list, lane, warp);
+        q.taken = warp;
+        load_tile_heads(p, q, q.first + q.stride);
     }
-    const int k = __ffs(q.pending) - 1;
-    q.pending &= q.pending - 1u;
-    row = q.first + k;
-    slot = __shfl_sync(NVFP4_FULL_MASK, q.slot, k);
-    rope_row = __shfl_sync(NVFP4_FULL_MASK, q.rope_row, k);
+    row = list.row[q.taken];
+    slot = list.slot[q.taken];
+    rope_row = list.rope_row[q.taken];
+    q.taken += WARPS;
     return true;
 }
 
@@ -276,37 +302,42 @@ struct KvRow {
     float cos, sin;
 };
 
-// Issues the loads of an inserted row and its cos and sin (lane bases b, and cos_sin + 4 * lane).
-__device__ __forceinline__ KvRow load_inserted_row(const LaneBases& b, u64 lane_cos_sin, u32 row, u32 rope_row) {
+// Issues the loads of an inserted row and its cos and sin. (The lane's addresses are recomputed
+// from the parameters each row: kept in registers, they made ptxas spill for sm_120.)
+__device__ __forceinline__ KvRow load_inserted_row(const Params& p, int lane, u32 row, u32 rope_row) {
     KvRow r;
-    const u64 group = mad_wide(row, CHUNKS * 16, b.group);
+    const u64 row_start = mad_wide(row, CHUNKS * 16, reinterpret_cast<u64>(p.kv));
+    const u64 group = mad_wide(lane, 32, row_start);
     r.h0 = ld_global_v4(group);
     r.h1 = ld_global_v4(group + 16);
-    r.rope = ld_global_u32(mad_wide(row, CHUNKS * 16, b.rope));
-    const u64 cos_sin = mad_wide(rope_row, ROPE_DIM * 4, lane_cos_sin);
+    r.rope = ld_global_u32(mad_wide(lane, 4, row_start + NOPE_CHUNKS * 16));
+    const u64 cos_sin = mad_wide(rope_row * ROPE_DIM + lane, 4, reinterpret_cast<u64>(p.cos_sin));
     r.cos = __uint_as_float(ld_global_u32(cos_sin));
     r.sin = __uint_as_float(ld_global_u32(cos_sin + ROPE_PAIRS * 4));
     return r;
 }
 
-__device__ __forceinline__ void insert_kv_batches(const Params& p, int lane) {
-    const u32 warp = blockIdx.x * WARPS + threadIdx.x / 32, warps = static_cast<u32>(p.kv_blocks) * WARPS;
-    KvBatches q;
-    q.size = min(32u, max(1u, (static_cast<u32>(p.num_kv_rows) + warps - 1) / warps));
-    q.stride = q.size * warps;
-    q.first = q.size * warp - q.stride;  // modulo 2^32: the first call of next_inserted_row adds the stride
-    q.pending = 0u;
-    load_batch_heads(p, q, q.size * warp, lane, q.next_slot, q.next_pos);
-    const u64 kv = reinterpret_cast<u64>(p.kv), lane_cos_sin = reinterpret_cast<u64>(p.cos_sin) + 4u * lane;
-    const LaneBases b = {kv + 32u * lane, kv + NOPE_CHUNKS * 16 + 4u * lane};
+// Run by every thread of the block, to its end (list_tile's barriers).
+__device__ __forceinline__ void insert_kv_tiles(const Params& p) {
+    __shared__ TileList list;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u32 blocks = static_cast<u32>(p.kv_blocks);
+    KvTiles q;
+    q.size = min(static_cast<u32>(THREADS), max(1u, (static_cast<u32>(p.num_kv_rows) + blocks - 1) / blocks));
+    q.stride = q.size * blocks;
+    q.first = q.size * blockIdx.x - q.stride;  // modulo 2^32: the first call of next_inserted_row adds the stride
+    q.taken = q.count = 0u;
+    load_tile_heads(p, q, q.size * blockIdx.x);
     u32 row, slot, rope_row;
-    if (!next_inserted_row(p, q, lane, row, slot, rope_row)) return;
-    KvRow r = load_inserted_row(b, lane_cos_sin, row, rope_row);
+    if (!next_inserted_row(p, q, list, lane, warp, row, slot, rope_row)) return;
+    KvRow r = load_inserted_row(p, lane, row, rope_row);
     for (;;) {
         u32 next_slot;
-        const bool more = next_inserted_row(p, q, lane, row, next_slot, rope_row);
+        const bool more = next_inserted_row(p, q, list, lane, warp, row, next_slot, rope_row);
+        // Assigned even without a next row: left unassigned then, the first tiles took 19.5 us at
+        // T = 65536 instead of 17.2 (the only other difference was a third counter).
         KvRow next = r;
-        if (more) next = load_inserted_row(b, lane_cos_sin, row, rope_row);
+        if (more) next = load_inserted_row(p, lane, row, rope_row);
         store_kv_record(p, r.h0, r.h1, r.rope, r.cos, r.sin, slot, lane);
         if (!more) return;
         r = next;
@@ -316,18 +347,17 @@ __device__ __forceinline__ void insert_kv_batches(const Params& p, int lane) {
 #endif
 
 #if Q_MODE == 1
-// Q_ROWS_PER_UNIT consecutive (token, head) rows of q_out, one token's (Q_HEADS is a multiple
-// of 8): live heads rotated or copied, padded heads zero, and whole live heads of BF16 NaN when
-// the position is outside cos_sin_cache. All loads are issued before the first use.
-__device__ __forceinline__ void write_q_out_rows(const Params& p, i64 qunit, int c) {
-    const i64 first = qunit * Q_ROWS_PER_UNIT;
+// Rows first .. first + rows - 1 (rows: 1 or Q_ROWS_PER_UNIT) of q_out, one token's (Q_HEADS is
+// a multiple of 8): live heads rotated or copied, padded heads zero, and whole live heads of BF16
+// NaN when the position is outside cos_sin_cache. All loads are issued before the first use.
+__device__ __forceinline__ void write_q_out_rows(const Params& p, i64 first, int rows, int c) {
     const i64 token = first / Q_HEADS;
     const int head0 = static_cast<int>(first % Q_HEADS);
     uint4 out[Q_ROWS_PER_UNIT];
 #pragma unroll
     for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) {
         out[r] = make_uint4(0u, 0u, 0u, 0u);
-        if (head0 + r < NUM_HEADS) out[r] = p.q[(token * NUM_HEADS + head0 + r) * CHUNKS + c];
+        if (r < rows && head0 + r < NUM_HEADS) out[r] = p.q[(token * NUM_HEADS + head0 + r) * CHUNKS + c];
     }
 #if APPLY_Q_ROPE
     const i64 pos = p.positions[token];
@@ -345,15 +375,16 @@ __device__ __forceinline__ void write_q_out_rows(const Params& p, i64 qunit, int
     }
 #endif
 #pragma unroll
-    for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) p.q_out[(first + r) * CHUNKS + c] = out[r];
+    for (int r = 0; r < Q_ROWS_PER_UNIT; ++r)
+        if (r < rows) p.q_out[(first + r) * CHUNKS + c] = out[r];
 }
 #endif
 
 #if Q_MODE == 2
-// In place: Q_ROWS_PER_UNIT consecutive groups of 8 heads (NUM_HEADS / 8 a token, so a unit may
-// span tokens) x the 8 RoPE chunks of each head; out-of-range positions leave their heads
-// untouched. All loads are issued before the first use.
-__device__ __forceinline__ void rotate_q_in_place(const Params& p, i64 qunit, int c) {
+// In place: groups first .. first + count - 1 (count: 1 or Q_ROWS_PER_UNIT) of 8 heads
+// (NUM_HEADS / 8 a token, so they may span tokens) x the 8 RoPE chunks of each head;
+// out-of-range positions leave their heads untouched. All loads are issued before the first use.
+__device__ __forceinline__ void rotate_q_in_place(const Params& p, i64 first, int count, int c) {
     constexpr int groups_per_token = NUM_HEADS / 8;
     const int k = c & 7;
     uint4* rows[Q_ROWS_PER_UNIT];
@@ -361,11 +392,11 @@ __device__ __forceinline__ void rotate_q_in_place(const Params& p, i64 qunit, in
     i64 pos[Q_ROWS_PER_UNIT];
 #pragma unroll
     for (int r = 0; r < Q_ROWS_PER_UNIT; ++r) {
-        const i64 group = qunit * Q_ROWS_PER_UNIT + r;
+        const i64 group = first + r;
         const i64 token = group / groups_per_token;
         const i64 head = group % groups_per_token * 8 + (c >> 3);
         rows[r] = p.q_out + (token * NUM_HEADS + head) * CHUNKS + NOPE_CHUNKS + k;
-        const bool exists = group < p.q_rows;  // uniform across the unit
+        const bool exists = r < count && group < p.q_rows;  // uniform across the unit
         x[r] = exists ? *rows[r] : make_uint4(0u, 0u, 0u, 0u);
         pos[r] = exists ? p.positions[token] : -1;
     }
@@ -383,7 +414,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_write(const Para
     const i64 unit_of_block = threadIdx.x / UNIT_THREADS;
     if (blockIdx.x < p.kv_blocks) {
 #if COMPRESS_RATIO > 1
-        insert_kv_batches(p, threadIdx.x % 32);
+        insert_kv_tiles(p);
 #else
         const i64 kv_units = (p.num_kv_rows + KV_ROWS_PER_UNIT - 1) / KV_ROWS_PER_UNIT;
         const i64 unit = static_cast<i64>(blockIdx.x) * UNITS_PER_BLOCK + unit_of_block;
@@ -394,12 +425,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_write(const Para
         return;
     }
 #if Q_MODE != 0
-    const i64 unit = (static_cast<i64>(blockIdx.x) - p.kv_blocks) * UNITS_PER_BLOCK + unit_of_block;
-    if (unit * Q_ROWS_PER_UNIT >= p.q_rows) return;
+    // variant.grid's layouts, told apart by the number of blocks: a block a row or a unit (small
+    // queries, spread over more SMs), or UNITS_PER_BLOCK units a block.
+    const i64 q_blocks = static_cast<i64>(gridDim.x) - p.kv_blocks;
+    const int rows = q_blocks >= p.q_rows ? 1 : Q_ROWS_PER_UNIT;
+    const int units_per_block = q_blocks * Q_ROWS_PER_UNIT >= p.q_rows ? 1 : UNITS_PER_BLOCK;
+    if (unit_of_block >= units_per_block) return;
+    const i64 first = ((static_cast<i64>(blockIdx.x) - p.kv_blocks) * units_per_block + unit_of_block) * rows;
+    if (first >= p.q_rows) return;
 #if Q_MODE == 1
-    write_q_out_rows(p, unit, c);
+    write_q_out_rows(p, first, rows, c);
 #else
-    rotate_q_in_place(p, unit, c);
+    rotate_q_in_place(p, first, rows, c);
 #endif
 #endif
 }

@@ -132,12 +132,13 @@ def test_stub_kernel_cache_compiles_in_memory_only(nvrtc, tmp_path, monkeypatch)
 
 class _StandInLauncher(NamedTuple):
     resident_blocks: int  # as launch.Launcher's: blocks the GPU holds at once
+    sms: int
 
     def launch(self, *args: int) -> None:
         raise AssertionError("a plan is built, never launched, here")
 
 
-STAND_IN = _StandInLauncher(resident_blocks=1)
+STAND_IN = _StandInLauncher(resident_blocks=1, sms=1)
 
 
 class _RecordingCache:
@@ -169,7 +170,7 @@ def test_kernels_from_binds_from_its_cache_in_fresh_tables_and_restores_the_ship
         assert ops._kv_kernels[key] is STAND_IN and ops._kv_plans[("signature",)] is plan
     expected = variant if kv_rows_per_warp is None else variant._replace(kv_rows_per_warp=kv_rows_per_warp)
     assert plan.launch.func == STAND_IN.launch and cache.bound == [(5, expected)]
-    assert plan.launch.args == (expected.grid(0, 10, STAND_IN.resident_blocks)[1], 1, 1, 0)
+    assert plan.launch.args == (expected.grid(0, 10, STAND_IN.resident_blocks, STAND_IN.sms)[1], 1, 1, 0)
     assert all(t is s for t, s in zip(_tables(), shipped_tables)) and ops._kernel_cache is shipped_cache
     assert ops._kv_rows_per_warp is None and key not in ops._kv_kernels and ("signature",) not in ops._kv_plans
     with pytest.raises(RuntimeError, match="inside"), ops.kernels_from(cache, 2):

@@ -101,14 +101,21 @@ def test_work_units_cover_every_row_once(rows_per_warp):
     for entry in ("kv", "append", "pack"):
         variant = tuned(Geometry(entry, 16))
         assert (variant.kv_units(37), variant.q_units(40)) == (kv_units, 0)
-        assert variant.grid(40, 37, 1000) == (-(-kv_units // 4),) * 2
-    assert padded.grid(40, 37, 1000) == (-(-kv_units // 4), -(-kv_units // 4) + 20)
-    assert padded.grid(40, 37, 1) == (1, 21)  # the KV blocks loop; the query's do a unit each
+        assert variant.grid(40, 37, 1000, 132) == (-(-kv_units // 4),) * 2
+    kv_blocks = -(-kv_units // 4)
+    assert padded.grid(40, 37, 1000, 132) == (kv_blocks, kv_blocks + 20)  # 80 units, 4 a block
+    # A small query gets a block a unit (at most half as many units as SMs), and in place a block
+    # a row (a group of 8 heads; at most as many as SMs).
+    assert padded.grid(40, 37, 1000, 160) == (kv_blocks, kv_blocks + 80)
+    assert padded.grid(40, 37, 1000, 159) == (kv_blocks, kv_blocks + 20)
+    assert small.grid(41, 0, 1, 41) == (0, 41)
+    assert small.grid(41, 0, 1, 40) == (0, 11)
+    assert small.grid(41, 0, 1, 21) == (0, 3)  # 11 units: the last block partly idle
+    assert padded.grid(40, 37, 1, 1) == (1, 21)  # the KV blocks loop
     # With query work the KV blocks take at most half the resident blocks; alone, all of them.
-    assert padded.grid(40, 37, 8)[0] == min(-(-kv_units // 4), 4)
-    assert tuned(Geometry("kv", 16)).grid(40, 37, 8)[0] == min(-(-kv_units // 4), 8)
-    assert padded.grid(40, 0, 1) == (0, 20)
-    assert small.grid(41, 0, 1) == (0, 3)  # 11 units: the last block partly idle
+    assert padded.grid(40, 37, 8, 2)[0] == min(kv_blocks, 4)
+    assert tuned(Geometry("kv", 16)).grid(40, 37, 8, 2)[0] == min(kv_blocks, 8)
+    assert padded.grid(40, 0, 1, 1) == (0, 20)
     assert padded.defines()["KV_ROWS_PER_WARP"] == rows_per_warp
 
 

@@ -150,7 +150,7 @@ BIG = 70_000
 OVER_65536_ROWS_CASES = [
     Case(num_tokens=BIG, slots=BIG - 1000, num_heads=1, q_head_padded=8, page_size=64),
     Case(entry="kv", num_tokens=BIG, page_size=64, compress_ratio=2, bad_positions=True),
-    # More rows than 32 a warp of any launch (135168 on the H200): several ratio-2 batches a warp.
+    # More rows than 256 a block of any launch (135168 on the H200): several ratio-2 tiles a block.
     Case(entry="kv", num_tokens=300_000, slots=299_000, page_size=64, compress_ratio=2, bad_positions=True),
     Case(entry="append", num_tokens=BIG, page_size=64, slot_dtype=torch.int32),
     Case(num_tokens=1024, num_heads=128, q_head_padded=128, page_size=64, bad_positions=True),
@@ -275,9 +275,42 @@ def test_one_block_does_every_kv_unit(case, seed, monkeypatch):
     """Every KV row inserted by a single block (4 units of 64 threads), whatever their number and
     however few of them are inserted."""
     grid = Variant.grid
-    monkeypatch.setattr(Variant, "grid", lambda self, tokens, kv_rows, _: grid(self, tokens, kv_rows, 1))
+    monkeypatch.setattr(Variant, "grid", lambda self, tokens, kv_rows, _, sms: grid(self, tokens, kv_rows, 1, sms))
     for plans in ("_main_plans", "_kv_plans", "_append_plans", "_pack_plans"):
         monkeypatch.setattr(ops, plans, {})  # plans built under the patch, dropped after it
+    check_case(case, DEVICE)
+
+
+QUERY_BLOCK_CASES = [
+    Case(num_tokens=1, num_heads=128, q_head_padded=128),
+    Case(num_tokens=3, num_heads=5, q_head_padded=8),
+    Case(num_tokens=37, num_heads=64, q_head_padded=64, apply_q_rope=False),
+    Case(num_tokens=1, num_heads=128, q_head_padded=128, q_inplace=True),
+    Case(num_tokens=7, num_heads=8, q_head_padded=8, q_inplace=True),  # 7 groups: a partial unit
+    Case(num_tokens=37, num_heads=16, q_head_padded=16, q_inplace=True, bad_positions=True),
+]
+QUERY_LAYOUTS = {  # query blocks of each layout the kernel tells apart
+    "row_a_block": lambda variant, tokens: variant.q_rows(tokens),
+    "unit_a_block": lambda variant, tokens: variant.q_units(tokens),
+    "four_units_a_block": lambda variant, tokens: -(-variant.q_units(tokens) // 4),
+}
+
+
+@gpu
+@cases(QUERY_BLOCK_CASES)
+@pytest.mark.parametrize("layout", QUERY_LAYOUTS)
+def test_query_block_layouts(case, seed, layout, monkeypatch):
+    """The query's blocks do a row, a unit or 4 units each (variant.grid's choices, told apart by
+    the kernel from the number of blocks), q_out and in place alike: the same bytes every way."""
+    grid, query_blocks = Variant.grid, QUERY_LAYOUTS[layout]
+
+    def forced(self, tokens, kv_rows, resident, sms):
+        kv_blocks, _ = grid(self, tokens, kv_rows, resident, sms)
+        return kv_blocks, kv_blocks + query_blocks(self, tokens)
+
+    monkeypatch.setattr(Variant, "grid", forced)
+    for plans in ("_main_plans", "_kv_plans", "_append_plans", "_pack_plans"):
+        monkeypatch.setattr(ops, plans, {})
     check_case(case, DEVICE)
 
 

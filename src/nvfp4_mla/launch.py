@@ -138,6 +138,7 @@ class Launcher:
         "function",
         "pack_into",
         "resident_blocks",
+        "sms",
         "threads",
     )
 
@@ -160,11 +161,13 @@ class Launcher:
                 driver.funcSetAttribute(self.function, attribute, template.max_shared_bytes)
             # Blocks the whole GPU holds at once (at the template's most dynamic shared memory):
             # the writer's grid-stride KV blocks need no more, and the decode sizes its splits by it.
-            sms = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_index)
+            self.sms = cupy.cuda.runtime.deviceGetAttribute(
+                cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_index
+            )
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(
                 self.function, template.threads, template.max_shared_bytes
             )
-            self.resident_blocks = sms * max(per_sm, 1)
+            self.resident_blocks = self.sms * max(per_sm, 1)
         finally:
             driver.ctxSetCurrent(previous)
         self.pack_into = template.params.pack_into

@@ -113,7 +113,7 @@ def _plan(
         launcher = kernels.get(kernel_key)
         if launcher is None:
             launcher = kernels[kernel_key] = _kernel_cache().launcher(device_index, variant)
-        kv_blocks, blocks = variant.grid(num_tokens, num_kv_rows, launcher.resident_blocks)
+        kv_blocks, blocks = variant.grid(num_tokens, num_kv_rows, launcher.resident_blocks, launcher.sms)
         bound = functools.partial(launcher.launch, blocks, 1, 1, 0)
     num_pages, page_size, page_stride = geometry
     scalars = (page_stride, num_pages * page_size, max_position, num_kv_rows, kv_blocks, variant.q_rows(num_tokens))

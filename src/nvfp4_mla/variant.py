@@ -49,7 +49,7 @@ class Variant(NamedTuple):
     num_heads: int = 0
     q_head_padded: int = 0  # heads of q_out (q_mode PADDED), num_heads in place
     apply_q_rope: bool = False
-    kv_rows_per_warp: int = 1  # KV rows one warp inserts at compress ratio 1 (above it, batches)
+    kv_rows_per_warp: int = 1  # KV rows one warp inserts at compress ratio 1 (above it, tiles)
 
     @property
     def template(self) -> Template:
@@ -122,15 +122,29 @@ class Variant(NamedTuple):
         """Work units (64 threads) of the query; the last one in place may be partial."""
         return -(-self.q_rows(num_tokens) // Q_ROWS_PER_UNIT)
 
-    def grid(self, num_tokens: int, num_kv_rows: int, resident_blocks: int) -> tuple[int, int]:
-        """(KV blocks, all blocks) of a launch. The KV blocks loop over the KV units, so no more
-        of them than the GPU holds at once (``resident_blocks``), and half as many when the query
-        has work: its blocks, a unit each, follow them and then run beside their loop (on the H200,
-        1-12% faster than all of them; a quarter, three quarters, all of them and more were slower,
-        before and after quantizer v8)."""
+    def grid(self, num_tokens: int, num_kv_rows: int, resident_blocks: int, sms: int) -> tuple[int, int]:
+        """(KV blocks, all blocks) of a launch on a GPU of ``sms`` SMs.
+
+        The KV blocks loop over the KV units, so no more of them than the GPU holds at once
+        (``resident_blocks``), and half as many when the query has work: its blocks follow them
+        and run beside their loop (on the H200, 1-12% faster than all of them; a quarter, three
+        quarters, all of them and more were slower, before and after quantizer v8). The query's
+        blocks do 4 units each, or, for a small query, spread over more SMs: a block a row (a group
+        of 8 heads) in place when there are at most as many as SMs, else a block a unit when there
+        are at most half as many units as SMs (the kernel tells the three apart by the number of
+        blocks). Measured on the H200 at T = 1: in place 64 and 128 heads 1.87 -> 1.62 us, main
+        64 and 128 heads 1.93 -> 1.81 us; a block a row was slower for q_out (1.98 us at 128
+        heads), and a block a unit at 128 and 256 units (0.04-0.17 us)."""
         cap = resident_blocks if self.q_mode == QMode.NONE else max(1, resident_blocks // 2)
         kv_blocks = min(_blocks(self.kv_units(num_kv_rows)), cap)
-        return kv_blocks, kv_blocks + _blocks(self.q_units(num_tokens))
+        q_rows, q_units = self.q_rows(num_tokens), self.q_units(num_tokens)
+        if self.q_mode == QMode.IN_PLACE and q_rows <= sms:
+            q_blocks = q_rows
+        elif 2 * q_units <= sms:
+            q_blocks = q_units
+        else:
+            q_blocks = _blocks(q_units)
+        return kv_blocks, kv_blocks + q_blocks
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants of this variant."""
