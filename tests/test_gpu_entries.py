@@ -269,15 +269,21 @@ ONE_BLOCK_CASES = [
 ]
 
 
+def launch_with_grid(monkeypatch, grid) -> None:
+    """The entries plan their launches with ``grid`` in place of Variant.grid, in plan tables of
+    their own (built under the patch, dropped after the test)."""
+    monkeypatch.setattr(Variant, "grid", grid)
+    for plans in ("_main_plans", "_kv_plans", "_append_plans", "_pack_plans"):
+        monkeypatch.setattr(ops, plans, {})
+
+
 @gpu
 @cases(ONE_BLOCK_CASES)
 def test_one_block_does_every_kv_unit(case, seed, monkeypatch):
     """Every KV row inserted by a single block (4 units of 64 threads), whatever their number and
     however few of them are inserted."""
     grid = Variant.grid
-    monkeypatch.setattr(Variant, "grid", lambda self, tokens, kv_rows, _, sms: grid(self, tokens, kv_rows, 1, sms))
-    for plans in ("_main_plans", "_kv_plans", "_append_plans", "_pack_plans"):
-        monkeypatch.setattr(ops, plans, {})  # plans built under the patch, dropped after it
+    launch_with_grid(monkeypatch, lambda self, tokens, kv_rows, _, sms: grid(self, tokens, kv_rows, 1, sms))
     check_case(case, DEVICE)
 
 
@@ -308,9 +314,7 @@ def test_query_block_layouts(case, seed, layout, monkeypatch):
         kv_blocks, _ = grid(self, tokens, kv_rows, resident, sms)
         return kv_blocks, kv_blocks + query_blocks(self, tokens)
 
-    monkeypatch.setattr(Variant, "grid", forced)
-    for plans in ("_main_plans", "_kv_plans", "_append_plans", "_pack_plans"):
-        monkeypatch.setattr(ops, plans, {})
+    launch_with_grid(monkeypatch, forced)
     check_case(case, DEVICE)
 
 

@@ -229,7 +229,8 @@ def check_pack(latent_kv, kv_layout, need_cuda) -> None:
     _check_bf16_rows(latent_kv, "latent_kv", "num_pages, page_size, 512", 3)
     if latent_kv.shape[1] < 1:
         _fail(f"latent_kv must be [num_pages, page_size, 512] with page_size >= 1, got {list(latent_kv.shape)}")
-    _check_write_range(latent_kv.shape[0] * latent_kv.shape[1], latent_kv.shape[0] * latent_kv.shape[1])
+    rows = latent_kv.shape[0] * latent_kv.shape[1]
+    _check_write_range(rows, rows)  # a slot a row
     _check_device((latent_kv,), ("latent_kv",), need_cuda)
     if type(kv_layout) is not str or kv_layout not in abi.KV_LAYOUTS:
         _fail(f"kv_layout must be one of {abi.KV_LAYOUTS}, got {kv_layout!r}")
