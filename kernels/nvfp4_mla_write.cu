@@ -182,20 +182,31 @@ __device__ __forceinline__ void store_kv_record(const Params& p, uint4 h0, uint4
     st_global_u8(mad_wide(entry * SCALE_BYTES + ulane, 1, page) + PAGE_SIZE * DATA_BYTES, scale);
 }
 
+#if KV_ROPE
+// Whether a row of this slot and position is inserted, and its RoPE row: the slot is in
+// [0, capacity) (a negative one too is out), the position is nonnegative and the last of its
+// compression window, and the RoPE row, position / COMPRESS_RATIO * COMPRESS_RATIO, is inside
+// cos_sin_cache (never read outside it).
+__device__ __forceinline__ bool inserted_row(const Params& p, i64 slot, i64 pos, i64& rope_row) {
+    rope_row = pos / COMPRESS_RATIO * COMPRESS_RATIO;
+    return static_cast<u64>(slot) < static_cast<u64>(p.capacity) && pos >= 0 && (pos + 1) % COMPRESS_RATIO == 0 &&
+           rope_row < p.max_position;
+}
+#endif
+
 // Inserts loaded rows, one warp a row.
 __device__ __forceinline__ void insert_kv_rows(const Params& p, const KvRows& r, int lane) {
 #pragma unroll
     for (int j = 0; j < KV_ROWS_PER_WARP; ++j) {
         // Uniform across the warp (one row).
-        if (static_cast<u64>(r.slot[j]) >= static_cast<u64>(p.capacity)) continue;  // negative too
 #if KV_ROPE
-        if (r.pos[j] < 0 || (r.pos[j] + 1) % COMPRESS_RATIO != 0) continue;
-        const i64 rope_row = r.pos[j] / COMPRESS_RATIO * COMPRESS_RATIO;
-        if (rope_row >= p.max_position) continue;  // never read outside cos_sin_cache
+        i64 rope_row;
+        if (!inserted_row(p, r.slot[j], r.pos[j], rope_row)) continue;
         // Loaded here, used after the quantizer: this second round trip overlaps its work.
         const float* cos_sin = p.cos_sin + rope_row * ROPE_DIM;
         const float cos = cos_sin[lane], sin = cos_sin[ROPE_PAIRS + lane];
 #else
+        if (static_cast<u64>(r.slot[j]) >= static_cast<u64>(p.capacity)) continue;  // negative too
         const float cos = 0.0f, sin = 0.0f;
 #endif
         store_kv_record(p, r.h0[j], r.h1[j], r.rope[j], cos, sin, static_cast<u32>(r.slot[j]), lane);
@@ -249,16 +260,13 @@ __device__ __forceinline__ void load_tile_heads(const Params& p, KvTiles& q, u32
     load_slot_position(p, row, threadIdx.x < q.size && row < static_cast<u32>(p.num_kv_rows), q.next_slot, q.next_pos);
 }
 
-// Lists the inserted rows of the tile at q.first, from its loaded slots and positions, and returns
-// their count. A row is inserted when its slot is in [0, capacity), its position is nonnegative
-// and the last of its compression window, and its RoPE row is inside cos_sin_cache (max_position
-// rows of 256 bytes: fewer than 2^32). Every thread of the block calls it once a tile, when its
-// warp has taken its entries of the previous tile's list: the first barrier orders those reads
-// before this tile's writes.
+// Lists the inserted rows (inserted_row) of the tile at q.first, from its loaded slots and
+// positions, and returns their count; RoPE rows fit 32 bits (max_position rows of 256 bytes).
+// Every thread of the block calls it once a tile, when its warp has taken its entries of the
+// previous tile's list: the first barrier orders those reads before this tile's writes.
 __device__ __forceinline__ u32 list_tile(const Params& p, const KvTiles& q, TileList& list, int lane, int warp) {
-    const i64 pos = q.next_pos, window_row = pos / COMPRESS_RATIO * COMPRESS_RATIO;
-    const bool inserted = static_cast<u64>(q.next_slot) < static_cast<u64>(p.capacity) && pos >= 0 &&
-                          (pos + 1) % COMPRESS_RATIO == 0 && window_row < p.max_position;
+    i64 window_row;
+    const bool inserted = inserted_row(p, q.next_slot, q.next_pos, window_row);
     const u32 ballot = __ballot_sync(NVFP4_FULL_MASK, inserted);
     if (lane == 0) list.warp_count[warp] = __popc(ballot);
     __syncthreads();
@@ -302,8 +310,9 @@ struct KvRow {
     float cos, sin;
 };
 
-// Issues the loads of an inserted row and its cos and sin. (The lane's addresses are recomputed
-// from the parameters each row: kept in registers, they made ptxas spill for sm_120.)
+// Issues the loads of an inserted row and its cos and sin. The lane's addresses are recomputed
+// from the parameters each row: kept in registers (LaneBases), they made ptxas spill for sm_120.
+// Ratio 1 keeps its LaneBases: recomputing there made append 1.3-2% slower on the H200.
 __device__ __forceinline__ KvRow load_inserted_row(const Params& p, int lane, u32 row, u32 rope_row) {
     KvRow r;
     const u64 row_start = mad_wide(row, CHUNKS * 16, reinterpret_cast<u64>(p.kv));
@@ -366,12 +375,12 @@ __device__ __forceinline__ void write_q_out_rows(const Params& p, i64 first, int
         const CosSin t = load_cos_sin(p, pos, c - NOPE_CHUNKS);
 #pragma unroll
         for (int r = 0; r < Q_ROWS_PER_UNIT; ++r)
-            if (head0 + r < NUM_HEADS) out[r] = rope_chunk(out[r], t.c, t.s);
+            if (r < rows && head0 + r < NUM_HEADS) out[r] = rope_chunk(out[r], t.c, t.s);
     }
     if (!in_range) {
 #pragma unroll
         for (int r = 0; r < Q_ROWS_PER_UNIT; ++r)
-            if (head0 + r < NUM_HEADS) out[r] = make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
+            if (r < rows && head0 + r < NUM_HEADS) out[r] = make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
     }
 #endif
 #pragma unroll

@@ -243,13 +243,13 @@ def launch(plan: Plan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool) -> No
     """The launches of ``plan`` on checked arguments; each pool is ``(cache, slots, lens,
     geometry)``, all None for a missing extra pool. With splits, the fp32 workspace comes from
     torch's caching allocator on the current stream."""
-    num_heads = q.shape[2]
-    stream = current_raw_stream(q.get_device())
+    num_heads, device = q.shape[2], q.get_device()
+    stream = current_raw_stream(device)
     sinks_ptr = 0 if sinks is None else sinks.data_ptr()
     partial_o = partial_ml = 0
     if plan.combine is not None:
         entries = q.shape[0] * q.shape[1] * num_heads * plan.num_splits
-        workspace = new_output(q, (entries * (abi.HEAD_DIM + 2),), (1,), torch.float32, q.get_device())
+        workspace = new_output(q, (entries * (abi.HEAD_DIM + 2),), (1,), torch.float32, device)
         partial_o = workspace.data_ptr()
         partial_ml = partial_o + entries * abi.HEAD_DIM * 4
     plan.attend.launch(
