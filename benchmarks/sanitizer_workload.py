@@ -13,9 +13,17 @@ import sys
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import kernel_cache, ops, reference
-from nvfp4_mla.testing import ENTRIES, args_of, make_cache, random_rows, rope_table, storage_bytes
-from nvfp4_mla.variant import Variant
+from nvfp4_mla import reference
+from nvfp4_mla.testing import (
+    ENTRIES,
+    args_of,
+    make_cache,
+    one_kv_block,
+    planned_with_grid,
+    random_rows,
+    rope_table,
+    storage_bytes,
+)
 
 DEVICE = "cuda"
 MAX_POSITION = 97
@@ -52,15 +60,10 @@ def run_both(entry, named, num_pages, page_size, layout, pad, **kwargs):
 def one_block_tiles(cos_sin):
     """The KV entry at compress ratio 2 over 1000 rows from a single block: four tiles of 256 rows
     reuse its shared list of inserted rows (what racecheck must see). Returns 1 on a differing byte."""
-    grid = Variant.grid
-    Variant.grid = lambda self, tokens, rows, _, sms: grid(self, tokens, rows, 1, sms)
-    try:
-        with ops.kernels_from(kernel_cache.default()):  # plan tables of its own, dropped after
-            q, kv, num_pages, slots, positions = inputs(1000, 8, 16, torch.int64)
-            named = {"q": q, "kv": kv, "slot_mapping": slots, "positions": positions, "cos_sin_cache": cos_sin}
-            return run_both("kv", named, num_pages, 16, "3D", 0, compress_ratio=2)
-    finally:
-        Variant.grid = grid
+    with planned_with_grid(one_kv_block):
+        q, kv, num_pages, slots, positions = inputs(1000, 8, 16, torch.int64)
+        named = {"q": q, "kv": kv, "slot_mapping": slots, "positions": positions, "cos_sin_cache": cos_sin}
+        return run_both("kv", named, num_pages, 16, "3D", 0, compress_ratio=2)
 
 
 def main():

@@ -14,7 +14,7 @@ from nvfp4_mla import abi, jit, kernel_cache, ops, reference, validation
 from nvfp4_mla.bench import grid, run, stub
 from nvfp4_mla.bench.arms import Entries
 from nvfp4_mla.bench.grid import Row
-from nvfp4_mla.testing import Case, check_case, record_offsets, rope_table
+from nvfp4_mla.testing import Case, check_case, one_kv_block, planned_with_grid, record_offsets, rope_table
 from nvfp4_mla.variant import Variant
 
 HEADER = stub.shipped_header()
@@ -176,6 +176,21 @@ def test_kernels_from_binds_from_its_cache_in_fresh_tables_and_restores_the_ship
     with pytest.raises(RuntimeError, match="inside"), ops.kernels_from(cache, 2):
         raise RuntimeError("inside")
     assert all(t is s for t, s in zip(_tables(), shipped_tables)) and ops._kv_rows_per_warp is None
+
+
+def test_planned_with_grid_plans_with_its_grid_in_fresh_tables_and_restores_the_shipped():
+    """The tests' and the sanitizer run's forced layouts: a plan built inside uses the given grid
+    (here one_kv_block's single KV block), and nothing of it outlives the block."""
+    shipped_tables, shipped_grid = _tables(), Variant.grid
+    variant = Variant.kv(128, torch.int64, 1)
+    with planned_with_grid(one_kv_block):
+        assert Variant.grid is one_kv_block and all(t == {} and t is not s for t, s in zip(_tables(), shipped_tables))
+        assert variant.grid(0, 10_000, 528, 132) == (1, 1)  # 5000 units, one block
+    assert Variant.grid is shipped_grid and variant.grid(0, 10_000, 528, 132) == (528, 528)
+    assert all(t is s for t, s in zip(_tables(), shipped_tables))
+    with pytest.raises(RuntimeError, match="inside"), planned_with_grid(one_kv_block):
+        raise RuntimeError("inside")
+    assert Variant.grid is shipped_grid and all(t is s for t, s in zip(_tables(), shipped_tables))
 
 
 def test_a_plan_with_nothing_to_launch_has_no_launch():

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, ops, reference
+from nvfp4_mla import abi, reference
 from nvfp4_mla.testing import (
     ARG_NAMES,
     CANARY,
@@ -32,6 +32,8 @@ from nvfp4_mla.testing import (
     flat_bytes,
     make_cache,
     make_inputs,
+    one_kv_block,
+    planned_with_grid,
     record_offsets,
     storage_bytes,
     synchronize,
@@ -269,22 +271,13 @@ ONE_BLOCK_CASES = [
 ]
 
 
-def launch_with_grid(monkeypatch, grid) -> None:
-    """The entries plan their launches with ``grid`` in place of Variant.grid, in plan tables of
-    their own (built under the patch, dropped after the test)."""
-    monkeypatch.setattr(Variant, "grid", grid)
-    for plans in ("_main_plans", "_kv_plans", "_append_plans", "_pack_plans"):
-        monkeypatch.setattr(ops, plans, {})
-
-
 @gpu
 @cases(ONE_BLOCK_CASES)
-def test_one_block_does_every_kv_unit(case, seed, monkeypatch):
+def test_one_block_does_every_kv_unit(case, seed):
     """Every KV row inserted by a single block (4 units of 64 threads), whatever their number and
     however few of them are inserted."""
-    grid = Variant.grid
-    launch_with_grid(monkeypatch, lambda self, tokens, kv_rows, _, sms: grid(self, tokens, kv_rows, 1, sms))
-    check_case(case, DEVICE)
+    with planned_with_grid(one_kv_block):
+        check_case(case, DEVICE)
 
 
 QUERY_BLOCK_CASES = [
@@ -305,7 +298,7 @@ QUERY_LAYOUTS = {  # query blocks of each layout the kernel tells apart
 @gpu
 @cases(QUERY_BLOCK_CASES)
 @pytest.mark.parametrize("layout", QUERY_LAYOUTS)
-def test_query_block_layouts(case, seed, layout, monkeypatch):
+def test_query_block_layouts(case, seed, layout):
     """The query's blocks do a row, a unit or 4 units each (variant.grid's choices, told apart by
     the kernel from the number of blocks), q_out and in place alike: the same bytes every way."""
     grid, query_blocks = Variant.grid, QUERY_LAYOUTS[layout]
@@ -314,8 +307,8 @@ def test_query_block_layouts(case, seed, layout, monkeypatch):
         kv_blocks, _ = grid(self, tokens, kv_rows, resident, sms)
         return kv_blocks, kv_blocks + query_blocks(self, tokens)
 
-    launch_with_grid(monkeypatch, forced)
-    check_case(case, DEVICE)
+    with planned_with_grid(forced):
+        check_case(case, DEVICE)
 
 
 @gpu

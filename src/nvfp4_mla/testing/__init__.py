@@ -11,7 +11,8 @@ by slot, page and record field (docs/format.md section 3) or by element.
 - :mod:`.inputs`: RoPE tables, random and crafted rows, slots, positions, canary caches, :class:`Case`;
 - :mod:`.checks`: storage bytes, byte locators, :func:`check`;
 - :mod:`.kernels`: kernels kept in memory (:class:`MemoryKernels`), among them
-  :class:`VirtualArchKernels`, an older GPU's kernel code paths on this one;
+  :class:`VirtualArchKernels`, an older GPU's kernel code paths on this one; launches planned
+  with a forced grid (:func:`planned_with_grid`, :func:`one_kv_block`);
 - :mod:`.soak`: the soak loop of ``benchmarks/soak.py`` (import it by name).
 """
 
@@ -51,7 +52,7 @@ from .inputs import (
     random_slots,
     rope_table,
 )
-from .kernels import VirtualArchKernels
+from .kernels import VirtualArchKernels, one_kv_block, planned_with_grid
 
 __all__ = [
     "ARG_NAMES",
@@ -79,6 +80,8 @@ __all__ = [
     "make_positions",
     "make_slots",
     "make_table",
+    "one_kv_block",
+    "planned_with_grid",
     "random_rows",
     "random_slots",
     "raw_bytes",

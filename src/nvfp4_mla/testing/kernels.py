@@ -1,10 +1,16 @@
-"""Kernels built another way, for the tests and the benchmark, kept in memory only."""
+"""Kernels built or launched another way, for the tests, the benchmark and the sanitizer run:
+kept in memory only, or planned with a forced grid."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .. import jit, kernel_cache
+from .. import jit, kernel_cache, ops
+from ..variant import Variant
+
+_SHIPPED_GRID = Variant.grid
 
 
 class MemoryKernels(kernel_cache.KernelCache):
@@ -40,3 +46,25 @@ class VirtualArchKernels(MemoryKernels):
 
     def compile(self, spec: jit.Spec, arch: str) -> bytes:
         return jit.compile_ptx(spec, self.arch)
+
+
+@contextlib.contextmanager
+def planned_with_grid(grid: Callable[[Variant, int, int, int, int], tuple[int, int]]) -> Iterator[None]:
+    """Within the block, the writer entries plan their launches with ``grid`` in place of
+    ``Variant.grid`` (same arguments), in tables of their own (``nvfp4_mla.ops.kernels_from`` on
+    the process's kernel cache) that are dropped after it: to force launch layouts the shipped grid
+    would not choose. Not thread-safe, like ``kernels_from``."""
+    Variant.grid = grid  # type: ignore[method-assign, assignment]
+    try:
+        with ops.kernels_from(kernel_cache.default()):
+            yield
+    finally:
+        Variant.grid = _SHIPPED_GRID  # type: ignore[method-assign]
+
+
+def one_kv_block(
+    variant: Variant, num_tokens: int, num_kv_rows: int, resident_blocks: int, sms: int
+) -> tuple[int, int]:
+    """``Variant.grid`` as on a GPU that holds one block at a time: a single block takes every KV
+    row (for :func:`planned_with_grid`)."""
+    return _SHIPPED_GRID(variant, num_tokens, num_kv_rows, 1, sms)
