@@ -10,6 +10,7 @@ import logging
 from . import abi, reference, validation
 from .decode import sparse_mla_decode
 from .geometry import Geometry, precompile
+from .launch import gpu_unavailable_reason
 from .ops import (
     cake_dsv4_nvfp4_kv_rope_quantize_insert,
     cake_dsv4_nvfp4_rope_quantize_insert,
@@ -17,6 +18,8 @@ from .ops import (
     nvfp4_quantize_pack_sparse_mla_cache,
 )
 from .reader import nvfp4_dequantize_sparse_mla_cache
+from .records import format_record
+from .reference import rope_table
 
 __version__ = "0.1.0"
 
@@ -28,11 +31,14 @@ __all__ = [
     "abi",
     "cake_dsv4_nvfp4_kv_rope_quantize_insert",
     "cake_dsv4_nvfp4_rope_quantize_insert",
+    "format_record",
+    "gpu_unavailable_reason",
     "nvfp4_dequantize_sparse_mla_cache",
     "nvfp4_quantize_append_sparse_mla_cache",
     "nvfp4_quantize_pack_sparse_mla_cache",
     "precompile",
     "reference",
+    "rope_table",
     "sparse_mla_decode",
     "validation",
 ]

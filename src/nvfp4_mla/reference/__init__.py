@@ -20,6 +20,7 @@ from .numerics import (
     quantize_nope,
     quantize_rows,
     rope,
+    rope_table,
     to_bf16,
 )
 from .reader import nvfp4_dequantize_sparse_mla_cache
@@ -52,6 +53,7 @@ __all__ = [
     "quantize_nope",
     "quantize_rows",
     "rope",
+    "rope_table",
     "sparse_mla_decode",
     "to_bf16",
 ]

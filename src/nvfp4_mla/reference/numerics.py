@@ -113,6 +113,22 @@ def e2m1_value(code: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- RoPE and quantization
 
 
+def rope_table(max_position: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A RoPE table for ``cos_sin_cache``: fp32 ``[max_position, 64]``, row ``p`` = cos[32] | sin[32]
+    of ``p * inv_freq`` with base 10000 (docs/format.md section 2), computed in float64.
+
+    Parameters
+    ----------
+    max_position
+        Rows of the table (positions ``0 .. max_position - 1``).
+    device
+        Where the table is made (default the CPU).
+    """
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, abi.ROPE_DIM, 2, dtype=torch.float64) / abi.ROPE_DIM)
+    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=1).float().to(device)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """GPT-J RoPE of BF16 ``x[..., 64]`` with fp32 ``cos``/``sin[..., 32]`` broadcastable to pairs.
 

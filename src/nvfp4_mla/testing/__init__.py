@@ -16,6 +16,7 @@ by slot, page and record field (docs/format.md section 3) or by element.
 - :mod:`.soak`: the soak loop of ``benchmarks/soak.py`` (import it by name).
 """
 
+from ..reference import rope_table
 from .checks import (
     Locator,
     assert_same,
@@ -50,7 +51,6 @@ from .inputs import (
     make_table,
     random_rows,
     random_slots,
-    rope_table,
 )
 from .kernels import VirtualArchKernels, one_kv_block, planned_with_grid
 

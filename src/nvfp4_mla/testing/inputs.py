@@ -32,14 +32,6 @@ Device = torch.device | str
 # ---------------------------------------------------------------- inputs
 
 
-def rope_table(max_position: int, device: Device = "cpu") -> torch.Tensor:
-    """A real RoPE table ``[max_position, 64]`` fp32: cos[32] | sin[32] of position * inv_freq
-    (base 10000), the ``cos_sin_cache`` of docs/format.md section 2."""
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, abi.ROPE_DIM, 2, dtype=torch.float64) / abi.ROPE_DIM)
-    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cat((angles.cos(), angles.sin()), dim=1).float().to(device)
-
-
 def random_rows(shape: Sequence[int], device: Device = "cpu", scale: float = 1.0) -> torch.Tensor:
     """BF16 normal values whose groups of 16 along the last dim each get a random power-of-two
     magnitude in [2^-8, 2^7], so the groups' scales differ."""
@@ -141,7 +133,7 @@ def make_table(max_position: int, kind: str) -> torch.Tensor:
     """``"real"``: :func:`rope_table`. ``"wild"``: fp32 values of every size, ~5% subnormal (RoPE
     keeps subnormals), ~2% +-inf, NaN or +-0."""
     if kind == "real":
-        return rope_table(max_position)
+        return reference.rope_table(max_position)
     shape = (max_position, abi.ROPE_DIM)
     table = torch.randn(shape) * torch.exp2(torch.randint(-24, 24, shape).float())
     r = torch.rand(shape)

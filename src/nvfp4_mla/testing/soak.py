@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .. import abi, ops, reference
+from ..reference import rope_table
 from .checks import (
     bytes_mismatch,
     cache_locator,
@@ -35,7 +36,7 @@ from .checks import (
     storage_bytes,
     synchronize,
 )
-from .inputs import ARG_NAMES, ENTRIES, Case, Device, make_cache, random_rows, rope_table
+from .inputs import ARG_NAMES, ENTRIES, Case, Device, make_cache, random_rows
 
 # Case.bad_slots / bad_positions switch on invalid slots / positions; Case.rows and .table are not
 # used (rows are random_rows with a few specials, the table a real RoPE table).
