@@ -40,10 +40,10 @@ if wants sanitizers; then
 fi
 if wants sanitizers; then  # the reader and the attention kernel: invalid slots, masks, lonely rows, NaN records
     step memcheck-rd "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
-        --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_reader.py tests/test_gpu_decode.py \
+        --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_reader_gpu.py tests/test_decode_gpu.py \
         -k "invalid or lonely or nan or two_pools or random or split"
     step racecheck-d "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck \
-        --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_decode.py -k "lonely or two_pools"
+        --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_decode_gpu.py -k "lonely or two_pools"
 fi
 # The seeded out-of-bounds write must be reported (exit 9), else the sanitizer step proves nothing.
 wants oob && step seeded-oob "$OUT/seeded_oob.log" 9 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \

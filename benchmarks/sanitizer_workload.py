@@ -19,7 +19,6 @@ from nvfp4_mla.testing import (
     args_of,
     make_cache,
     one_kv_block,
-    planned_with_grid,
     random_rows,
     rope_table,
     storage_bytes,
@@ -43,14 +42,16 @@ def inputs(num_tokens, num_heads, page_size, slot_dtype):
     return q, kv, num_pages, slots.to(slot_dtype).to(DEVICE), positions.to(DEVICE)
 
 
-def run_both(entry, named, num_pages, page_size, layout, pad, **kwargs):
-    """Runs ``entry`` through the kernels and the reference, each on a fresh cache and its own
-    copy of ``q`` (in place mutates it); returns 1 on any differing byte."""
+def run_both(entry, named, num_pages, page_size, layout, pad, library=None, **kwargs):
+    """Runs ``entry`` through the kernels (on ``library``: default the process's) and the reference,
+    each on a fresh cache and its own copy of ``q`` (in place mutates it); returns 1 on any
+    differing byte."""
     caches = [make_cache(num_pages, page_size, layout, pad, DEVICE) for _ in range(2)]
     outs = []
     for module, cache in zip((nvfp4_mla, reference), caches):
         args = args_of(entry, {**named, "cache": cache, "q": named["q"].clone()})
-        outs.append(getattr(module, ENTRIES[entry])(*args, **kwargs))
+        options = dict(kwargs, library=library) if module is nvfp4_mla else kwargs
+        outs.append(getattr(module, ENTRIES[entry])(*args, **options))
     same = torch.equal(storage_bytes(caches[0]), storage_bytes(caches[1]))
     if isinstance(outs[0], torch.Tensor):
         same &= torch.equal(outs[0].view(torch.int16).cpu(), outs[1].view(torch.int16).cpu())
@@ -60,10 +61,10 @@ def run_both(entry, named, num_pages, page_size, layout, pad, **kwargs):
 def one_block_tiles(cos_sin):
     """The KV entry at compress ratio 2 over 1000 rows from a single block: four tiles of 256 rows
     reuse its shared list of inserted rows (what racecheck must see). Returns 1 on a differing byte."""
-    with planned_with_grid(one_kv_block):
-        q, kv, num_pages, slots, positions = inputs(1000, 8, 16, torch.int64)
-        named = {"q": q, "kv": kv, "slot_mapping": slots, "positions": positions, "cos_sin_cache": cos_sin}
-        return run_both("kv", named, num_pages, 16, "3D", 0, compress_ratio=2)
+    one_block = nvfp4_mla.KernelLibrary(writer_grid=one_kv_block)
+    q, kv, num_pages, slots, positions = inputs(1000, 8, 16, torch.int64)
+    named = {"q": q, "kv": kv, "slot_mapping": slots, "positions": positions, "cos_sin_cache": cos_sin}
+    return run_both("kv", named, num_pages, 16, "3D", 0, library=one_block, compress_ratio=2)
 
 
 def main():

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from nvfp4_mla import launch
+from nvfp4_mla import gpu_unavailable_reason
 from nvfp4_mla.testing.soak import GEOMETRIES, run_soak
 
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eager-fraction", type=float, default=0.25, help="share of steps run eagerly")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    problem = launch.gpu_unavailable_reason()
+    problem = gpu_unavailable_reason()
     if problem:
         print(f"soak: needs a CUDA GPU (sm_80 or newer) with CuPy: {problem}", file=sys.stderr)
         return 2

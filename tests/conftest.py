@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from nvfp4_mla import launch
+from nvfp4_mla import gpu_unavailable_reason
 
-GPU_SKIP_REASON = launch.gpu_unavailable_reason()
+GPU_SKIP_REASON = gpu_unavailable_reason()
 
 
 def pytest_collection_modifyitems(config, items):

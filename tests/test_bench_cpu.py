@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nvfp4_mla import cli, launch, reference
+from nvfp4_mla import cli, gpu_unavailable_reason, reference
 from nvfp4_mla.bench import arms, ceilings, grid, inputs, probes, report, run, targets
 from nvfp4_mla.bench import decode as bench_decode
 from nvfp4_mla.bench import reader as bench_reader
@@ -27,7 +27,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 PUBLISHED_CSV = DOCS / "bench_h200.csv"
 PUBLISHED_READER_MD = DOCS / "bench_reader_h200.md"
 PUBLISHED_DECODE_MD = DOCS / "bench_decode_h200.md"
-GPU_USABLE = launch.gpu_unavailable_reason() is None
+GPU_USABLE = gpu_unavailable_reason() is None
 
 # ---------------------------------------------------------------- grid and bytes model
 

@@ -17,7 +17,7 @@ from nvfp4_mla.testing import make_cache, random_rows, rope_table
 def test_host_is_a_suite_and_says_it_needs_a_gpu(monkeypatch):
     assert "host" in run.SUITES
     assert host.parse_args(["--out", "d"]).out == Path("d")
-    monkeypatch.setattr(run.launch, "gpu_unavailable_reason", lambda: "no GPU here")
+    monkeypatch.setattr(run, "gpu_unavailable_reason", lambda: "no GPU here")
     with pytest.raises(SystemExit, match="bench host needs a CUDA GPU"):
         run.main(["host"])
 

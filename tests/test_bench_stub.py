@@ -1,5 +1,5 @@
 """The benchmark's no-quantizer arm and the KV rows per warp A/B: the header transform, the stub
-kernels' compile (NVRTC, no GPU needed), their key and cache, the entries' kernel swap, the arm in
+kernels' compile (NVRTC, no GPU needed), their key and cache, the library the arm runs on, the arm in
 the measuring loop and the options. GPU tests (marked ``gpu``) run the stub and A/B kernels."""
 
 from __future__ import annotations
@@ -10,22 +10,26 @@ from typing import NamedTuple
 import pytest
 import torch
 
+import nvfp4_mla
 from nvfp4_mla import abi, jit, kernel_cache, ops, reference, validation
 from nvfp4_mla.bench import grid, run, stub
 from nvfp4_mla.bench.arms import Entries
 from nvfp4_mla.bench.grid import Row
-from nvfp4_mla.testing import Case, check_case, one_kv_block, planned_with_grid, record_offsets, rope_table
-from nvfp4_mla.variant import Variant
+from nvfp4_mla.device import Device
+from nvfp4_mla.ops import library as library_module
+from nvfp4_mla.ops import writers
+from nvfp4_mla.ops.writer_spec import WriterSpec
+from nvfp4_mla.testing import Case, check_case, one_kv_block, record_offsets, rope_table
 
 HEADER = stub.shipped_header()
 # One writer variant of each entry the benchmark measures.
 VARIANTS = [
-    Variant.main(256, torch.int64, 8, 16, True, False),
-    Variant.main(256, torch.int64, 16, 16, True, True),
-    Variant.kv(128, torch.int64, 1),
-    Variant.kv(128, torch.int64, 2),
-    Variant.append(128, torch.int64),
-    Variant.pack(128),
+    WriterSpec.main(256, torch.int64, 8, 16, True, False),
+    WriterSpec.main(256, torch.int64, 16, 16, True, True),
+    WriterSpec.kv(128, torch.int64, 1),
+    WriterSpec.kv(128, torch.int64, 2),
+    WriterSpec.append(128, torch.int64),
+    WriterSpec.pack(128),
 ]
 
 
@@ -105,14 +109,14 @@ def test_stub_kernels_compile_with_their_own_key(nvrtc, arch):
     stubbed = stub.stub_header(HEADER)
     for variant in VARIANTS:
         shipped_key = jit.kernel_key(variant, arch)
-        stub_key = jit.kernel_key(variant, arch, header=stubbed)
-        assert stub_key != shipped_key and jit.kernel_key(variant, arch, header=HEADER) == shipped_key
-        result = jit.compile_kernel(variant, arch, header=stubbed)
+        stub_key = jit.kernel_key(variant, arch, {jit.NUMERICS_HEADER: stubbed})
+        assert stub_key != shipped_key and jit.kernel_key(variant, arch, {jit.NUMERICS_HEADER: HEADER}) == shipped_key
+        result = jit.compile_kernel(variant, arch, sources={jit.NUMERICS_HEADER: stubbed})
         assert result.cubin[:4] == b"\x7fELF" and result.spill_bytes == 0, variant
         assert jit.proof(stub_key) in result.cubin and jit.proof(shipped_key) not in result.cubin
         assert result.cubin != jit.compile_kernel(variant, arch).cubin
     # The shipped source is untouched: the file, jit's copy and the shipped keys.
-    assert stub.shipped_header() == HEADER == jit._source(jit.HEADER_FILE)
+    assert stub.shipped_header() == HEADER == (jit.kernel_dir() / jit.NUMERICS_HEADER).read_text()
 
 
 def test_stub_kernel_cache_compiles_in_memory_only(nvrtc, tmp_path, monkeypatch):
@@ -121,91 +125,84 @@ def test_stub_kernel_cache_compiles_in_memory_only(nvrtc, tmp_path, monkeypatch)
     cache = stub.StubKernelCache(stub.stub_header(HEADER))
     assert cache.layers == []
     cubin, where = cache.build(VARIANTS[2], "sm_90")
-    assert where is None and jit.proof(jit.kernel_key(VARIANTS[2], "sm_90", header=cache.header)) in cubin
+    assert (
+        where is None and jit.proof(jit.kernel_key(VARIANTS[2], "sm_90", {jit.NUMERICS_HEADER: cache.header})) in cubin
+    )
     assert list(tmp_path.iterdir()) == []  # nothing written, not even the user's default directory
     with pytest.raises(kernel_cache.CacheError, match="kept in memory"):
         cache.build(VARIANTS[2], "sm_90", tmp_path)
 
 
-# ---------------------------------------------------------------- the entries' kernel swap
+# ---------------------------------------------------------------- the library the arms run on
 
 
 class _StandInLauncher(NamedTuple):
     resident_blocks: int  # as launch.Launcher's: blocks the GPU holds at once
-    sms: int
+    device: Device
 
     def launch(self, *args: int) -> None:
         raise AssertionError("a plan is built, never launched, here")
 
 
-STAND_IN = _StandInLauncher(resident_blocks=1, sms=1)
+STAND_IN = _StandInLauncher(resident_blocks=1, device=Device(5, 90, 1, 232_448))
 
 
 class _RecordingCache:
-    """Stands in for a KernelCache: records what the entries bind."""
+    """Stands in for a KernelCache: records what the library loads."""
 
     def __init__(self) -> None:
-        self.bound: list[tuple[int, Variant]] = []
+        self.bound: list[tuple[int, WriterSpec]] = []
 
-    def launcher(self, device_index: int, spec: Variant) -> _StandInLauncher:
+    def launcher(self, device_index: int, spec: WriterSpec) -> _StandInLauncher:
         self.bound.append((device_index, spec))
         return STAND_IN
 
 
-def _tables() -> tuple[dict, ...]:
-    kernels = ops._main_kernels, ops._kv_kernels, ops._append_kernels, ops._pack_kernels
-    return *kernels, ops._main_plans, ops._kv_plans, ops._append_plans, ops._pack_plans
+LAYOUT = validation.CacheLayout(4, 128, 128 * 384)
 
 
 @pytest.mark.parametrize("kv_rows_per_warp", [None, 1, 3])
-def test_kernels_from_binds_from_its_cache_in_fresh_tables_and_restores_the_shipped(kv_rows_per_warp):
-    shipped_tables, shipped_cache = _tables(), ops._kernel_cache
+def test_a_library_plans_with_its_cache_and_tune_in_its_own_table(kv_rows_per_warp):
     cache = _RecordingCache()
-    variant = Variant.kv(128, torch.int64, 2)
-    key = (5, 128, torch.int64, 2)
-    geometry = validation.CacheGeometry(4, 128, 128 * 384)
-    with ops.kernels_from(cache, kv_rows_per_warp):
-        assert all(t == {} and t is not s for t, s in zip(_tables(), shipped_tables))
-        plan = ops._plan(ops._kv_plans, ("signature",), ops._kv_kernels, key, variant, None, geometry, 0, 0, 10)
-        assert ops._kv_kernels[key] is STAND_IN and ops._kv_plans[("signature",)] is plan
-    expected = variant if kv_rows_per_warp is None else variant._replace(kv_rows_per_warp=kv_rows_per_warp)
+    tune = None if kv_rows_per_warp is None else (lambda s: s._replace(kv_rows_per_warp=kv_rows_per_warp))
+    library = nvfp4_mla.KernelLibrary(cache, tune=tune)  # type: ignore[arg-type]
+    spec = WriterSpec.kv(128, torch.int64, 2)
+    shipped = dict(ops.DEFAULT.plans)
+    plan = writers._plan(library, ("signature",), 5, spec, None, LAYOUT, 0, 0, 10)  # type: ignore[arg-type]
+    assert library.plans == {("signature",): plan} and ops.DEFAULT.plans == shipped
+    expected = spec if kv_rows_per_warp is None else spec._replace(kv_rows_per_warp=kv_rows_per_warp)
     assert plan.launch.func == STAND_IN.launch and cache.bound == [(5, expected)]
-    assert plan.launch.args == (expected.grid(0, 10, STAND_IN.resident_blocks, STAND_IN.sms)[1], 1, 1, 0)
-    assert all(t is s for t, s in zip(_tables(), shipped_tables)) and ops._kernel_cache is shipped_cache
-    assert ops._kv_rows_per_warp is None and key not in ops._kv_kernels and ("signature",) not in ops._kv_plans
-    with pytest.raises(RuntimeError, match="inside"), ops.kernels_from(cache, 2):
-        raise RuntimeError("inside")
-    assert all(t is s for t, s in zip(_tables(), shipped_tables)) and ops._kv_rows_per_warp is None
+    assert plan.launch.args == (expected.grid(0, 10, STAND_IN.resident_blocks, STAND_IN.device.sms)[1], 1, 1, 0)
 
 
-def test_planned_with_grid_plans_with_its_grid_in_fresh_tables_and_restores_the_shipped():
-    """The tests' and the sanitizer run's forced layouts: a plan built inside uses the given grid
-    (here one_kv_block's single KV block), and nothing of it outlives the block."""
-    shipped_tables, shipped_grid = _tables(), Variant.grid
-    variant = Variant.kv(128, torch.int64, 1)
-    with planned_with_grid(one_kv_block):
-        assert Variant.grid is one_kv_block and all(t == {} and t is not s for t, s in zip(_tables(), shipped_tables))
-        assert variant.grid(0, 10_000, 528, 132) == (1, 1)  # 5000 units, one block
-    assert Variant.grid is shipped_grid and variant.grid(0, 10_000, 528, 132) == (528, 528)
-    assert all(t is s for t, s in zip(_tables(), shipped_tables))
-    with pytest.raises(RuntimeError, match="inside"), planned_with_grid(one_kv_block):
-        raise RuntimeError("inside")
-    assert Variant.grid is shipped_grid and all(t is s for t, s in zip(_tables(), shipped_tables))
+def test_a_library_plans_with_its_writer_grid():
+    """The tests' and the sanitizer run's forced layouts: a plan uses the library's grid (here
+    one_kv_block's single KV block), the shipped grid elsewhere."""
+    spec = WriterSpec.kv(128, torch.int64, 1)
+    many = STAND_IN._replace(resident_blocks=528, device=Device(5, 90, 132, 232_448))
+    forced = nvfp4_mla.KernelLibrary(writer_grid=one_kv_block)
+    assert forced.grid(spec, 0, 10_000, many) == (1, 1)  # 5000 units, one block
+    assert nvfp4_mla.KernelLibrary().grid(spec, 0, 10_000, many) == (528, 528) == spec.grid(0, 10_000, 528, 132)
 
 
 def test_a_plan_with_nothing_to_launch_has_no_launch():
     """Even when the kernel is already loaded: a grid of 0 blocks is a launch error."""
     cache = _RecordingCache()
-    key = (5, 128, torch.int64, 2)
-    geometry = validation.CacheGeometry(4, 128, 128 * 384)
-    with ops.kernels_from(cache):
-        work = ops._plan(
-            ops._kv_plans, ("some",), ops._kv_kernels, key, Variant.kv(128, torch.int64, 2), None, geometry, 0, 0, 10
-        )
-        empty = ops._plan(
-            ops._kv_plans, ("none",), ops._kv_kernels, key, Variant.kv(128, torch.int64, 2), None, geometry, 0, 0, 0
-        )
+    library = nvfp4_mla.KernelLibrary(cache)  # type: ignore[arg-type]
+    spec = WriterSpec.kv(128, torch.int64, 2)
+    work = writers._plan(library, ("some",), 5, spec, None, LAYOUT, 0, 0, 10)  # type: ignore[arg-type]
+    empty = writers._plan(library, ("none",), 5, spec, None, LAYOUT, 0, 0, 0)  # type: ignore[arg-type]
     assert work.launch.func == STAND_IN.launch and empty.launch is None and len(cache.bound) == 1
+
+
+def test_the_plan_table_is_bounded():
+    library = nvfp4_mla.KernelLibrary()
+    for i in range(library_module.MAX_PLANS + 3):
+        library.remember(("plan", i), i)
+    assert (
+        len(library.plans) == 3
+        and library.plans[("plan", library_module.MAX_PLANS + 2)] == library_module.MAX_PLANS + 2
+    )
 
 
 def test_kernel_library_of_the_shipped_kernels_is_ops():
@@ -213,30 +210,26 @@ def test_kernel_library_of_the_shipped_kernels_is_ops():
 
 
 @pytest.mark.parametrize(("kv_rows_per_warp", "stubbed"), [(2, False), (1, True), (4, True)])
-def test_kernel_library_calls_each_entry_inside_its_swap(kv_rows_per_warp, stubbed, monkeypatch):
-    swaps: list[tuple[object, int | None]] = []
-    shipped_kernels_from = ops.kernels_from
-
-    def recording(cache, rows=None):
-        swaps.append((cache, rows))
-        return shipped_kernels_from(cache, rows)
-
-    monkeypatch.setattr(ops, "kernels_from", recording)
+def test_kernel_library_binds_each_entry_to_its_library(kv_rows_per_warp, stubbed, monkeypatch):
     monkeypatch.setattr(stub, "stub_kernel_cache", lambda: "stub cache")
     stub.kernel_library.cache_clear()
     try:
-        library = stub.kernel_library(kv_rows_per_warp, stubbed)
+        entries = stub.kernel_library(kv_rows_per_warp, stubbed)
     finally:
         stub.kernel_library.cache_clear()
-    assert isinstance(library, Entries)
+    assert isinstance(entries, Entries)
+    libraries = {entry.keywords["library"] for entry in entries}
+    assert len(libraries) == 1
+    (library,) = libraries
+    assert library.cache == ("stub cache" if stubbed else kernel_cache.default())
+    spec = WriterSpec.main(16, torch.int64, 8, 16, True, False)
+    assert library.spec(spec) == spec._replace(kv_rows_per_warp=kv_rows_per_warp)
     kv = torch.zeros(4, 512, dtype=torch.bfloat16)
     cache = reference.new_cache(2, 16, "HND", "cpu")
     with pytest.raises(ValueError):  # the same validation as the shipped entries: CPU tensors refused
-        library.nvfp4_quantize_append_sparse_mla_cache(kv, torch.arange(4), cache)
+        entries.nvfp4_quantize_append_sparse_mla_cache(kv, torch.arange(4), cache)
     with pytest.raises(ValueError):
-        library.nvfp4_quantize_pack_sparse_mla_cache(kv.view(1, 4, 512))
-    expected_cache = "stub cache" if stubbed else kernel_cache.default()
-    assert swaps == [(expected_cache, kv_rows_per_warp)] * 2
+        entries.nvfp4_quantize_pack_sparse_mla_cache(kv.view(1, 4, 512))
 
 
 # ---------------------------------------------------------------- the arm in the measuring loop

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, launch, reference
+from nvfp4_mla import abi, gpu_unavailable_reason, reference
 from nvfp4_mla.cli import SIGPIPE_EXIT, format_record, main
 from nvfp4_mla.testing import CANARY, make_cache, random_rows, rope_table
 
@@ -51,7 +51,7 @@ def test_info(capsys):
         assert word in out
     if not torch.cuda.is_available():
         assert "GPU:   no GPU" in out
-    why_not = launch.gpu_unavailable_reason()
+    why_not = gpu_unavailable_reason()
     assert (f"GPU entries unavailable: {why_not}." in out) if why_not else ("unavailable" not in out)
 
 
@@ -75,7 +75,7 @@ def test_demo(capsys, tmp_path, force_cpu):
     saved = tmp_path / "demo.pt"
     assert main(["demo", "--save", str(saved)] + (["--cpu"] if force_cpu else [])) == 0
     out = capsys.readouterr().out
-    if force_cpu or launch.gpu_unavailable_reason():
+    if force_cpu or gpu_unavailable_reason():
         assert "Ran nvfp4_mla.reference on the CPU, not the GPU kernels: " in out
     else:
         assert "Ran the fused GPU entry" in out and "reference on the CPU: yes" in out
@@ -205,7 +205,7 @@ def test_precompile(capsys, tmp_path):
     captured = capsys.readouterr()
     # stderr is not a terminal here: one plain line per kernel, no carriage returns
     assert "\r" not in captured.err
-    assert captured.err.splitlines()[-1] == "[8/8] sm_90 append page_size=64 int32"
+    assert captured.err.splitlines()[-1] == "[8/8] sm_90: writer append, page 64, int32 slots"
     assert captured.out.splitlines()[-1] == f"8 kernels ready in {target}"
     cubins = sorted(target.glob("*.cubin"))
     assert len(cubins) == 8 and {p.name.split("-")[0] for p in cubins} == {"sm_80", "sm_90"}
@@ -228,7 +228,7 @@ def test_precompile_counts_unique_kernels(tmp_path):
     assert done.stdout.splitlines() == [str(cubins[0]), f"1 kernel ready in {tmp_path / 'kernels'}"]
     assert "\r" not in done.stderr
     progress = [line for line in done.stderr.splitlines() if line.startswith("[")]
-    assert progress == ["[1/1] sm_90 kv ratio 1 page_size=16 int64"]
+    assert progress == ["[1/1] sm_90: writer kv, compress ratio 1, page 16, int64 slots"]
 
 
 def test_precompile_reader_and_decode_kernels(tmp_path):
@@ -295,7 +295,7 @@ def test_precompile_errors(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(launch.gpu_unavailable_reason() is None, reason="checks the message given without a usable GPU")
+@pytest.mark.skipif(gpu_unavailable_reason() is None, reason="checks the message given without a usable GPU")
 def test_precompile_needs_arch_without_gpu(capsys):
     with pytest.raises(SystemExit):
         main(["precompile", "--heads", "8"])

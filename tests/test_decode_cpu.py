@@ -1,15 +1,14 @@
-"""The fused decode without a GPU: every kernel compiles on every architecture without spills, the
+"""The fused decode without a GPU: its backends and the selection rule on fake GPUs, the
 shared-memory and split plans, the CPU path (= the reference), validation of ``out``, and the
-custom op's fake implementation and tracing."""
-
-import os
-from concurrent.futures import ThreadPoolExecutor
+custom op's fake implementation and tracing. Its kernels compile in tests/test_ops_compile.py."""
 
 import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, decode, jit, launch, reference
+from nvfp4_mla import abi, jit, launch, reference
+from nvfp4_mla.device import Device
+from nvfp4_mla.ops import decode, decode_mma
 from nvfp4_mla.testing import make_cache
 
 BF16 = torch.bfloat16
@@ -18,45 +17,50 @@ SMALLEST_SHARED_OPTIN = 101_376  # bytes a block may opt in to on sm_86/89/120 (
 SM80_SHARED_OPTIN = 166_912
 
 
-# ---------------------------------------------------------------- compile
+# ---------------------------------------------------------------- backends and plans
 
 
-@pytest.mark.parametrize("arch", jit.ARCHS)
-def test_every_decode_kernel_compiles_without_spills(arch):
-    pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install 'nvfp4-mla[cu12]')")
-    with ThreadPoolExecutor(os.cpu_count()) as pool:  # NVRTC releases the GIL
-        results = list(pool.map(lambda s: jit.compile_kernel(s, arch), decode.ALL_SPECS))
-    # NVRTC 13.0 drops the ptxas report of some compiles run in parallel: redo those serially.
-    results = [r if r.log else jit.compile_kernel(s, arch) for s, r in zip(decode.ALL_SPECS, results)]
-    if not all(r.log for r in results):
-        pytest.skip(f"NVRTC {jit.nvrtc_identity()} returned no ptxas report")
-    for spec, result in zip(decode.ALL_SPECS, results):
-        assert result.cubin[:4] == b"\x7fELF", spec
-        assert f"for '{arch}'" in result.log, result.log
-        assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{spec.describe()} on {arch}:\n{result.log}"
-        # a block's registers fit an SM (64K 32-bit registers on every sm_80+ GPU)
-        assert 0 < result.registers * spec.threads <= 65536, f"{spec.describe()} on {arch}: {result.registers}"
-
-
-def test_spec_set_and_names():
-    assert {s.head_tile for s in decode.ALL_SPECS if s.kernel == "attend"} == set(decode.HEAD_TILES)
-    assert len(set(decode.ALL_SPECS)) == len(decode.ALL_SPECS) == len(decode.HEAD_TILES) + 1
-    assert decode.DecodeSpec.attend(32) is decode.DecodeSpec.attend(32)  # memoized: the hot path's keys
-    assert decode.DecodeSpec.attend(32).describe() == "decode heads/block=32"
-    assert decode.DecodeSpec.combine().template.function == "nvfp4_mla_decode_combine"
+def test_specs_and_names():
+    specs = decode.specs("sm_90")
+    assert {s.head_tile for s in specs if isinstance(s, decode_mma.MmaAttentionSpec)} == set(decode_mma.HEAD_TILES)
+    assert specs[-1] == decode.CombineSpec.of() and len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 1
+    assert decode_mma.MmaAttentionSpec.of(32) is decode_mma.MmaAttentionSpec.of(32)  # memoized: the plans' keys
+    assert decode_mma.MmaAttentionSpec.of(32).describe() == "decode attention (mma.sync), 32 heads a block"
+    assert decode.CombineSpec.of().template.function == "nvfp4_mla_decode_combine"
     with pytest.raises(ValueError, match="head_tile must be one of"):
-        decode.DecodeSpec.attend(8)
-    for spec in decode.ALL_SPECS:
+        decode_mma.MmaAttentionSpec.of(8)
+    for spec in specs:
         assert spec.template.params.size <= launch.PARAMS_CAPACITY
-        assert spec.template.threads == spec.threads
+    assert decode_mma.MmaAttentionSpec.of(16).template.threads == decode_mma.attend_threads(16)
 
 
-# ---------------------------------------------------------------- plans
+FAKE_GPUS = {  # capability -> a Device as the planners see it (SMs, shared-memory opt-in)
+    80: Device(0, 80, 108, SM80_SHARED_OPTIN),
+    90: Device(0, 90, 132, 232_448),
+    120: Device(0, 120, 84, SMALLEST_SHARED_OPTIN),
+}
+
+
+@pytest.mark.parametrize("capability", FAKE_GPUS)
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_selection_rule(capability, heads):
+    """The backend of every GPU and head count (today the mma.sync kernel everywhere), and only
+    backends that support the GPU are chosen or compiled for it."""
+    gpu = FAKE_GPUS[capability]
+    assert decode.select_backend(gpu, heads).name == "mma_sync"
+    for spec in decode.specs(gpu.arch):
+        assert jit.target_arch(spec, gpu.arch).startswith(gpu.arch)
+
+
+def test_a_forced_backend_must_exist_and_support_the_gpu():
+    library = nvfp4_mla.KernelLibrary(decode_backend="no_such_backend")
+    with pytest.raises(ValueError, match="decode backend 'no_such_backend' is not one of"):
+        decode.plan(library, 0, 16, 1, 32, 0)
 
 
 def test_shared_memory_fits_every_gpu_it_is_chosen_for():
-    assert decode.shared_bytes(16) <= decode.shared_bytes(32) <= SMALLEST_SHARED_OPTIN  # every sm_80+ GPU
-    assert SMALLEST_SHARED_OPTIN < decode.shared_bytes(64) <= SM80_SHARED_OPTIN  # sm_80, sm_90, sm_100
+    assert decode_mma.shared_bytes(16) <= decode_mma.shared_bytes(32) <= SMALLEST_SHARED_OPTIN  # every sm_80+ GPU
+    assert SMALLEST_SHARED_OPTIN < decode_mma.shared_bytes(64) <= SM80_SHARED_OPTIN  # sm_80, sm_90, sm_100
 
 
 @pytest.mark.parametrize(
@@ -74,27 +78,27 @@ def test_shared_memory_fits_every_gpu_it_is_chosen_for():
     ],
 )
 def test_head_tile_choice(heads, optin, tile):
-    assert decode.choose_head_tile(heads, optin) == tile
+    assert decode_mma.choose_head_tile(heads, optin) == tile
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 8, 100, 131, 132, 133, 264, 1000])
 @pytest.mark.parametrize("num_tokens", [1, 31, 32, 33, 640, 1152, 2176, 10_000])
 def test_split_covers_every_tile_once(blocks, num_tokens):
-    splits, per_split = decode.choose_split(blocks, num_tokens, 132)
-    num_tiles = -(-num_tokens // decode.BLOCK_N)
+    num_tiles = -(-num_tokens // decode_mma.BLOCK_N)
+    splits, per_split = decode.choose_split(blocks, num_tiles, 132)
     assert 1 <= splits <= min(num_tiles, decode.MAX_SPLITS)  # the combine takes at most MAX_SPLITS
     assert (splits - 1) * per_split < num_tiles <= splits * per_split  # no empty split, no tile left over
     if blocks % 132 == 0:
         assert splits == 1  # whole waves already: no combine
-    assert decode.choose_split(blocks, num_tokens, 132) == (splits, per_split)
+    assert decode.choose_split(blocks, num_tiles, 132) == (splits, per_split)
 
 
 def test_small_batches_are_split_to_fill_the_gpu():
     # batch 1, 128 heads in 2 tiles of 64, 128 + 512 tokens (20 tiles), 132 SMs of one block each
-    splits, per_split = decode.choose_split(2, 640, 132)
+    splits, per_split = decode.choose_split(2, 20, 132)
     assert (splits, per_split) == (20, 1)
     # batch 64, q_len 2, 4 tiles of 32 heads, 2 blocks an SM: 512 blocks already fill it
-    assert decode.choose_split(512, 1152, 264) == (1, 36)
+    assert decode.choose_split(512, 36, 264) == (1, 36)
 
 
 # ---------------------------------------------------------------- the CPU path and validation

@@ -1,21 +1,18 @@
-"""The GPU reader's CPU-side pieces (no GPU needed): every kernel variant compiles on every
-architecture without spills, the variant and fill-pattern logic, validation on the kernel path,
-CPU tensors going to the reference, and the torch custom ops (fake shapes, torch.compile)."""
+"""The reader's CPU-side pieces (no GPU needed): the spec and fill-pattern logic, validation on the
+kernel path, CPU tensors going to the reference, and the torch custom ops (fake shapes,
+torch.compile). Its kernels compile in tests/test_ops_compile.py."""
 
 from __future__ import annotations
 
-import itertools
 import math
-import os
-import struct
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, jit, reader, reference
-from nvfp4_mla.reader import ReaderVariant
+from nvfp4_mla import abi, reference
+from nvfp4_mla.ops import reader
+from nvfp4_mla.ops.reader import ReaderSpec
 from nvfp4_mla.testing import make_cache, raw_bytes
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -30,51 +27,20 @@ def random_byte_cache(num_pages: int, page_size: int, layout: str = "3D", pad: i
     return cache
 
 
-# ---------------------------------------------------------------- kernels and variants
-
-VARIANTS = [
-    ReaderVariant.of(page_size, slot_dtype, dtype)
-    for page_size, slot_dtype, dtype in itertools.product((1, 3, 16, 64, 256), SLOT_DTYPES, DTYPES)
-] + [ReaderVariant.of(64, torch.int64, torch.bfloat16)._replace(rows_per_team=n) for n in (1, 4)]
+# ---------------------------------------------------------------- the spec of a call
 
 
-@pytest.mark.parametrize("arch", jit.ARCHS)
-def test_every_variant_compiles_without_spills(arch):
-    pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install 'nvfp4-mla[cu12]')")
-    with ThreadPoolExecutor(os.cpu_count()) as pool:  # NVRTC releases the GIL
-        results = list(pool.map(lambda v: jit.compile_kernel(v, arch), VARIANTS))
-    # NVRTC 13.0 drops the ptxas report of some compiles run in parallel: redo those serially.
-    results = [r if r.log else jit.compile_kernel(v, arch) for v, r in zip(VARIANTS, results)]
-    if not all(r.log for r in results):
-        pytest.skip(f"NVRTC {jit.nvrtc_identity()} returned no ptxas report")
-    for variant, result in zip(VARIANTS, results):
-        assert result.cubin[:4] == b"\x7fELF", variant
-        assert f"for '{arch}'" in result.log, result.log
-        assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{variant.describe()} on {arch}:\n{result.log}"
-        assert 0 < result.registers <= 40, f"{variant.describe()} on {arch}: {result.registers} registers"
-
-
-def test_params_size_is_checked_by_the_compiler(monkeypatch):
-    pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install 'nvfp4-mla[cu12]')")
-    variant = VARIANTS[0]
-    wrong = reader.READ_TEMPLATE._replace(params=struct.Struct("<3Q3q"))
-    monkeypatch.setattr(ReaderVariant, "template", wrong)
-    with pytest.raises(RuntimeError, match="Params must match"):
-        jit.compile_kernel(variant, "sm_80")
-
-
-def test_variant_of_a_call():
+def test_spec_of_a_call():
     """One memoized object per call geometry; the defines say what the call needs."""
-    v = ReaderVariant.of(16, torch.int32, torch.bfloat16)
-    assert ReaderVariant.of(16, torch.int32, torch.bfloat16) is v
+    v = ReaderSpec.of(16, torch.int32, torch.bfloat16)
+    assert ReaderSpec.of(16, torch.int32, torch.bfloat16) is v
     assert v.defines() == dict(PAGE_SIZE=16, SLOT_INT64=0, IDENTITY_SLOTS=0, OUT_FP32=0, ROWS_PER_TEAM=2)
-    assert ReaderVariant.of(3, None, torch.float32).defines() | {"PAGE_SIZE": 16} == dict(
+    assert ReaderSpec.of(3, None, torch.float32).defines() | {"PAGE_SIZE": 16} == dict(
         PAGE_SIZE=16, SLOT_INT64=0, IDENTITY_SLOTS=1, OUT_FP32=1, ROWS_PER_TEAM=2
     )
-    assert ReaderVariant.of(3, torch.int64, torch.float32).slot_int64
-    assert v.describe() == "read page_size=16 int32 -> bfloat16"
+    assert ReaderSpec.of(3, torch.int64, torch.float32).slot_int64
+    assert v.describe() == "reader, page 16, int32 slots -> bfloat16"
     assert v.rows_per_block == reader.BLOCK_THREADS // reader.TEAM_THREADS * v.rows_per_team
-    assert len(set(VARIANTS)) == len(VARIANTS)
 
 
 # ---------------------------------------------------------------- the fill of invalid rows
@@ -147,7 +113,7 @@ def test_kernel_path_refuses_cpu_tensors():
     (the public entry sends them to the reference instead)."""
     cache = make_cache(2, 16)
     with pytest.raises(ValueError, match="cache must be a CUDA tensor"):
-        reader._dequantize_cuda(cache, torch.arange(3), torch.float32, math.nan, None)
+        reader._dequantize(nvfp4_mla.ops.DEFAULT, cache, torch.arange(3), torch.float32, math.nan, None)
 
 
 BAD_CALLS = [  # (keyword arguments on top of a good call, a phrase of the message)

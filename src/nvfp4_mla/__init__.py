@@ -8,16 +8,17 @@ of the bytes). docs/format.md is the contract.
 import logging
 
 from . import abi, reference, validation
-from .decode import sparse_mla_decode
-from .geometry import Geometry, precompile
-from .launch import gpu_unavailable_reason
+from .device import gpu_unavailable_reason
+from .geometry import Geometry, Precompiled, precompile
 from .ops import (
+    KernelLibrary,
     cake_dsv4_nvfp4_kv_rope_quantize_insert,
     cake_dsv4_nvfp4_rope_quantize_insert,
+    nvfp4_dequantize_sparse_mla_cache,
     nvfp4_quantize_append_sparse_mla_cache,
     nvfp4_quantize_pack_sparse_mla_cache,
+    sparse_mla_decode,
 )
-from .reader import nvfp4_dequantize_sparse_mla_cache
 from .records import format_record
 from .reference import rope_table
 
@@ -27,6 +28,8 @@ logging.getLogger("nvfp4_mla").addHandler(logging.NullHandler())
 
 __all__ = [
     "Geometry",
+    "KernelLibrary",
+    "Precompiled",
     "__version__",
     "abi",
     "cake_dsv4_nvfp4_kv_rope_quantize_insert",

@@ -47,10 +47,10 @@ def scale_offset(page_size: int, entry: int) -> int:
     return page_size * DATA_BYTES + entry * SCALE_BYTES
 
 
-def record_views(cache: torch.Tensor, geometry: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def record_views(cache: torch.Tensor, layout: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``[num_pages, page_size, 352]`` data-row and ``[num_pages, page_size, 32]`` scale-slot views
-    of a checked cache; ``geometry`` is its ``(num_pages, page_size, page_stride)``."""
-    num_pages, page_size, page_stride = geometry
+    of a checked cache; ``layout`` is its ``(num_pages, page_size, page_stride)``."""
+    num_pages, page_size, page_stride = layout
     base = cache.storage_offset()
     data = cache.as_strided(
         (num_pages, page_size, DATA_BYTES), (page_stride, DATA_BYTES, 1), base + data_offset(page_size, 0)

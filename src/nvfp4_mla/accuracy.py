@@ -46,9 +46,9 @@ from . import (
     reference,
     sparse_mla_decode,
 )
-from .launch import gpu_unavailable_reason
+from .device import gpu_unavailable_reason
+from .reference import rope_table
 from .reference.decode import attention_output, live_entries, masked_scores
-from .testing import rope_table
 
 CACHE_BYTES = {"bf16": 2 * abi.HEAD_DIM, "fp8": fp8_cache.FP8_RECORD_BYTES, "nvfp4": abi.RECORD_BYTES}
 KINDS = tuple(CACHE_BYTES)  # the baseline first

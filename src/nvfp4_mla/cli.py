@@ -18,8 +18,9 @@ from typing import NoReturn
 
 import torch
 
-from . import __version__, abi, jit, kernel_cache, launch, reference, validation
-from .reader import nvfp4_dequantize_sparse_mla_cache
+from . import __version__, abi, jit, kernel_cache, reference, validation
+from .device import device_info, gpu_unavailable_reason
+from .ops import decode, nvfp4_dequantize_sparse_mla_cache, registry
 from .records import format_record
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
@@ -94,13 +95,23 @@ def cache_summary(directory: Path) -> list[str]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    name, why_not = _gpu_name(), launch.gpu_unavailable_reason()
+    name, why_not = _gpu_name(), gpu_unavailable_reason()
     print(f"nvfp4-mla {__version__}")
     print(f"GPU:   {name or 'no GPU'}")
     if why_not:
         print(f"       GPU entries unavailable: {why_not}.")
     for package, version in _versions().items():
         print(f"{package + ':':6} {version}")
+    capability = None if why_not else device_info(torch.cuda.current_device()).capability
+    print("ops (precompile --<op>; decode backends: the GPUs each runs on):")
+    for op in registry.OPS.values():
+        print(f"  {op.name:7} {op.summary}")
+    for backend in decode.BACKENDS.values():
+        top = "" if backend.max_capability >= 10**6 else f"-sm_{backend.max_capability}"
+        here = (
+            "" if capability is None else ("  (runs here)" if backend.supports(capability) else "  (not on this GPU)")
+        )
+        print(f"          backend {backend.name}: sm_{backend.min_capability}{top or '+'}{here}")
     print("kernel cache, searched in order (NVFP4_MLA_CACHE_DIR, then the per-user default):")
     for directory in kernel_cache.default().layers:
         print(f"  {directory}")
@@ -165,12 +176,6 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     geometries = _geometries(args)
     if not geometries:
         parser.error("nothing to build: give --heads (main entry), --kv-ratio, --append, --read and/or --decode")
-    try:
-        # Different geometries can share a kernel (the main entry without q_out is the KV entry
-        # with ratio 1): build and count each kernel once.
-        geometries = list({g.specs(): g for g in geometries}.values())  # argument errors before any compile
-    except ValueError as exc:
-        parser.error(str(exc))
     archs = args.arch
     if archs:
         try:
@@ -178,24 +183,30 @@ def cmd_precompile(args: argparse.Namespace) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     else:
-        why_not = launch.gpu_unavailable_reason()
+        why_not = gpu_unavailable_reason()
         if why_not:
             parser.error(f"give --arch (e.g. --arch sm_90); no usable GPU to take it from: {why_not}")
-        archs = [launch.device_arch(torch.cuda.current_device())]
+        archs = [device_info(torch.cuda.current_device()).arch]
 
-    jobs = [(arch, g) for arch in archs for g in geometries]
-    labels = [f"{arch} {', '.join(s.describe() for s in g.specs())}" for arch, g in jobs]
-    paths = []
+    # Different requests can share a kernel (the main entry without q_out is the KV entry with
+    # ratio 1): each kernel is built and counted once per architecture.
+    try:  # argument errors before any compile
+        jobs = list({(a, g.specs(a)): (a, g) for a in archs for g in geometries}.values())
+    except ValueError as exc:
+        parser.error(str(exc))
+    labels = [f"{arch}: {', '.join(s.describe() for s in g.specs(arch))}" for arch, g in jobs]
+    built = []
     for arch, g in _progress(jobs, labels):
         try:
-            paths += precompile([g], arch=arch, directory=args.cache_dir)
+            built += precompile([g], arch=arch, directory=args.cache_dir)
         except RuntimeError as exc:  # NVRTC missing, or --cache-dir cannot hold kernels (kernel_cache.CacheError)
             raise SystemExit(str(exc)) from None
-        if paths[-1] is None:
-            raise SystemExit(
-                "no writable kernel cache directory, so the kernels stayed in memory: "
-                "give --cache-dir or set NVFP4_MLA_CACHE_DIR to a directory you can write"
-            )
+    paths = [p for p in dict.fromkeys(p.path for p in built) if p is not None]
+    if len(paths) < len({p.path for p in built}):
+        raise SystemExit(
+            "no writable kernel cache directory, so the kernels stayed in memory: "
+            "give --cache-dir or set NVFP4_MLA_CACHE_DIR to a directory you can write"
+        )
     for path in paths:
         print(path)
     print(f"{_kernels(len(paths))} ready in {paths[0].parent}")
@@ -245,7 +256,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     positions = torch.tensor([0, 1, 7, 63])
     inputs = (q, kv, cache, slots, positions, rope_table(64, "cpu"))
 
-    why_not = "--cpu was given" if args.cpu else launch.gpu_unavailable_reason()
+    why_not = "--cpu was given" if args.cpu else gpu_unavailable_reason()
     if why_not:
         print(f"Ran nvfp4_mla.reference on the CPU, not the GPU kernels: {why_not}.")
         q_out = reference.cake_dsv4_nvfp4_rope_quantize_insert(*inputs, q_head_padded=q_head_padded)

@@ -1,8 +1,8 @@
 """Run-time compilation of the kernel templates in ``kernels/`` with NVRTC (no GPU needed).
 
-A *spec* (the writer's :class:`~nvfp4_mla.variant.Variant`, say) names a :class:`Template` and
-its ``-D`` constants. :func:`compile_kernel` builds it for one architecture into a cubin that
-carries its own full key (:func:`kernel_key`) as a string constant: the proof that
+A *spec* (:class:`KernelSpec`: the writer's ``WriterSpec``, say) names a :class:`Template` and its
+``-D`` constants. :func:`compile_kernel` builds it for one architecture into a cubin that carries
+its own full key (:func:`kernel_key`) as a string constant: the proof that
 :mod:`nvfp4_mla.kernel_cache` checks before it runs a file. :mod:`nvfp4_mla.launch` loads and
 launches it.
 """
@@ -10,20 +10,18 @@ launches it.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import re
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from . import abi
+from . import abi, config
+from .device import MIN_CAPABILITY
 
-log = logging.getLogger("nvfp4_mla")
-
-HEADER_FILE = "nvfp4_numerics.cuh"
+NUMERICS_HEADER = "nvfp4_numerics.cuh"
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")  # the architectures CI compiles for
-MIN_ARCH = 80
 _KEY_PREFIX = "nvfp4_mla-key:"  # followed by the 64 hex digits of the key, inside the cubin
 
 
@@ -35,17 +33,27 @@ class Template(NamedTuple):
     params: struct.Struct  # host layout of the kernel's ``struct Params`` (size checked at compile time)
     threads: int  # block size
     max_shared_bytes: int = 0  # dynamic shared memory a launch may ask for (above 48 KiB needs opting in)
+    headers: tuple[str, ...] = (NUMERICS_HEADER,)  # the files of kernels/ it includes, all in its key
+    arch: str | None = None  # the architecture it is built for (e.g. "sm_90a"); None: the GPU's own
 
 
-class Spec(Protocol):
-    """What the cache needs of a kernel specialization (hashable: it keys the loaded kernels)."""
+class KernelSpec(Protocol):
+    """What the cache needs of a kernel specialization. Hashable: with its type, it keys the loaded
+    kernels, so two spec types with equal fields never share a kernel."""
 
     @property
     def template(self) -> Template: ...
 
     def defines(self) -> dict[str, int]: ...
 
+    def describe(self) -> str: ...
+
     def __hash__(self) -> int: ...
+
+
+def target_arch(spec: KernelSpec, arch: str) -> str:
+    """The architecture ``spec`` compiles for on a GPU (or a precompile request) of ``arch``."""
+    return spec.template.arch or arch
 
 
 class CompileResult(NamedTuple):
@@ -62,19 +70,17 @@ class CompileResult(NamedTuple):
 def kernel_dir() -> Path:
     """``nvfp4_mla/kernels`` in an installed wheel, else ``kernels/`` of the source tree."""
     installed = Path(__file__).with_name("kernels")
-    return installed if (installed / HEADER_FILE).exists() else Path(__file__).resolve().parents[2] / "kernels"
+    return installed if (installed / NUMERICS_HEADER).exists() else Path(__file__).resolve().parents[2] / "kernels"
 
 
 _sources: dict[str, str] = {}
 
 
-def _source(name: str) -> str:
+def source(name: str) -> str:
+    """The text of ``kernels/<name>`` (read once)."""
     if name not in _sources:
         _sources[name] = (kernel_dir() / name).read_text()
     return _sources[name]
-
-
-CUPY_FIX = "install CuPy for your CUDA: pip install -e '.[cu12]' (or [cu13])"
 
 
 def _nvrtc() -> Any:
@@ -83,9 +89,7 @@ def _nvrtc() -> Any:
 
         nvrtc.getVersion()
     except Exception as exc:  # CuPy missing, or libnvrtc not found
-        raise RuntimeError(
-            f"NVRTC is not available: {CUPY_FIX}, which brings CuPy and the nvidia-cuda-nvrtc wheel ({exc})"
-        ) from exc
+        raise RuntimeError(f"NVRTC is not available: {config.cupy_fix()} ({exc})") from exc
     return nvrtc
 
 
@@ -123,7 +127,7 @@ _ABI_DEFINES = {
 }
 
 
-def _options(spec: Spec, arch: str) -> list[str]:
+def _options(spec: KernelSpec, arch: str) -> list[str]:
     # --fmad=false: no contraction anywhere (the numerics use explicit intrinsics anyway); no fast
     # math: denormals are kept; -Xptxas -v: the resource report the spill check reads.
     template = spec.template
@@ -143,19 +147,25 @@ def check_arch(arch: object) -> str:
     match = re.fullmatch(r"sm_(\d+)([af]?)", arch) if isinstance(arch, str) else None
     if match is None:
         raise ValueError(f"arch must look like 'sm_90' (sm_80 or newer), got {arch!r}")
-    if int(match.group(1)) < MIN_ARCH:
+    if int(match.group(1)) < MIN_CAPABILITY:
         raise ValueError(f"arch {arch} is older than sm_80, the oldest GPU nvfp4_mla's kernels support")
     return match.group(0)
 
 
-def kernel_key(spec: Spec, arch: str, header: str | None = None) -> str:
-    """The full key of a compiled kernel: SHA-256 of its sources, options and NVRTC identity.
+def _texts(spec: KernelSpec, sources: Mapping[str, str] | None) -> list[tuple[str, str]]:
+    """(name, text) of the template's file and every header it lists; ``sources`` replaces texts by name."""
+    names = (spec.template.file, *spec.template.headers)
+    return [(name, (sources or {}).get(name) or source(name)) for name in names]
 
-    ``header`` replaces the text of ``kernels/nvfp4_numerics.cuh`` (see :func:`compile_kernel`).
+
+def kernel_key(spec: KernelSpec, arch: str, sources: Mapping[str, str] | None = None) -> str:
+    """The full key of a compiled kernel: SHA-256 of its kernel function's name, every source file
+    it is built from, its options and the NVRTC identity.
+
+    ``sources`` replaces the text of files by name (see :func:`compile_kernel`).
     """
-    template = spec.template
-    header = _source(HEADER_FILE) if header is None else header
-    text = "\0".join((_source(template.file), header, " ".join(_options(spec, arch)), nvrtc_identity()))
+    parts = [spec.template.function, *(f"{name}\0{text}" for name, text in _texts(spec, sources))]
+    text = "\0".join((*parts, " ".join(_options(spec, arch)), nvrtc_identity()))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -164,26 +174,27 @@ def proof(key: str) -> bytes:
     return (_KEY_PREFIX + key).encode()
 
 
-def _run_nvrtc(spec: Spec, gpu_architecture: str, key: str, header: str | None, ptx: bool) -> tuple[bytes, str]:
+def _run_nvrtc(
+    spec: KernelSpec, gpu_architecture: str, key: str, sources: Mapping[str, str] | None, ptx: bool
+) -> tuple[bytes, str]:
     """NVRTC's output (a cubin, or PTX when ``ptx``) and log for one spec."""
     nvrtc = _nvrtc()
-    template = spec.template
-    header = _source(HEADER_FILE) if header is None else header
+    (name, text), *headers = _texts(spec, sources)
     options = [*_options(spec, gpu_architecture), f'-DNVFP4_MLA_KEY="{_KEY_PREFIX}{key}"']
-    program = nvrtc.createProgram(_source(template.file), template.file, [header.encode()], [HEADER_FILE.encode()])
+    program = nvrtc.createProgram(text, name, [h.encode() for _, h in headers], [n.encode() for n, _ in headers])
     try:
         try:
             nvrtc.compileProgram(program, options)
         except nvrtc.NVRTCError as exc:
             log_text = nvrtc.getProgramLog(program)
-            raise RuntimeError(f"NVRTC failed for {spec} on {gpu_architecture}:\n{log_text}") from exc
+            raise RuntimeError(f"NVRTC failed for {spec.describe()} on {gpu_architecture}:\n{log_text}") from exc
         output = nvrtc.getPTX(program) if ptx else nvrtc.getCUBIN(program)
         return (output.encode() if isinstance(output, str) else output), nvrtc.getProgramLog(program)
     finally:
         nvrtc.destroyProgram(program)
 
 
-def compile_ptx(spec: Spec, arch: str) -> bytes:
+def compile_ptx(spec: KernelSpec, arch: str) -> bytes:
     """PTX of one spec for ``arch``'s virtual architecture (sm_80 -> compute_80), NUL-terminated:
     the driver compiles it for the GPU it is loaded on. The tests run the code paths of older GPUs
     (the header's ``__CUDA_ARCH__`` branches) on a newer one this way; nothing caches it."""
@@ -192,17 +203,20 @@ def compile_ptx(spec: Spec, arch: str) -> bytes:
     return ptx.rstrip(b"\0") + b"\0"
 
 
-def compile_kernel(spec: Spec, arch: str, key: str | None = None, header: str | None = None) -> CompileResult:
-    """Compiles one spec to a cubin for ``arch`` ("sm_80", "sm_90", ...). Needs no GPU.
+def compile_kernel(
+    spec: KernelSpec, arch: str, key: str | None = None, sources: Mapping[str, str] | None = None
+) -> CompileResult:
+    """Compiles one spec to a cubin for ``arch`` ("sm_80", "sm_90a", ...: the architecture of the
+    build, see :func:`target_arch`). Needs no GPU.
 
     The cubin carries ``key`` (default: :func:`kernel_key`) as a string constant: the cache's
-    proof that the file is this kernel. ``header``, when given, is compiled in place of
-    ``kernels/nvfp4_numerics.cuh`` (the benchmark's kernels with a stubbed quantizer); pass the
-    same ``header`` to :func:`kernel_key`.
+    proof that the file is this kernel. ``sources``, when given, replaces the text of files of
+    ``kernels/`` by name (the benchmark's kernels with a stubbed quantizer); pass the same
+    ``sources`` to :func:`kernel_key`.
     """
     check_arch(arch)
-    key = kernel_key(spec, arch, header) if key is None else key
-    cubin, report = _run_nvrtc(spec, arch, key, header, ptx=False)
+    key = kernel_key(spec, arch, sources) if key is None else key
+    cubin, report = _run_nvrtc(spec, arch, key, sources, ptx=False)
 
     def number(pattern: str) -> int:
         return sum(int(x) for x in re.findall(pattern, report))

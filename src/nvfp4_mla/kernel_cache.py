@@ -16,8 +16,9 @@ import time
 import warnings
 from pathlib import Path
 
-from . import jit
-from .launch import Launcher, device_arch
+from . import config, jit
+from .device import device_info
+from .launch import Launcher
 
 STALE_TEMP_SECONDS = 3600  # a temp file this old was left by a killed process
 
@@ -26,28 +27,14 @@ class CacheError(RuntimeError):
     """A directory asked for explicitly cannot hold kernels (unwritable or untrusted)."""
 
 
-def default_user_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nvfp4_mla"
-
-
-def configured_dirs() -> list[Path]:
-    """The lookup layers: ``$NVFP4_MLA_CACHE_DIR`` (a path list), then the per-user default."""
-    listed = [Path(p) for p in os.environ.get("NVFP4_MLA_CACHE_DIR", "").split(os.pathsep) if p]
-    default = default_user_dir()
-    return listed + ([] if default in listed else [default])
-
-
-def _trust_group() -> bool:
-    return os.environ.get("NVFP4_MLA_CACHE_TRUST_GROUP", "0") not in ("", "0")
-
-
 def distrust(st: os.stat_result, what: str) -> str | None:
     """Why a file or directory with status ``st`` may not be trusted, or None (ssh StrictModes:
     owned by this user or root, writable by nobody else; group opt-in widens that)."""
-    writable_by_others = stat.S_IWOTH | (0 if _trust_group() else stat.S_IWGRP)
+    trust_group = config.trust_group()
+    writable_by_others = stat.S_IWOTH | (0 if trust_group else stat.S_IWGRP)
     if st.st_mode & writable_by_others:
         return f"{what} is writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'}"
-    if not _trust_group() and st.st_uid not in (os.geteuid(), 0):
+    if not trust_group and st.st_uid not in (os.geteuid(), 0):
         return f"{what} is owned by uid {st.st_uid}, not by this user or root"
     return None
 
@@ -57,11 +44,11 @@ class KernelCache:
 
     ``layers`` are searched in order for a hit; a miss compiles into the first writable, trusted
     layer (or, when there is none, is kept in memory only). ``KernelCache()`` reads the layers from
-    the environment (:func:`configured_dirs`).
+    the environment (:func:`nvfp4_mla.config.cache_dirs`).
     """
 
     def __init__(self, layers: list[Path] | None = None):
-        self.layers = configured_dirs() if layers is None else [Path(p) for p in layers]
+        self.layers = config.cache_dirs() if layers is None else [Path(p) for p in layers]
         self._lock = threading.RLock()  # compiles, disk writes and module loads of this process
         self._launchers: dict[tuple, Launcher] = {}
         self._warned: set[str] = set()
@@ -70,7 +57,7 @@ class KernelCache:
     # ------------------------------------------------------------ layers
 
     def _warn(self, message: str) -> None:
-        jit.log.warning(message)
+        config.log.warning(message)
         if message not in self._warned:
             self._warned.add(message)
             warnings.warn(f"nvfp4_mla: {message}", RuntimeWarning, stacklevel=4)
@@ -160,7 +147,7 @@ class KernelCache:
                     continue
                 data = self.read_verified(directory / name, key)
                 if data is not None:
-                    jit.log.debug("kernel %s found in %s", name, directory)
+                    config.log.debug("kernel %s found in %s", name, directory)
                     return data, directory / name
         return None
 
@@ -188,11 +175,12 @@ class KernelCache:
             raise
         return directory / name
 
-    def build(self, spec: jit.Spec, arch: str, directory: Path | None = None) -> tuple[bytes, Path | None]:
-        """The verified cubin of ``spec`` for ``arch`` and where it lies (None: memory only),
-        compiling on a miss. With ``directory``, it compiles into exactly that directory (or
-        raises :class:`CacheError`). One compile per key across threads and processes."""
-        arch = jit.check_arch(arch)
+    def build(self, spec: jit.KernelSpec, arch: str, directory: Path | None = None) -> tuple[bytes, Path | None]:
+        """The verified cubin of ``spec`` for a GPU of ``arch`` (built for
+        :func:`jit.target_arch`, e.g. sm_90a) and where it lies (None: memory only), compiling on a
+        miss. With ``directory``, it compiles into exactly that directory (or raises
+        :class:`CacheError`). One compile per key across threads and processes."""
+        arch = jit.target_arch(spec, jit.check_arch(arch))
         key = jit.kernel_key(spec, arch)
         name = self.file_name(key, arch)
         with self._lock:
@@ -225,28 +213,30 @@ class KernelCache:
             return data, target / name
 
     @staticmethod
-    def _compile(spec: jit.Spec, arch: str, key: str) -> bytes:
+    def _compile(spec: jit.KernelSpec, arch: str, key: str) -> bytes:
         start = time.perf_counter()
         cubin = jit.compile_kernel(spec, arch, key).cubin
-        jit.log.info("compiled %s for %s in %.2f s", spec, arch, time.perf_counter() - start)
+        config.log.info("compiled %s for %s in %.2f s", spec.describe(), arch, time.perf_counter() - start)
         return cubin
 
     # ------------------------------------------------------------ loaded kernels
 
-    def launcher(self, device_index: int, spec: jit.Spec) -> Launcher:
+    def launcher(self, device_index: int, spec: jit.KernelSpec) -> Launcher:
         """The loaded kernel of ``spec`` on device ``device_index``; built on first use.
 
-        The hot path is one dict lookup. Safe under concurrent first calls: one thread builds,
-        the others wait and share it.
+        Keyed by the spec's type as well as its fields: specs of two kernel families never share
+        a kernel, even with equal fields. The hot path is one dict lookup. Safe under concurrent
+        first calls: one thread builds, the others wait and share it.
         """
-        found = self._launchers.get((device_index, spec))
+        key = (device_index, type(spec), spec)
+        found = self._launchers.get(key)
         if found is None:
             with self._lock:
-                found = self._launchers.get((device_index, spec))
+                found = self._launchers.get(key)
                 if found is None:
-                    data, _ = self.build(spec, device_arch(device_index))
-                    found = Launcher(data, spec.template, device_index)
-                    self._launchers[(device_index, spec)] = found
+                    gpu = device_info(device_index)
+                    data, _ = self.build(spec, gpu.arch)
+                    found = self._launchers[key] = Launcher(data, spec.template, gpu)
         return found
 
 

@@ -1,4 +1,5 @@
-"""Devices and launches: which GPU can run the kernels, and a loaded kernel's launch with raw pointers."""
+"""Launches: a loaded kernel's launch with raw pointers, torch's current stream, and the outputs
+the kernels fill."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .jit import CUPY_FIX, MIN_ARCH, Template, log
+from . import config
+from .device import Device
+from .jit import Template
 
 PARAMS_CAPACITY = 256  # bytes of the per-thread launch buffer; every template's Params fits
 
@@ -17,38 +20,8 @@ def _cupy_driver() -> Any:
     try:
         from cupy.cuda import driver
     except ImportError as exc:
-        raise RuntimeError(f"nvfp4_mla's GPU entries need CuPy: {CUPY_FIX} ({exc})") from exc
+        raise RuntimeError(f"nvfp4_mla's GPU entries need CuPy: {config.cupy_fix()} ({exc})") from exc
     return driver
-
-
-def gpu_unavailable_reason(device_index: int | None = None) -> str | None:
-    """Why the GPU entries cannot run here (no CUDA device, one older than sm_80, or CuPy unable to
-    reach it), or None when they can. The one such check: tests, the CLI and the benchmark use it."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA GPU visible to torch"
-    index = torch.cuda.current_device() if device_index is None else device_index
-    major, minor = torch.cuda.get_device_capability(index)
-    if major * 10 + minor < MIN_ARCH:
-        return f"GPU {index} is sm_{major}{minor}; the kernels need sm_80 or newer"
-    try:
-        import cupy
-
-        cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # CuPy missing, or its CUDA runtime unusable
-        return f"CuPy cannot reach the GPU: {exc}"
-    return None
-
-
-def device_arch(device_index: int) -> str:
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(device_index)
-    if major * 10 + minor < MIN_ARCH:
-        name = torch.cuda.get_device_name(device_index)
-        raise RuntimeError(f"{name} is sm_{major}{minor}; nvfp4_mla's kernels need an sm_80 or newer GPU")
-    return f"sm_{major}{minor}"
 
 
 def _stream_getter() -> Callable[[int], int]:
@@ -85,7 +58,9 @@ def _stop_fast_empty(exc: Exception) -> None:
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         raise exc
     _fast_empty = None
-    log.warning("torch's _empty_strided_cuda raised (%s): nvfp4_mla's outputs come from new_empty from now on", exc)
+    config.log.warning(
+        "torch's _empty_strided_cuda raised (%s): nvfp4_mla's outputs come from new_empty from now on", exc
+    )
 
 
 @functools.lru_cache(maxsize=1024)  # per-call shapes repeat (a decode step's); a hit costs a hash
@@ -126,6 +101,12 @@ class _LaunchStorage(threading.local):
 _storage = _LaunchStorage()
 
 
+def parameter_buffer() -> tuple[ctypes.Array, int]:
+    """This thread's parameter buffer and the address of its argument vector (what a launch
+    passes as ``kernelParams``): for timing a bare driver launch."""
+    return _storage.buffer_argv
+
+
 class Launcher:
     """A kernel loaded on one device from verified bytes: packs the parameters and launches."""
 
@@ -135,14 +116,14 @@ class Launcher:
         "_launch_kernel",
         "_module",
         "context",
+        "device",
         "function",
         "pack_into",
         "resident_blocks",
-        "sms",
         "threads",
     )
 
-    def __init__(self, cubin: bytes, template: Template, device_index: int):
+    def __init__(self, cubin: bytes, template: Template, device: Device):
         assert template.params.size <= PARAMS_CAPACITY
         self._driver = driver = _cupy_driver()
         import cupy
@@ -150,7 +131,7 @@ class Launcher:
         # Load under the device's primary context, made current explicitly: a thread that has
         # not touched CUDA yet has no current context, and cupy.cuda.Device would not set one.
         previous = driver.ctxGetCurrent()
-        cupy.cuda.runtime.setDevice(device_index)
+        cupy.cuda.runtime.setDevice(device.index)
         try:
             self._module = cupy.cuda.function.Module()
             self._module.load(cubin)  # the bytes that were verified: no second read of the file
@@ -161,15 +142,13 @@ class Launcher:
                 driver.funcSetAttribute(self.function, attribute, template.max_shared_bytes)
             # Blocks the whole GPU holds at once (at the template's most dynamic shared memory):
             # the writer's grid-stride KV blocks need no more, and the decode sizes its splits by it.
-            self.sms = cupy.cuda.runtime.deviceGetAttribute(
-                cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_index
-            )
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(
                 self.function, template.threads, template.max_shared_bytes
             )
-            self.resident_blocks = self.sms * max(per_sm, 1)
+            self.resident_blocks = device.sms * max(per_sm, 1)
         finally:
             driver.ctxSetCurrent(previous)
+        self.device = device
         self.pack_into = template.params.pack_into
         self.threads = template.threads
         self._current_context, self._launch_kernel = driver.ctxGetCurrent, driver.launchKernel  # bound once
@@ -179,6 +158,11 @@ class Launcher:
         """Local memory per thread (0 unless registers spilled)."""
         driver = self._driver
         return driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, self.function)
+
+    def launch_bare(self, gx: int, stream: int, argv: int) -> None:
+        """The driver's launch alone, of ``gx`` blocks with the parameters already at ``argv``
+        (see :func:`parameter_buffer`): the floor the benchmark compares :meth:`launch` with."""
+        self._launch_kernel(self.function, gx, 1, 1, self.threads, 1, 1, 0, stream, argv, 0)
 
     def launch(self, gx: int, gy: int, gz: int, shared_bytes: int, stream: int, *params: int) -> None:
         """Launches a ``gx x gy x gz`` grid with ``shared_bytes`` of dynamic shared memory on

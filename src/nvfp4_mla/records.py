@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from . import abi, reference, validation
-from .reader import nvfp4_dequantize_sparse_mla_cache
+from .ops.reader import nvfp4_dequantize_sparse_mla_cache
 from .reference.reader import e4m3_signed_value
 
 
@@ -42,12 +42,12 @@ def format_record(cache: torch.Tensor, slot: int) -> str:
         If ``cache`` is not a cache or ``slot`` is outside it.
     """
     cache = cache.detach().cpu()
-    geometry = validation.check_cache(cache)
-    num_pages, page_size, page_stride = geometry
+    layout = validation.check_cache(cache)
+    num_pages, page_size, page_stride = layout
     if not 0 <= slot < num_pages * page_size:
         raise ValueError(f"slot {slot} is outside the cache's {num_pages * page_size} slots")
     page, entry = divmod(slot, page_size)
-    data_rows, scale_slots = abi.record_views(cache, geometry)
+    data_rows, scale_slots = abi.record_views(cache, layout)
     data, scale_slot = data_rows[page, entry], scale_slots[page, entry]
     data_at, scale_at = abi.data_offset(page_size, entry), abi.scale_offset(page_size, entry)
     lines = [

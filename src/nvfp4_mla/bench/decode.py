@@ -66,8 +66,10 @@ import torch
 
 import nvfp4_mla
 
-from .. import abi, validation
-from .. import decode as decode_kernel
+from .. import abi
+from ..device import device_info
+from ..ops import decode as decode_op
+from ..ops import decode_mma
 from .ceilings import copy_bandwidth, matmul_flops
 from .report import markdown_grid, write_suite
 from .run import require_gpu, results_dir, suite_parser
@@ -124,8 +126,8 @@ class Inputs:
         self.sinks = torch.randn(heads, generator=g).to(device)
 
 
-def fused(pools: Pools, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """This kernel on the NVFP4 caches."""
+def fused(pools: Pools, x: Inputs, library: nvfp4_mla.KernelLibrary | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This kernel on the NVFP4 caches (on ``library``: default the process's)."""
     return nvfp4_mla.sparse_mla_decode(
         x.q,
         pools.caches[0],
@@ -134,6 +136,7 @@ def fused(pools: Pools, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
         extra_slots=x.slots[1],
         sm_scale=SM_SCALE,
         sinks=x.sinks,
+        library=library,
     )
 
 
@@ -230,10 +233,9 @@ def measure(
         row[f"{name}_eager_us"] = timer.eager(call, sets)[0] * 1e6
         torch.cuda.empty_cache()
     add_rooflines(row, shape, ceilings)
-    key = (0, heads, batch * q_len, SWA_K, extra_k)
-    plan = decode_kernel._plans.get(key)
-    if head_tile is None and plan is not None:
-        row["head_tile"], row["splits"] = plan.spec.head_tile, plan.num_splits
+    if head_tile is None:
+        plan = decode_op.plan(nvfp4_mla.ops.DEFAULT, 0, heads, batch * q_len, SWA_K, extra_k)
+        row["head_tile"], row["splits"] = plan.head_tile, plan.num_splits
         row["vs_torch_bf16"] = row["torch_bf16_graph_us"] / row["fused_graph_us"]
         row["vs_torch_reader"] = row["torch_reader_graph_us"] / row["fused_graph_us"]
         got, want = fused(pools, sets[0])[0].float(), torch_reader(pools, sets[0])[0].float()
@@ -245,20 +247,13 @@ def measure(
 
 def forced(pools: Pools, x: Inputs, head_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused decode with a forced head tile (its own split choice)."""
-    batch, q_len, heads = x.q.shape[:3]
-    key = ("forced", head_tile, heads, batch * q_len, x.slots[1].shape[2])
-    plan = _forced_plans.get(key)
-    if plan is None:
-        plan = _forced_plans[key] = decode_kernel.make_plan(
-            0, heads, batch * q_len, SWA_K + x.slots[1].shape[2], head_tile
-        )
-    out, lse = torch.empty_like(x.q), x.q.new_empty((batch, q_len, heads), dtype=torch.float32)
-    pools_args = [(cache, slots, None, validation.check_cache(cache)) for cache, slots in zip(pools.caches, x.slots)]
-    decode_kernel.launch(plan, x.q, out, lse, SM_SCALE, x.sinks, pools_args[0], pools_args[1])
-    return out, lse
+    library = _forced.get(head_tile)
+    if library is None:
+        library = _forced[head_tile] = nvfp4_mla.KernelLibrary(decode_head_tile=head_tile)
+    return fused(pools, x, library)
 
 
-_forced_plans: dict[tuple, decode_kernel.Plan] = {}
+_forced: dict[int, nvfp4_mla.KernelLibrary] = {}
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -363,10 +358,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['roofline_pct']:6.1f} {r['diff']:8.2e}"
         )
     if args.head_tiles:
-        from cupy.cuda import runtime
-
-        optin = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, 0)
-        tiles = [t for t in decode_kernel.HEAD_TILES[1:] if decode_kernel.shared_bytes(t) <= optin]
+        optin = device_info(0).shared_optin
+        tiles = [t for t in decode_mma.HEAD_TILES[1:] if decode_mma.shared_bytes(t) <= optin]
         for shape in [s for s in shapes(args.quick) if s[2] >= 64 and s[1] == 2]:
             for tile in tiles:
                 r = measure(pools, shape, ceilings, g, timer, head_tile=tile)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from .. import abi
-from ..variant import Variant
+from ..ops.writer_spec import WriterSpec
 
 MAX_POSITION = 65536  # rows of the cos/sin table; positions are uniform in [0, MAX_POSITION)
 MAIN_PAGE_SIZE = 256  # main entry, head-padded and in place
@@ -19,7 +19,7 @@ KV_PAGE_SIZE = 128  # KV entry, append and pack
 
 ENTRIES = ("main", "inplace", "kv", "append", "pack")
 KV_ONLY_ENTRIES = ("kv", "append", "pack")  # no query: the KV rows per warp A/B is theirs
-SHIPPED_KV_ROWS_PER_WARP: int = Variant._field_defaults["kv_rows_per_warp"]
+SHIPPED_KV_ROWS_PER_WARP: int = WriterSpec._field_defaults["kv_rows_per_warp"]
 
 MAIN_TOKENS = (1, 8, 64, 384, 4096, 16384)
 WIDE_TOKENS = (1, 64, 4096)  # main entry with 64 and 128 heads

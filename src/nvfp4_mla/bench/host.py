@@ -68,23 +68,23 @@ def calls(device: torch.device) -> list[tuple[str, Callable[[], object], float |
     main = nvfp4_mla.cake_dsv4_nvfp4_rope_quantize_insert
     main(*main_args, q_head_padded=16)  # loads the kernel: the plan below is the warm call's
     tensors = (q, kv, cache, slots, positions, cos_sin)
-    plan = ops._main_plans[validation.signature(tensors, (16, True, False))]
+    key = validation.signature(tensors, ("main", 16, True, False))  # the main entry's plan key
+    plan = ops.DEFAULT.plans[key]
     bound, device_index = plan.launch, plan.device_index
     assert bound is not None
     pointers = validation.check_pointers(tensors, plan.checks)
     q_out = q.new_empty(plan.out_shape)
 
     def warm_checks() -> object:
-        warm = ops._main_plans.get(validation.signature(tensors, (16, True, False)))
+        warm = ops.DEFAULT.plans.get(validation.signature(tensors, ("main", 16, True, False)))
         return validation.check_pointers(tensors, warm.checks)  # type: ignore[union-attr]
 
     def launch_loaded() -> None:
         bound(launch.current_raw_stream(device_index), pointers[0], q_out.data_ptr(), *pointers[1:], *plan.scalars)
 
     launch_loaded()  # packs the parameters the driver-only launch below reuses
-    launcher, stream = bound.func.__self__, launch.current_raw_stream(device_index)  # type: ignore[attr-defined]
-    argv = launch._storage.buffer_argv[1]
-    kernel_args = (launcher.function, bound.args[0], 1, 1, launcher.threads, 1, 1, 0, stream, argv, 0)
+    launcher, stream = bound.func.__self__, launch.current_raw_stream(device_index)
+    argv = launch.parameter_buffer()[1]
 
     return [
         ("torch add_ (reference)", lambda: scalar.add_(1), None),
@@ -122,7 +122,11 @@ def calls(device: torch.device) -> list[tuple[str, Callable[[], object], float |
         ("  piece: q.new_empty((1, 16, 512)) (its fallback)", lambda: q.new_empty((1, 16, abi.HEAD_DIM)), None),
         ("  piece: the plan's launch of the loaded main kernel", launch_loaded, None),
         ("  piece: launch.current_raw_stream", lambda: launch.current_raw_stream(device_index), None),
-        ("  piece: CuPy's launchKernel alone (the floor)", lambda: launcher._launch_kernel(*kernel_args), None),
+        (
+            "  piece: CuPy's launchKernel alone (the floor)",
+            lambda: launcher.launch_bare(bound.args[0], stream, argv),
+            None,
+        ),
     ]
 
 

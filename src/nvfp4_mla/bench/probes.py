@@ -19,9 +19,10 @@ import torch
 
 import nvfp4_mla
 
-from .. import jit, launch, ops
+from .. import jit, ops
+from ..device import device_info
+from ..ops.writer_spec import WriterSpec
 from ..testing import rope_table
-from ..variant import Variant
 from .arms import fused_call
 from .grid import MAX_POSITION, Row
 from .inputs import make_inputs
@@ -47,9 +48,9 @@ def first_call_probe(mode: str) -> dict[str, float]:
     report["first_call_s"] = time.perf_counter() - began
     if mode == "cold":
         row = PROBE_ROW
-        variant = Variant.main(row.page_size, row.slot_dtype, row.num_heads, row.q_head_padded, True, False)
+        spec = WriterSpec.main(row.page_size, row.slot_dtype, row.num_heads, row.q_head_padded, True, False)
         began = time.perf_counter()
-        jit.compile_kernel(variant, launch.device_arch(device.index))
+        jit.compile_kernel(spec, device_info(device.index).arch)
         report["compile_kernel_s"] = time.perf_counter() - began
     return report
 

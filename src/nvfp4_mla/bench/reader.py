@@ -53,8 +53,8 @@ import torch
 import nvfp4_mla
 
 from .. import abi, kernel_cache, reference, validation
-from .. import reader as gpu_reader
 from ..launch import new_output
+from ..ops import reader as gpu_reader
 from ..testing import make_cache, raw_bytes
 from .ceilings import copy_bandwidth, empty_kernel_launcher
 from .report import markdown_grid, write_suite
@@ -121,8 +121,8 @@ def run(device: torch.device, timer: Timer) -> Results:
     results.add("copy ceiling: 1 GiB copy_", copy_bw / 1e12, "TB/s")
 
     cache = pool_cache(device)
-    geometry = validation.check_cache(cache)
-    capacity = geometry.num_pages * geometry.page_size
+    layout = validation.check_cache(cache)
+    capacity = layout.num_pages * layout.page_size
     results.add("pool", cache.numel() / 2**20, "MiB", note=f"{capacity} slots, page_size {PAGE_SIZE}")
 
     def bandwidth(label: str, call: Callable[[Any], object], sets: list[SlotsOut], goal: str = "") -> None:
@@ -150,14 +150,12 @@ def run(device: torch.device, timer: Timer) -> Results:
     fill = gpu_reader.fill_pattern(float("nan"), False)
     index = device.index or 0
     for per_team in (1, 2, 4):
-        variant = gpu_reader.ReaderVariant.of(PAGE_SIZE, torch.int64, torch.bfloat16)._replace(rows_per_team=per_team)
-        launcher = kernel_cache.default().launcher(index, variant)
+        spec = gpu_reader.ReaderSpec.of(PAGE_SIZE, torch.int64, torch.bfloat16)._replace(rows_per_team=per_team)
+        launcher = kernel_cache.default().launcher(index, spec)
 
-        def launch_variant(slots_out: Any, launcher: Any = launcher, rows_per_block: int = variant.rows_per_block):
+        def launch_variant(slots_out: Any, launcher: Any = launcher, rows_per_block: int = spec.rows_per_block):
             slots, out = slots_out
-            return gpu_reader.launch(
-                launcher, rows_per_block, index, cache, slots.data_ptr(), out, geometry, rows, fill
-            )
+            return gpu_reader.launch(launcher, rows_per_block, index, cache, slots.data_ptr(), out, layout, rows, fill)
 
         bandwidth(f"A/B rows_per_team={per_team}: 65536 rows bf16, % of copy", launch_variant, sets)
     del sets, sequential

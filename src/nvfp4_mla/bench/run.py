@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .. import launch
+from ..device import gpu_unavailable_reason
 from ..testing import rope_table
 from .arms import ARM_TITLES, Call, Library, compiled_reference, fused_call, same_outputs, unfused_call
 from .ceilings import measure_ceilings
@@ -250,7 +250,7 @@ def suite_parser(suite: str, doc: str | None, output_stem: str) -> argparse.Argu
 
 def require_gpu(command: str) -> None:
     """Exits with the reason when the GPU path cannot run here."""
-    unavailable = launch.gpu_unavailable_reason()
+    unavailable = gpu_unavailable_reason()
     if unavailable is not None:
         raise SystemExit(f"{command} needs a CUDA GPU (sm_80 or newer) with CuPy: {unavailable}")
 

@@ -5,9 +5,9 @@ function named in :data:`STUBS` (found by name in ``kernels/nvfp4_numerics.cuh``
 operations on its inputs, keeping its signature, so the stub kernel's loads and stores are the
 real kernel's. No bench-only branch ships in the kernel. The stub kernels compile through
 ``jit.compile_kernel`` with that header (so their key differs from the shipped kernels') and stay
-in memory (:class:`StubKernelCache`). :func:`kernel_library` gives ``nvfp4_mla.ops``'s entries
-(same validation, same launch geometry) on them, or on the shipped kernels with another number
-of KV rows a warp (the A/B).
+in memory (:class:`StubKernelCache`). :func:`kernel_library` gives the writer entries (same
+validation, same launch geometry) on them, or on the shipped kernels with another number of KV
+rows a warp (the A/B), through a :class:`nvfp4_mla.KernelLibrary` of their own.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import functools
 import re
 from collections.abc import Callable
 
-from .. import jit, kernel_cache, ops
+import nvfp4_mla
+
+from .. import jit, ops
+from ..ops.writer_spec import WriterSpec
 from ..testing.kernels import MemoryKernels
 from .arms import Entries, Library
 from .grid import SHIPPED_KV_ROWS_PER_WARP
@@ -47,7 +50,7 @@ def _body_end(text: str, start: int) -> int:
             depth += 1 if token.group() == "{" else -1
             if depth == 0:
                 return token.end()
-    raise ValueError(f"unbalanced braces after offset {start} of {jit.HEADER_FILE}")
+    raise ValueError(f"unbalanced braces after offset {start} of {jit.NUMERICS_HEADER}")
 
 
 def definition(header: str, name: str) -> tuple[list[str], int, int]:
@@ -57,7 +60,7 @@ def definition(header: str, name: str) -> tuple[list[str], int, int]:
     found = list(re.finditer(pattern, header, re.MULTILINE))
     if len(found) != 1:
         raise ValueError(
-            f"the quantizer function {name} is defined {len(found)} times in {jit.HEADER_FILE}; "
+            f"the quantizer function {name} is defined {len(found)} times in {jit.NUMERICS_HEADER}; "
             "the no-quantizer arm stubs exactly one definition of each of " + ", ".join(STUBS)
         )
     match = found[0]
@@ -73,14 +76,14 @@ def stub_header(header: str) -> str:
         try:
             body = stub(*params)
         except TypeError:
-            raise ValueError(f"{name} takes parameters {params} in {jit.HEADER_FILE}; its stub does not") from None
+            raise ValueError(f"{name} takes parameters {params} in {jit.NUMERICS_HEADER}; its stub does not") from None
         header = header[:start] + "{\n    " + body + "\n}" + header[end:]
     return header
 
 
 def shipped_header() -> str:
     """The text of the shipped ``kernels/nvfp4_numerics.cuh``."""
-    return (jit.kernel_dir() / jit.HEADER_FILE).read_text()
+    return jit.source(jit.NUMERICS_HEADER)
 
 
 class StubKernelCache(MemoryKernels):
@@ -93,8 +96,8 @@ class StubKernelCache(MemoryKernels):
         super().__init__()
         self.header = header
 
-    def compile(self, spec: jit.Spec, arch: str) -> bytes:
-        return jit.compile_kernel(spec, jit.check_arch(arch), header=self.header).cubin
+    def compile(self, spec: jit.KernelSpec, arch: str) -> bytes:
+        return jit.compile_kernel(spec, arch, sources={jit.NUMERICS_HEADER: self.header}).cubin
 
 
 @functools.cache
@@ -105,21 +108,14 @@ def stub_kernel_cache() -> StubKernelCache:
 
 @functools.cache
 def kernel_library(kv_rows_per_warp: int, stubbed: bool) -> Library:
-    """``nvfp4_mla.ops``'s entries on the kernels with ``kv_rows_per_warp`` KV rows a warp, with
-    the quantizer stubbed or not (``nvfp4_mla.ops`` itself for the shipped kernels).
-
-    Each call binds its kernel inside ``ops.kernels_from``: host time is not representative, the
-    device time (graph-replayed) is what this library is for.
-    """
+    """The writer entries on the kernels with ``kv_rows_per_warp`` KV rows a warp, with the
+    quantizer stubbed or not (``nvfp4_mla.ops`` itself for the shipped kernels): each entry
+    bound to a :class:`nvfp4_mla.KernelLibrary` of these kernels, with plan tables of its own."""
     if not stubbed and kv_rows_per_warp == SHIPPED_KV_ROWS_PER_WARP:
         return ops
-    cache = stub_kernel_cache() if stubbed else kernel_cache.default()
 
-    def on_these_kernels(entry: Callable[..., object]) -> Callable[..., object]:
-        def call(*args: object, **kwargs: object) -> object:
-            with ops.kernels_from(cache, kv_rows_per_warp):
-                return entry(*args, **kwargs)
+    def tune(spec: object) -> object:
+        return spec._replace(kv_rows_per_warp=kv_rows_per_warp) if isinstance(spec, WriterSpec) else spec
 
-        return call
-
-    return Entries(*(on_these_kernels(getattr(ops, name)) for name in Entries._fields))
+    library = nvfp4_mla.KernelLibrary(stub_kernel_cache() if stubbed else None, tune=tune)
+    return Entries(*(functools.partial(getattr(ops, name), library=library) for name in Entries._fields))

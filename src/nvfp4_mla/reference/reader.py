@@ -58,10 +58,10 @@ def e4m3_signed_value(code: torch.Tensor) -> torch.Tensor:
     return _SIGNED_E4M3.to(code.device).index_select(0, code.reshape(-1).long()).view(code.shape)
 
 
-def _record_values(cache: torch.Tensor, geometry: validation.CacheGeometry, slots: torch.Tensor) -> torch.Tensor:
+def _record_values(cache: torch.Tensor, layout: validation.CacheLayout, slots: torch.Tensor) -> torch.Tensor:
     """fp32 ``[n, 512]`` values of the records at valid ``slots[n]`` (int64), NaN bits not yet canonical."""
-    page_size = geometry.page_size
-    data, scales = abi.record_views(cache, geometry)
+    page_size = layout.page_size
+    data, scales = abi.record_views(cache, layout)
     pages, entries = slots // page_size, slots % page_size
     data, scales = data[pages, entries], scales[pages, entries, : abi.NUM_GROUPS]
     n = slots.shape[0]
@@ -106,8 +106,8 @@ def nvfp4_dequantize_sparse_mla_cache(
         ``slots.shape + (512,)`` (``[num_pages * page_size, 512]`` for ``slots=None``) of ``dtype``.
         Every NaN in it is the canonical quiet NaN of ``dtype``.
     """
-    geometry = validation.check_dequantize(cache, slots, dtype, invalid, out, need_cuda=False)
-    capacity = geometry.num_pages * geometry.page_size
+    layout = validation.check_dequantize(cache, slots, dtype, invalid, out, need_cuda=False)
+    capacity = layout.num_pages * layout.page_size
     device = cache.device
     if slots is None:
         slots = torch.arange(capacity, device=device)
@@ -115,7 +115,7 @@ def nvfp4_dequantize_sparse_mla_cache(
     flat = slots.reshape(-1).long()
     valid = (flat >= 0) & (flat < capacity)
     if capacity:
-        values = _record_values(cache, geometry, torch.where(valid, flat, 0))  # invalid rows read slot 0, then dropped
+        values = _record_values(cache, layout, torch.where(valid, flat, 0))  # invalid rows read slot 0, then dropped
     else:  # no record exists: every slot is invalid
         values = torch.zeros(flat.shape[0], abi.HEAD_DIM, dtype=torch.float32, device=device)
     fill = canonicalize_nan(torch.tensor(float(invalid), dtype=torch.float32, device=device).to(dtype))

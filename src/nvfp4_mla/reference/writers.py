@@ -8,13 +8,13 @@ from .. import abi, validation
 from .numerics import bf16_nan, quantize_rows, rope
 
 
-def _insert(cache, geometry, rows: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> None:
+def _insert(cache, layout, rows: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> None:
     """Writes the records of ``rows[keep]`` at ``slots[keep]``; invalid slots are skipped."""
-    num_pages, page_size, _ = geometry
+    num_pages, page_size, _ = layout
     slots = slots.long()
     keep = keep & (slots >= 0) & (slots < num_pages * page_size)
     rows, slots = rows[keep], slots[keep]
-    data, scales = abi.record_views(cache, geometry)
+    data, scales = abi.record_views(cache, layout)
     row_data, row_scales = quantize_rows(rows)
     pages, entries = slots // page_size, slots % page_size
     data[pages, entries] = row_data
@@ -47,7 +47,7 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
     q, kv, cache, slot_mapping, positions, cos_sin_cache, *, q_head_padded=0, apply_q_rope=True, q_inplace=False
 ):
     """Reference of the main fused entry (docs/format.md section 5)."""
-    geometry = validation.check_main(
+    layout = validation.check_main(
         q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace, need_cuda=False
     )
     num_tokens, num_heads = q.shape[0], q.shape[1]
@@ -56,7 +56,7 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
     cos, sin, in_range = _cos_sin(cos_sin_cache, positions)
     n = slot_mapping.shape[0]
     if n:
-        _insert(cache, geometry, _roped(kv[:n], cos[:n], sin[:n]), slot_mapping, in_range[:n])
+        _insert(cache, layout, _roped(kv[:n], cos[:n], sin[:n]), slot_mapping, in_range[:n])
 
     if q_inplace:
         if apply_q_rope:
@@ -77,7 +77,7 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
 def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, *, compress_ratio=1):
     """Reference of the KV-only entry: row i is inserted when ``(positions[i] + 1) % ratio == 0``,
     roped with row ``positions[i] // ratio * ratio``. Negative positions are never inserted."""
-    geometry = validation.check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda=False)
+    layout = validation.check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda=False)
     n = slot_mapping.shape[0]
     if n == 0:
         return None
@@ -85,18 +85,18 @@ def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, 
     rope_rows = torch.div(pos, compress_ratio, rounding_mode="floor") * compress_ratio
     cos, sin, in_range = _cos_sin(cos_sin_cache, rope_rows)
     keep = in_range & (pos >= 0) & ((pos + 1) % compress_ratio == 0)
-    _insert(cache, geometry, _roped(kv[:n], cos, sin), slot_mapping, keep)
+    _insert(cache, layout, _roped(kv[:n], cos, sin), slot_mapping, keep)
     return None
 
 
 @torch.no_grad()  # like the kernels: the writers are not differentiable
 def nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache):
     """Reference of the unfused writer: quantize already-roped BF16 rows, insert by slot."""
-    geometry = validation.check_append(latent_kv, slot_mapping, cache, need_cuda=False)
+    layout = validation.check_append(latent_kv, slot_mapping, cache, need_cuda=False)
     n = slot_mapping.shape[0]
     if n:
         keep = torch.ones(n, dtype=torch.bool, device=latent_kv.device)
-        _insert(cache, geometry, latent_kv[:n], slot_mapping, keep)
+        _insert(cache, layout, latent_kv[:n], slot_mapping, keep)
 
 
 def new_cache(num_pages: int, page_size: int, kv_layout: str, device) -> torch.Tensor:
@@ -115,8 +115,8 @@ def nvfp4_quantize_pack_sparse_mla_cache(latent_kv, *, kv_layout="HND"):
     validation.check_pack(latent_kv, kv_layout, need_cuda=False)
     num_pages, page_size = latent_kv.shape[0], latent_kv.shape[1]
     cache = new_cache(num_pages, page_size, kv_layout, latent_kv.device)
-    geometry = validation.check_cache(cache)
+    layout = validation.check_cache(cache)
     rows = latent_kv.reshape(num_pages * page_size, abi.HEAD_DIM)
     slots = torch.arange(num_pages * page_size, device=latent_kv.device)
-    _insert(cache, geometry, rows, slots, torch.ones_like(slots, dtype=torch.bool))
+    _insert(cache, layout, rows, slots, torch.ones_like(slots, dtype=torch.bool))
     return cache

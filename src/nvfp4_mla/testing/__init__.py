@@ -11,8 +11,8 @@ by slot, page and record field (docs/format.md section 3) or by element.
 - :mod:`.inputs`: RoPE tables, random and crafted rows, slots, positions, canary caches, :class:`Case`;
 - :mod:`.checks`: storage bytes, byte locators, :func:`check`;
 - :mod:`.kernels`: kernels kept in memory (:class:`MemoryKernels`), among them
-  :class:`VirtualArchKernels`, an older GPU's kernel code paths on this one; launches planned
-  with a forced grid (:func:`planned_with_grid`, :func:`one_kv_block`);
+  :class:`VirtualArchKernels`, an older GPU's kernel code paths on this one; a forced writer
+  grid (:func:`one_kv_block`), for a :class:`nvfp4_mla.KernelLibrary`;
 - :mod:`.soak`: the soak loop of ``benchmarks/soak.py`` (import it by name).
 """
 
@@ -52,7 +52,7 @@ from .inputs import (
     random_rows,
     random_slots,
 )
-from .kernels import VirtualArchKernels, one_kv_block, planned_with_grid
+from .kernels import MemoryKernels, VirtualArchKernels, one_kv_block
 
 __all__ = [
     "ARG_NAMES",
@@ -61,6 +61,7 @@ __all__ = [
     "SPECIAL_BITS",
     "Case",
     "Locator",
+    "MemoryKernels",
     "VirtualArchKernels",
     "args_of",
     "assert_same",
@@ -81,7 +82,6 @@ __all__ = [
     "make_slots",
     "make_table",
     "one_kv_block",
-    "planned_with_grid",
     "random_rows",
     "random_slots",
     "raw_bytes",

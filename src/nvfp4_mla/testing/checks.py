@@ -130,13 +130,13 @@ def cache_locator(cache: torch.Tensor, slot_mapping: torch.Tensor | None = None)
 def record_offsets(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``[k, 384]`` storage byte offsets of each slot's record: its data row, then its scale slot
     (through :func:`nvfp4_mla.abi.record_views` applied to a map of storage offsets)."""
-    geometry = validation.check_cache(cache)
+    layout = validation.check_cache(cache)
     offsets = torch.arange(cache.untyped_storage().nbytes()).as_strided(
         cache.shape, cache.stride(), cache.storage_offset()
     )
-    data, scales = abi.record_views(offsets, geometry)
+    data, scales = abi.record_views(offsets, layout)
     slots = slots.cpu().long()
-    page, entry = slots // geometry.page_size, slots % geometry.page_size
+    page, entry = slots // layout.page_size, slots % layout.page_size
     return torch.cat((data[page, entry], scales[page, entry]), dim=1)
 
 
@@ -229,10 +229,12 @@ def check(
     label: str,
     ref_device: Device | None = None,
     impl: Any = ops,
+    library: ops.KernelLibrary | None = None,
 ) -> tuple[Any, list[torch.Tensor]]:
-    """Runs ``entry`` of ``impl`` (default: the GPU entries of :mod:`nvfp4_mla.ops`) on clones of
-    ``args`` and the reference on other clones (on ``ref_device``; default: the CPU for small
-    calls), then raises AssertionError unless every byte agrees (:func:`assert_same`).
+    """Runs ``entry`` of ``impl`` (default: the GPU entries of :mod:`nvfp4_mla.ops`, on ``library``
+    when given) on clones of ``args`` and the reference on other clones (on ``ref_device``;
+    default: the CPU for small calls), then raises AssertionError unless every byte agrees
+    (:func:`assert_same`).
 
     Returns
     -------
@@ -245,7 +247,7 @@ def check(
     call_args = [clone(a) for a in args]
     if isinstance(want, torch.Tensor) and want is not ref_args[0]:
         dirty_allocator(want.untyped_storage().nbytes(), device)
-    got = getattr(impl, ENTRIES[entry])(*call_args, **kwargs)
+    got = getattr(impl, ENTRIES[entry])(*call_args, **(kwargs if library is None else {**kwargs, "library": library}))
     synchronize(device)
     assert_same(entry, got, want, call_args, ref_args, f"{label}; reference on {ref_device}")
     return got, call_args

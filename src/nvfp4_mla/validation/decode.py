@@ -7,20 +7,20 @@ import math
 
 import torch
 
-from .core import (
-    _BF16,
-    _SLOT_DTYPES,
-    CacheGeometry,
-    _check_aligned,
-    _check_bf16_rows,
-    _check_device,
-    _check_disjoint,
-    _extent,
-    _fail,
+from .common import (
+    BF16,
+    SLOT_DTYPES,
+    CacheLayout,
     cache_extent,
+    check_aligned,
+    check_bf16_rows,
     check_cache,
+    check_device,
+    check_disjoint,
     check_mutable,
     check_tensors,
+    extent,
+    fail,
 )
 
 # Entries a slot table may hold per query row: the attention kernel counts its tiles of 32 in an int.
@@ -29,34 +29,34 @@ MAX_TABLE_WIDTH = 1 << 24
 
 def _check_pool(
     pool: str, cache: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor | None, batch: int, q_len: int
-) -> CacheGeometry:
+) -> CacheLayout:
     """One pool of ``sparse_mla_decode``: its cache, its ``[batch, q_len, k]`` slot table and
     optional int32 ``[batch, q_len]`` valid lengths."""
     check_tensors((cache, slots), (f"{pool}_cache", f"{pool}_slots"))
     try:
-        geometry = check_cache(cache)
+        layout = check_cache(cache)
     except ValueError as exc:
         raise ValueError(f"{pool}_cache: {exc}") from None
-    if slots.dtype not in _SLOT_DTYPES:
-        _fail(f"{pool}_slots must have dtype torch.int32 or torch.int64, got {slots.dtype}")
+    if slots.dtype not in SLOT_DTYPES:
+        fail(f"{pool}_slots must have dtype torch.int32 or torch.int64, got {slots.dtype}")
     shape = slots.shape
     if len(shape) != 3 or shape[0] != batch or shape[1] != q_len:
-        _fail(f"{pool}_slots must be [batch, q_len, k] = [{batch}, {q_len}, k] like q, got {list(shape)}")
+        fail(f"{pool}_slots must be [batch, q_len, k] = [{batch}, {q_len}, k] like q, got {list(shape)}")
     if shape[2] < 1:
-        _fail(f"{pool}_slots must hold at least one slot per query row (k >= 1); mask entries with -1 or {pool}_lens")
+        fail(f"{pool}_slots must hold at least one slot per query row (k >= 1); mask entries with -1 or {pool}_lens")
     if shape[2] > MAX_TABLE_WIDTH:
-        _fail(f"{pool}_slots may hold at most {MAX_TABLE_WIDTH} slots per query row, got k = {shape[2]}")
+        fail(f"{pool}_slots may hold at most {MAX_TABLE_WIDTH} slots per query row, got k = {shape[2]}")
     if not slots.is_contiguous():
-        _fail(f"{pool}_slots must be contiguous (pass {pool}_slots.contiguous())")
+        fail(f"{pool}_slots must be contiguous (pass {pool}_slots.contiguous())")
     if lens is not None:
         check_tensors((lens,), (f"{pool}_lens",))
         if lens.dtype is not torch.int32:
-            _fail(f"{pool}_lens must have dtype torch.int32, got {lens.dtype}")
+            fail(f"{pool}_lens must have dtype torch.int32, got {lens.dtype}")
         if tuple(lens.shape) != (batch, q_len):
-            _fail(f"{pool}_lens must be [batch, q_len] = [{batch}, {q_len}], got {list(lens.shape)}")
+            fail(f"{pool}_lens must be [batch, q_len] = [{batch}, {q_len}], got {list(lens.shape)}")
         if not lens.is_contiguous():
-            _fail(f"{pool}_lens must be contiguous")
-    return geometry
+            fail(f"{pool}_lens must be contiguous")
+    return layout
 
 
 def check_decode(
@@ -70,14 +70,14 @@ def check_decode(
     sm_scale: object,
     sinks: torch.Tensor | None,
     need_cuda: bool,
-) -> tuple[CacheGeometry, CacheGeometry | None]:
-    """``sparse_mla_decode``: returns the geometry of the sliding-window pool and of the extra
+) -> tuple[CacheLayout, CacheLayout | None]:
+    """``sparse_mla_decode``: returns the layout of the sliding-window pool and of the extra
     pool (None without one)."""
     check_tensors((q,), ("q",))
-    _check_bf16_rows(q, "q", "batch, q_len, num_heads, 512", 4)
+    check_bf16_rows(q, "q", "batch, q_len, num_heads, 512", 4)
     batch, q_len, num_heads = q.shape[0], q.shape[1], q.shape[2]
     if num_heads < 1:
-        _fail("q must hold at least one head")
+        fail("q must hold at least one head")
     swa = _check_pool("swa", swa_cache, swa_slots, swa_lens, batch, q_len)
     tensors, names = [q, swa_cache, swa_slots], ["q", "swa_cache", "swa_slots"]
     if swa_lens is not None:
@@ -86,9 +86,9 @@ def check_decode(
     extra = None
     if extra_cache is None and extra_slots is None:
         if extra_lens is not None:
-            _fail("extra_lens needs extra_cache and extra_slots")
+            fail("extra_lens needs extra_cache and extra_slots")
     elif extra_cache is None or extra_slots is None:
-        _fail("extra_cache and extra_slots come together: pass both, or neither")
+        fail("extra_cache and extra_slots come together: pass both, or neither")
     else:
         extra = _check_pool("extra", extra_cache, extra_slots, extra_lens, batch, q_len)
         tensors += [extra_cache, extra_slots]
@@ -97,18 +97,18 @@ def check_decode(
             tensors.append(extra_lens)
             names.append("extra_lens")
     if not isinstance(sm_scale, (float, int)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
-        _fail(f"sm_scale must be a finite Python float, got {sm_scale!r}")
+        fail(f"sm_scale must be a finite Python float, got {sm_scale!r}")
     if sinks is not None:
         check_tensors((sinks,), ("sinks",))
         if sinks.dtype is not torch.float32:
-            _fail(f"sinks must have dtype torch.float32, got {sinks.dtype}")
+            fail(f"sinks must have dtype torch.float32, got {sinks.dtype}")
         if tuple(sinks.shape) != (num_heads,) or not sinks.is_contiguous():
-            _fail(f"sinks must be a contiguous [num_heads] = [{num_heads}] tensor, got {list(sinks.shape)}")
+            fail(f"sinks must be a contiguous [num_heads] = [{num_heads}] tensor, got {list(sinks.shape)}")
         tensors.append(sinks)
         names.append("sinks")
-    _check_device(tuple(tensors), tuple(names), need_cuda)
+    check_device(tuple(tensors), tuple(names), need_cuda)
     caches = (q, swa_cache) if extra_cache is None else (q, swa_cache, extra_cache)
-    _check_aligned(caches, ("q", "swa_cache", "extra_cache"))
+    check_aligned(caches, ("q", "swa_cache", "extra_cache"))
     return swa, extra
 
 
@@ -116,28 +116,28 @@ def check_decode_out(
     out: torch.Tensor,
     q: torch.Tensor,
     swa_cache: torch.Tensor,
-    swa: CacheGeometry,
+    swa: CacheLayout,
     extra_cache: torch.Tensor | None,
-    extra: CacheGeometry | None,
+    extra: CacheLayout | None,
 ) -> None:
     """The optional ``out`` of ``sparse_mla_decode`` (after :func:`check_decode`): BF16 with q's
     shape, contiguous, on q's device, 16-byte aligned, writable, sharing no memory with q or a cache."""
     check_tensors((out,), ("out",))
-    if out.dtype is not _BF16:
-        _fail(f"out must have dtype torch.bfloat16, got {out.dtype}")
+    if out.dtype is not BF16:
+        fail(f"out must have dtype torch.bfloat16, got {out.dtype}")
     if out.shape != q.shape:
-        _fail(f"out must have q's shape {list(q.shape)}, got {list(out.shape)}")
+        fail(f"out must have q's shape {list(q.shape)}, got {list(out.shape)}")
     if not out.is_contiguous():
-        _fail("out must be contiguous")
+        fail("out must be contiguous")
     check_mutable(out, "out")
-    _check_device((q, out), ("q", "out"), need_cuda=False)  # q's device was checked with the rest
-    _check_aligned((out,), ("out",))
-    written = _extent(out)
-    _check_disjoint(written, "out", (q,), ("q",))
+    check_device((q, out), ("q", "out"), need_cuda=False)  # q's device was checked with the rest
+    check_aligned((out,), ("out",))
+    written = extent(out)
+    check_disjoint(written, "out", (q,), ("q",))
     pools = [(swa_cache, swa, "swa_cache")] + (
         [] if extra_cache is None or extra is None else [(extra_cache, extra, "extra_cache")]
     )
-    for cache, geometry, name in pools:
-        lo, hi = cache_extent(cache, geometry)
+    for cache, layout, name in pools:
+        lo, hi = cache_extent(cache, layout)
         if written[0] < written[1] and lo < written[1] and written[0] < hi:
-            _fail(f"{name} overlaps out in memory: the call writes out; pass separate tensors")
+            fail(f"{name} overlaps out in memory: the call writes out; pass separate tensors")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, jit, kernel_cache, validation
+from nvfp4_mla import abi, config, jit, kernel_cache
 from nvfp4_mla.testing import (
     ARG_NAMES,
     CANARY,
@@ -38,7 +38,7 @@ SLEEP_S = 0.5  # GPU spin that a call must not wait for
 @pytest.fixture(autouse=True)
 def no_debug_check(monkeypatch):
     """NVFP4_MLA_CHECK=1 synchronises by design; these tests need the default path."""
-    monkeypatch.setattr(validation, "DEBUG_CHECKS", False)
+    monkeypatch.setattr(config, "DEBUG_CHECKS", False)
 
 
 def call(case: Case, args):

@@ -19,16 +19,20 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from nvfp4_mla import Geometry, jit, kernel_cache, launch, precompile
+from nvfp4_mla.device import Device
+from nvfp4_mla.ops import decode
+from nvfp4_mla.ops.writer_spec import WriterSpec
 
 pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install -e '.[cu12]')")
 
-VARIANT = Geometry("main", 16, 8, 16, slot_dtype=torch.int32).variant()
-OTHER = Geometry("main", 64, 8, 16, slot_dtype=torch.int32).variant()  # another page size
+SPEC = WriterSpec.main(16, torch.int32, 8, 16, True, False)
+OTHER = WriterSpec.main(64, torch.int32, 8, 16, True, False)  # another page size
 ARCH = "sm_90"
 NOBODY = 65534
 
@@ -54,7 +58,7 @@ def kdir(tmp_path):
     return directory
 
 
-def build(layers, spec=VARIANT):
+def build(layers, spec=SPEC):
     """Builds in a fresh cache of ``layers``, returning (bytes, path, warnings' texts)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -62,14 +66,14 @@ def build(layers, spec=VARIANT):
     return data, path, [str(w.message) for w in caught]
 
 
-def proves(data: bytes, spec) -> bool:
-    return f"nvfp4_mla-key:{jit.kernel_key(spec, ARCH)}".encode() in data
+def proves(data: bytes, spec, arch: str = ARCH) -> bool:
+    return f"nvfp4_mla-key:{jit.kernel_key(spec, arch)}".encode() in data
 
 
 def test_second_lookup_reuses_the_file(kdir, compiles):
     data, path, _ = build([kdir])
-    assert path == kdir / kernel_cache.KernelCache.file_name(jit.kernel_key(VARIANT, ARCH), ARCH)
-    assert data[:4] == b"\x7fELF" and proves(data, VARIANT)
+    assert path == kdir / kernel_cache.KernelCache.file_name(jit.kernel_key(SPEC, ARCH), ARCH)
+    assert data[:4] == b"\x7fELF" and proves(data, SPEC)
     again, same, caught = build([kdir])
     assert (again, same, caught, len(compiles)) == (data, path, [], 1)
     build([kdir], OTHER)
@@ -83,8 +87,8 @@ def test_kernel_of_another_geometry_under_this_name_is_refused(kdir, compiles):
     path.write_bytes(other)
     data, rebuilt, caught = build([kdir])
     assert any("not this key's kernel" in w for w in caught), caught
-    assert proves(data, VARIANT) and not proves(data, OTHER) and rebuilt == path
-    assert proves(path.read_bytes(), VARIANT) and len(compiles) == 3
+    assert proves(data, SPEC) and not proves(data, OTHER) and rebuilt == path
+    assert proves(path.read_bytes(), SPEC) and len(compiles) == 3
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip-key", "empty"])
@@ -100,11 +104,11 @@ def test_damaged_file_is_refused_and_rebuilt(kdir, compiles, damage):
         data.clear()
     path.write_bytes(bytes(data))
     rebuilt, _, caught = build([kdir])
-    assert any("refused" in w for w in caught) and proves(rebuilt, VARIANT) and len(compiles) == 2
+    assert any("refused" in w for w in caught) and proves(rebuilt, SPEC) and len(compiles) == 2
 
 
 def test_symlink_and_directory_with_a_cubins_name_are_misses(kdir, tmp_path, compiles):
-    name = kernel_cache.KernelCache.file_name(jit.kernel_key(VARIANT, ARCH), ARCH)
+    name = kernel_cache.KernelCache.file_name(jit.kernel_key(SPEC, ARCH), ARCH)
     good, _, _ = build([tmp_path / "elsewhere"])
     (kdir / name).symlink_to(tmp_path / "elsewhere" / name)  # a link to a good kernel: still refused
     data, path, caught = build([kdir])
@@ -114,7 +118,7 @@ def test_symlink_and_directory_with_a_cubins_name_are_misses(kdir, tmp_path, com
     (kdir / name).unlink()
     (kdir / name).mkdir()
     data, path, caught = build([kdir])  # cannot publish over a directory: kept in memory, no crash
-    assert proves(data, VARIANT) and path is None and any("kept in memory" in w for w in caught)
+    assert proves(data, SPEC) and path is None and any("kept in memory" in w for w in caught)
 
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files of another user")
@@ -126,7 +130,7 @@ def test_file_of_another_owner_is_refused(kdir, compiles):
     os.chown(path, NOBODY, NOBODY)
     data, _, caught = build([kdir])
     assert any(f"owned by uid {NOBODY}" in w for w in caught), caught
-    assert proves(data, VARIANT) and len(compiles) == 2 and path.stat().st_uid == os.geteuid()
+    assert proves(data, SPEC) and len(compiles) == 2 and path.stat().st_uid == os.geteuid()
 
 
 @pytest.mark.parametrize("mode, who", [(0o777, "others"), (0o770, "its group")])
@@ -136,7 +140,7 @@ def test_directory_others_can_write_is_ignored(tmp_path, compiles, mode, who):
     shared.chmod(mode)
     data, path, caught = build([shared, private])
     assert any(f"writable by {who}" in w for w in caught), caught
-    assert path is not None and path.parent == private and proves(data, VARIANT) and len(compiles) == 2
+    assert path is not None and path.parent == private and proves(data, SPEC) and len(compiles) == 2
 
 
 def test_group_opt_in_accepts_a_group_writable_directory(tmp_path, compiles, monkeypatch):
@@ -181,9 +185,9 @@ def test_no_writable_directory_compiles_in_memory_with_one_warning(tmp_path, com
     cache = kernel_cache.KernelCache([blocker / "kernels"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = cache.build(VARIANT, ARCH)
-        cache.build(VARIANT, "sm_80")
-    assert first[1] is None and proves(first[0], VARIANT)
+        first = cache.build(SPEC, ARCH)
+        cache.build(SPEC, "sm_80")
+    assert first[1] is None and proves(first[0], SPEC)
     assert len([w for w in caught if "no writable kernel cache" in str(w.message)]) == 1
     assert set(Path(tempfile.gettempdir()).glob("nvfp4_mla-[!t]*")) == before  # no temp dirs
 
@@ -207,26 +211,35 @@ def test_precompile_into_an_unusable_directory_raises_naming_it(tmp_path):
 
 def test_precompile_counts_unique_kernels(kdir):
     """The main entry without q is the KV entry's kernel: one file, listed once."""
-    paths = precompile(
+    built = precompile(
         [Geometry("main", 16, 8, 0), Geometry("kv", 16), {"entry": "append", "page_size": 1}],
         arch="sm_100",
         directory=kdir,
     )
-    assert len(paths) == 2 and all(p.parent == kdir for p in paths)
+    assert len(built) == 2 and all(b.path is not None and b.path.parent == kdir for b in built)
+    assert [b.description for b in built] == [
+        "writer kv, compress ratio 1, page 16, int64 slots",
+        "writer append, page 1, int64 slots",
+    ]
+    assert all(b.arch == "sm_100" and b.launcher is None for b in built)
 
 
 def test_precompile_builds_the_reader_and_decode_kernels(kdir):
-    from nvfp4_mla import decode
-
-    paths = precompile(
+    built = precompile(
         [Geometry("read", 16, slot_dtype=None, dtype=torch.bfloat16), Geometry("decode"), Geometry("decode")],
         arch=ARCH,
         directory=kdir,
     )
-    specs = (Geometry("read", 16, slot_dtype=None, dtype=torch.bfloat16).specs()[0], *decode.ALL_SPECS)
-    assert len(paths) == len(specs) == 5
-    for path, spec in zip(paths, specs):
-        assert path is not None and proves(path.read_bytes(), spec)
+    specs = (*Geometry("read", 16, slot_dtype=None, dtype=torch.bfloat16).specs(ARCH), *decode.specs(ARCH))
+    assert len(built) == len(specs) == 5
+    for b, spec in zip(built, specs):
+        assert b.path is not None and proves(b.path.read_bytes(), spec)
+
+
+def test_precompile_without_arch_or_gpu_says_to_pass_arch(kdir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="precompile needs arch="):
+        precompile([Geometry("kv", 16)], directory=kdir)
 
 
 @pytest.mark.parametrize(
@@ -272,7 +285,7 @@ def test_concurrent_threads_compile_once(kdir, compiles):
 
     def worker():
         barrier.wait()
-        results.append(cache.build(VARIANT, ARCH))
+        results.append(cache.build(SPEC, ARCH))
 
     threads = [threading.Thread(target=worker) for _ in range(8)]
     for t in threads:
@@ -297,7 +310,7 @@ _CHILD = textwrap.dedent(
         time.sleep(0.001)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        spec = Geometry("main", 16, 8, 16, slot_dtype=torch.int32).variant()
+        (spec,) = Geometry("main", 16, 8, 16, slot_dtype=torch.int32).specs("sm_90")
         data, path = kernel_cache.default().build(spec, "sm_90")
     print(json.dumps({"compiles": len(compiled), "path": str(path), "warnings": [str(w.message) for w in caught]}))
     """
@@ -400,22 +413,23 @@ def test_missing_cupy_names_the_fix(monkeypatch):
         monkeypatch.setitem(modules, name, None)  # importing CuPy now fails
     monkeypatch.setattr(jit, "_nvrtc_identity", None)
     with pytest.raises(RuntimeError, match=r"need CuPy: install CuPy .*\.\[cu12\]"):
-        launch.Launcher(b"", VARIANT.template, 0)
+        launch.Launcher(b"", SPEC.template, Device(0, 90, 132, 232_448))
     with pytest.raises(RuntimeError, match=r"NVRTC is not available: install"):
-        jit.compile_kernel(VARIANT, ARCH)
+        jit.compile_kernel(SPEC, ARCH)
 
 
 @pytest.mark.parametrize("part", ["source", "header", "options", "arch", "nvrtc"])
 def test_key_changes_with_everything_that_shapes_the_kernel(monkeypatch, part):
-    before = jit.kernel_key(VARIANT, ARCH)
+    before = jit.kernel_key(SPEC, ARCH)
+    sources = None
     if part == "source":
-        monkeypatch.setitem(jit._sources, VARIANT.template.file, jit._source(VARIANT.template.file) + "\n// edit")
+        sources = {SPEC.template.file: jit.source(SPEC.template.file) + "\n// edit"}
     elif part == "header":
-        monkeypatch.setitem(jit._sources, jit.HEADER_FILE, jit._source(jit.HEADER_FILE) + "\n// edit")
+        sources = {jit.NUMERICS_HEADER: jit.source(jit.NUMERICS_HEADER) + "\n// edit"}
     elif part == "nvrtc":
         monkeypatch.setattr(jit, "_nvrtc_identity", jit.nvrtc_identity() + " patched")
-    variant = VARIANT._replace(kv_rows_per_warp=2) if part == "options" else VARIANT
-    assert jit.kernel_key(variant, "sm_80" if part == "arch" else ARCH) != before
+    spec = SPEC._replace(kv_rows_per_warp=2) if part == "options" else SPEC
+    assert jit.kernel_key(spec, "sm_80" if part == "arch" else ARCH, sources) != before
 
 
 def test_published_kernels_are_readable_by_the_users_they_serve(kdir):
@@ -426,3 +440,75 @@ def test_published_kernels_are_readable_by_the_users_they_serve(kdir):
     finally:
         os.umask(old)
     assert path is not None and path.stat().st_mode & 0o777 == 0o644
+
+
+class _Tile(NamedTuple):
+    """A spec of one kernel family (the writer's template, another function name)."""
+
+    page_size: int
+
+    @property
+    def template(self) -> jit.Template:
+        return SPEC.template._replace(function="tile_kernel", headers=(jit.NUMERICS_HEADER, "extra.cuh"))
+
+    def defines(self) -> dict[str, int]:
+        return {"PAGE_SIZE": self.page_size}
+
+    def describe(self) -> str:
+        return f"tile {self.page_size}"
+
+
+class _Row(_Tile):
+    """Another family whose specs have equal fields."""
+
+    @property
+    def template(self) -> jit.Template:
+        return SPEC.template._replace(function="row_kernel")
+
+
+def test_specs_of_two_types_with_equal_fields_get_different_kernels(monkeypatch, tmp_path):
+    """NamedTuples of different classes compare equal field by field: the loaded kernels are keyed
+    by the spec's type as well, so one family never gets the other's kernel."""
+    assert _Tile(16) == _Row(16) and hash(_Tile(16)) == hash(_Row(16))  # the trap
+    built: list = []
+
+    class Loaded(NamedTuple):  # stands in for launch.Launcher (no GPU here)
+        data: bytes
+        template: jit.Template
+        device: Device
+
+    cache = kernel_cache.KernelCache([tmp_path])
+    monkeypatch.setattr(kernel_cache, "Launcher", Loaded)
+    monkeypatch.setattr(kernel_cache, "device_info", lambda index: Device(index, 90, 132, 232_448))
+    monkeypatch.setattr(
+        cache, "build", lambda spec, arch: built.append((spec, arch)) or (spec.describe().encode(), None)
+    )
+    tile, row = cache.launcher(0, _Tile(16)), cache.launcher(0, _Row(16))
+    assert tile is not row and (tile.template.function, row.template.function) == ("tile_kernel", "row_kernel")
+    assert cache.launcher(0, _Tile(16)) is tile and cache.launcher(0, _Row(16)) is row and len(built) == 2
+
+
+def test_every_listed_header_is_in_the_key():
+    sources = {"extra.cuh": "// one header"}
+    before = jit.kernel_key(_Tile(16), ARCH, sources)
+    assert jit.kernel_key(_Tile(16), ARCH, {"extra.cuh": "// another"}) != before
+    assert jit.kernel_key(_Row(16), ARCH) != jit.kernel_key(SPEC, ARCH)  # the function name too
+
+
+def test_a_spec_can_name_its_architecture(tmp_path, compiles):
+    """A template built for sm_90a on sm_90 GPUs: the build (and its file) is sm_90a's."""
+    spec = _Pinned(16)
+    assert jit.target_arch(spec, "sm_90") == "sm_90a" and jit.target_arch(SPEC, "sm_90") == "sm_90"
+    data, path = kernel_cache.KernelCache([tmp_path]).build(spec, "sm_90")
+    assert path is not None and path.name.startswith("sm_90a-") and proves(data, spec, "sm_90a")
+
+
+class _Pinned(_Row):
+    """The writer's kernel, built for sm_90a whatever the GPU's arch."""
+
+    @property
+    def template(self) -> jit.Template:
+        return SPEC.template._replace(arch="sm_90a")
+
+    def defines(self) -> dict[str, int]:
+        return SPEC.defines()

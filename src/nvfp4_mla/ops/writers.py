@@ -1,31 +1,31 @@
-"""The GPU writer entries: validate, look up the compiled kernel, launch once on torch's current stream.
+"""The writer entries on the GPU: validate, look up the call's plan, launch once on torch's current stream.
 
 Signatures and semantics are docs/format.md sections 2-7 (and ``nvfp4_mla.reference``, which
-defines the bytes). Each call does: the checks of :mod:`validation`, at most one output
-allocation, one dict lookup of the kernel keyed on (device, arguments that fix the geometry), and
-one kernel launch with raw pointers. No host synchronisation, so calls can be captured in CUDA
-graphs.
+defines the bytes). A call does the checks of :mod:`nvfp4_mla.validation`, at most one output
+allocation, one lookup of its plan in its :class:`~nvfp4_mla.ops.library.KernelLibrary` (keyed on
+the arguments' signature) and one kernel launch with raw pointers. No host synchronisation, so
+calls can be captured in CUDA graphs. Each entry runs on the default library unless given another
+(``library=``, for tests and benchmarks).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import increment_version
 
-from . import abi, kernel_cache, launch, validation
-from .reference import new_cache
-from .variant import Variant
+from .. import abi, config, launch, validation
+from ..reference import new_cache
+from .library import DEFAULT, KernelLibrary, check_traceable
+from .writer_spec import WriterSpec
 
 _NO_PTR = 0
 _BF16 = torch.bfloat16
 
 
-class _Plan(NamedTuple):
+class WriterPlan(NamedTuple):
     """What a signature fixes of a call: its per-call checks, launch, grid and scalar parameters."""
 
     checks: validation.PointerChecks
@@ -38,115 +38,54 @@ class _Plan(NamedTuple):
     out_strides: tuple[int, ...]  # its contiguous strides
 
 
-# The kernels loaded, one dict per entry, keyed on the device and the arguments that fix the kernel.
-_main_kernels: dict[tuple, launch.Launcher] = {}
-_kv_kernels: dict[tuple, launch.Launcher] = {}
-_append_kernels: dict[tuple, launch.Launcher] = {}
-_pack_kernels: dict[tuple, launch.Launcher] = {}
-# Call plans, one dict per entry, keyed on validation.signature: the one lookup a warm call does.
-# A miss runs every check and builds the plan; a hit runs the per-call checks only
-# (validation.check_pointers). Cleared when full, so varying batch sizes cannot grow it forever.
-MAX_PLANS = 4096
-_main_plans: dict[tuple | None, _Plan] = {}
-_kv_plans: dict[tuple | None, _Plan] = {}
-_append_plans: dict[tuple | None, _Plan] = {}
-_pack_plans: dict[tuple | None, _Plan] = {}
-# Where a miss takes its kernel: the process's kernel cache, and the KV rows a warp (None: the
-# Variant constructors' own). kernels_from() swaps both, with fresh tables, for the benchmark.
-_kernel_cache = kernel_cache.default
-_kv_rows_per_warp: int | None = None
-
-
-@contextlib.contextmanager
-def kernels_from(cache: kernel_cache.KernelCache, kv_rows_per_warp: int | None = None) -> Iterator[None]:
-    """Within the block, the entries take their kernels from ``cache``, in tables of their own.
-
-    For the benchmark's other kernels (a stubbed quantizer, another number of KV rows a warp):
-    the same validation and launch geometry, other cubins. The shipped tables and cache are back
-    after the block. Not thread-safe: no other thread may call the entries meanwhile.
-
-    Parameters
-    ----------
-    cache
-        Where the kernels come from (compiled there on first use).
-    kv_rows_per_warp
-        The Variant's ``kv_rows_per_warp`` (None: the constructors' default).
-    """
-    global _kernel_cache, _kv_rows_per_warp, _main_kernels, _kv_kernels, _append_kernels, _pack_kernels
-    global _main_plans, _kv_plans, _append_plans, _pack_plans
-    shipped = (
-        (_kernel_cache, _kv_rows_per_warp),
-        (_main_kernels, _kv_kernels, _append_kernels, _pack_kernels),
-        (_main_plans, _kv_plans, _append_plans, _pack_plans),
-    )
-    _kernel_cache, _kv_rows_per_warp = (lambda: cache), kv_rows_per_warp
-    _main_kernels, _kv_kernels, _append_kernels, _pack_kernels = {}, {}, {}, {}
-    _main_plans, _kv_plans, _append_plans, _pack_plans = {}, {}, {}, {}
-    try:
-        yield
-    finally:
-        (_kernel_cache, _kv_rows_per_warp), kernels, plans = shipped
-        _main_kernels, _kv_kernels, _append_kernels, _pack_kernels = kernels
-        _main_plans, _kv_plans, _append_plans, _pack_plans = plans
-
-
 def _plan(
-    plans: dict,
+    lib: KernelLibrary,
     signature: tuple | None,
-    kernels: dict,
-    kernel_key: tuple,
-    variant: Variant,
+    device_index: int,
+    spec: WriterSpec,
     checks: validation.PointerChecks,
-    geometry: validation.CacheGeometry,
+    layout: validation.CacheLayout,
     max_position: int,
     num_tokens: int,
     num_kv_rows: int,
     out_shape: tuple[int, ...] = (),
-) -> _Plan:
-    """Builds (after the full checks passed) and stores the plan of ``signature``."""
-    device_index = kernel_key[0]
-    if _kv_rows_per_warp is not None:
-        variant = variant._replace(kv_rows_per_warp=_kv_rows_per_warp)
+) -> WriterPlan:
+    """Builds (after the full checks passed) and remembers the plan of ``signature``."""
+    spec = lib.spec(spec)
     bound = None  # a call with nothing to launch loads and launches no kernel (a 0-block grid is an error)
     kv_blocks = 0
-    if variant.kv_units(num_kv_rows) or variant.q_units(num_tokens):
-        launcher = kernels.get(kernel_key)
-        if launcher is None:
-            launcher = kernels[kernel_key] = _kernel_cache().launcher(device_index, variant)
-        kv_blocks, blocks = variant.grid(num_tokens, num_kv_rows, launcher.resident_blocks, launcher.sms)
+    if spec.kv_units(num_kv_rows) or spec.q_units(num_tokens):
+        launcher = lib.launcher(device_index, spec)
+        kv_blocks, blocks = lib.grid(spec, num_tokens, num_kv_rows, launcher)
         bound = functools.partial(launcher.launch, blocks, 1, 1, 0)
-    num_pages, page_size, page_stride = geometry
-    scalars = (page_stride, num_pages * page_size, max_position, num_kv_rows, kv_blocks, variant.q_rows(num_tokens))
-    plan = _Plan(checks, bound, device_index, scalars, out_shape, launch.contiguous_strides(out_shape))
-    if signature is not None:
-        if len(plans) >= MAX_PLANS:
-            plans.clear()
-        plans[signature] = plan
-    return plan
+    num_pages, page_size, page_stride = layout
+    scalars = (page_stride, num_pages * page_size, max_position, num_kv_rows, kv_blocks, spec.q_rows(num_tokens))
+    plan = WriterPlan(checks, bound, device_index, scalars, out_shape, launch.contiguous_strides(out_shape))
+    return plan if signature is None else lib.remember(signature, plan)
 
 
-# ---------------------------------------------------------------- eager implementations
+# ---------------------------------------------------------------- the entries on a library
 
 
-def _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace):
+def _rope_quantize_insert(
+    lib: KernelLibrary, q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace
+):
     tensors = (q, kv, cache, slot_mapping, positions, cos_sin_cache)
-    signature = validation.signature(tensors, (q_head_padded, apply_q_rope, q_inplace))
-    plan = _main_plans.get(signature)
-    if plan is None or validation.DEBUG_CHECKS:
-        geometry = validation.check_main(
+    signature = validation.signature(tensors, ("main", q_head_padded, apply_q_rope, q_inplace))
+    plan = lib.plans.get(signature)
+    if plan is None or config.DEBUG_CHECKS:
+        layout = validation.check_main(
             q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace, need_cuda=True
         )
         num_tokens, num_heads = q.shape[0], q.shape[1]
-        device_index = cache.get_device()
-        key = (device_index, geometry.page_size, slot_mapping.dtype, num_heads, q_head_padded, apply_q_rope, q_inplace)
+        spec = WriterSpec.main(layout.page_size, slot_mapping.dtype, num_heads, q_head_padded, apply_q_rope, q_inplace)
         plan = _plan(
-            _main_plans,
+            lib,
             signature,
-            _main_kernels,
-            key,
-            Variant.main(*key[1:]),
-            validation.main_pointer_checks(tensors, geometry, q_inplace),
-            geometry,
+            cache.get_device(),
+            spec,
+            validation.main_pointer_checks(tensors, layout, q_inplace),
+            layout,
             cos_sin_cache.shape[0],
             num_tokens,
             slot_mapping.shape[0],
@@ -164,23 +103,19 @@ def _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, 
     return q_out
 
 
-def _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio):
+def _kv_rope_quantize_insert(lib: KernelLibrary, kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio):
     tensors = (kv, cache, slot_mapping, positions, cos_sin_cache)
-    signature = validation.signature(tensors, (compress_ratio,))
-    plan = _kv_plans.get(signature)
-    if plan is None or validation.DEBUG_CHECKS:
-        geometry = validation.check_kv(
-            kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda=True
-        )
-        key = (cache.get_device(), geometry.page_size, slot_mapping.dtype, compress_ratio)
+    signature = validation.signature(tensors, ("kv", compress_ratio))
+    plan = lib.plans.get(signature)
+    if plan is None or config.DEBUG_CHECKS:
+        layout = validation.check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda=True)
         plan = _plan(
-            _kv_plans,
+            lib,
             signature,
-            _kv_kernels,
-            key,
-            Variant.kv(*key[1:]),
-            validation.kv_pointer_checks(tensors, geometry),
-            geometry,
+            cache.get_device(),
+            WriterSpec.kv(layout.page_size, slot_mapping.dtype, compress_ratio),
+            validation.kv_pointer_checks(tensors, layout),
+            layout,
             cos_sin_cache.shape[0],
             0,
             slot_mapping.shape[0],
@@ -190,24 +125,21 @@ def _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, 
         stream = launch.current_raw_stream(plan.device_index)
         plan.launch(stream, _NO_PTR, _NO_PTR, kv_ptr, cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr, *plan.scalars)
         increment_version(cache)
-    return None
 
 
-def _append(latent_kv, slot_mapping, cache):
+def _append(lib: KernelLibrary, latent_kv, slot_mapping, cache):
     tensors = (latent_kv, slot_mapping, cache)
-    signature = validation.signature(tensors, ())
-    plan = _append_plans.get(signature)
-    if plan is None or validation.DEBUG_CHECKS:
-        geometry = validation.check_append(latent_kv, slot_mapping, cache, need_cuda=True)
-        key = (cache.get_device(), geometry.page_size, slot_mapping.dtype)
+    signature = validation.signature(tensors, ("append",))
+    plan = lib.plans.get(signature)
+    if plan is None or config.DEBUG_CHECKS:
+        layout = validation.check_append(latent_kv, slot_mapping, cache, need_cuda=True)
         plan = _plan(
-            _append_plans,
+            lib,
             signature,
-            _append_kernels,
-            key,
-            Variant.append(*key[1:]),
-            validation.append_pointer_checks(tensors, geometry),
-            geometry,
+            cache.get_device(),
+            WriterSpec.append(layout.page_size, slot_mapping.dtype),
+            validation.append_pointer_checks(tensors, layout),
+            layout,
             0,
             0,
             slot_mapping.shape[0],
@@ -217,25 +149,22 @@ def _append(latent_kv, slot_mapping, cache):
         stream = launch.current_raw_stream(plan.device_index)
         plan.launch(stream, _NO_PTR, _NO_PTR, kv_ptr, cache_ptr, slots_ptr, _NO_PTR, _NO_PTR, *plan.scalars)
         increment_version(cache)
-    return None
 
 
-def _pack(latent_kv, kv_layout):
+def _pack(lib: KernelLibrary, latent_kv, kv_layout):
     tensors = (latent_kv,)
-    signature = validation.signature(tensors, (kv_layout,))
-    plan = _pack_plans.get(signature)
-    if plan is None or validation.DEBUG_CHECKS:
+    signature = validation.signature(tensors, ("pack", kv_layout))
+    plan = lib.plans.get(signature)
+    if plan is None or config.DEBUG_CHECKS:
         validation.check_pack(latent_kv, kv_layout, need_cuda=True)
         num_pages, page_size = latent_kv.shape[0], latent_kv.shape[1]
-        key = (latent_kv.get_device(), page_size)
         plan = _plan(
-            _pack_plans,
+            lib,
             signature,
-            _pack_kernels,
-            key,
-            Variant.pack(page_size),
+            latent_kv.get_device(),
+            WriterSpec.pack(page_size),
             validation.PACK_POINTER_CHECKS,
-            validation.CacheGeometry(num_pages, page_size, page_size * abi.RECORD_BYTES),
+            validation.CacheLayout(num_pages, page_size, page_size * abi.RECORD_BYTES),
             0,
             0,
             num_pages * page_size,
@@ -269,7 +198,7 @@ def _rope_quantize_insert_op(
     apply_q_rope: bool,
 ) -> _Tensor:
     return _rope_quantize_insert(
-        q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, False
+        DEFAULT, q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, False
     )
 
 
@@ -289,7 +218,9 @@ def _rope_quantize_insert_inplace_op(
     q_head_padded: int,
     apply_q_rope: bool,
 ) -> None:
-    _rope_quantize_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, True)
+    _rope_quantize_insert(
+        DEFAULT, q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, True
+    )
 
 
 @_rope_quantize_insert_inplace_op.register_fake
@@ -301,7 +232,7 @@ def _(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply
 def _kv_rope_quantize_insert_op(
     kv: _Tensor, cache: _Tensor, slot_mapping: _Tensor, positions: _Tensor, cos_sin_cache: _Tensor, compress_ratio: int
 ) -> None:
-    _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
+    _kv_rope_quantize_insert(DEFAULT, kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
 
 
 @_kv_rope_quantize_insert_op.register_fake
@@ -311,7 +242,7 @@ def _(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio):
 
 @torch.library.custom_op("nvfp4_mla::quantize_append", mutates_args=("cache",))
 def _append_op(latent_kv: _Tensor, slot_mapping: _Tensor, cache: _Tensor) -> None:
-    _append(latent_kv, slot_mapping, cache)
+    _append(DEFAULT, latent_kv, slot_mapping, cache)
 
 
 @_append_op.register_fake
@@ -321,7 +252,7 @@ def _(latent_kv, slot_mapping, cache):
 
 @torch.library.custom_op("nvfp4_mla::quantize_pack", mutates_args=())
 def _pack_op(latent_kv: _Tensor, kv_layout: str) -> _Tensor:
-    return _pack(latent_kv, kv_layout)
+    return _pack(DEFAULT, latent_kv, kv_layout)
 
 
 @_pack_op.register_fake
@@ -336,8 +267,18 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def cake_dsv4_nvfp4_rope_quantize_insert(
-    q, kv, cache, slot_mapping, positions, cos_sin_cache, *, q_head_padded=0, apply_q_rope=True, q_inplace=False
-):
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    q_head_padded: int = 0,
+    apply_q_rope: bool = True,
+    q_inplace: bool = False,
+    library: KernelLibrary | None = None,
+) -> torch.Tensor:
     """Rotate q, then rotate, quantize and insert kv into the DeepSeek-V4 NVFP4 cache, in one launch.
 
     The cache bytes equal appending the BF16-rounded roped KV row
@@ -371,6 +312,8 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
     q_inplace : bool
         Rotate dims 448..511 of ``q`` in place and return ``q`` (needs ``num_heads`` in
         8, 16, 32, 64, 128 and ``q_head_padded`` 0 or ``num_heads``).
+    library : KernelLibrary, optional
+        The kernels and plan table to use (tests and benchmarks); default: the process's.
 
     Returns
     -------
@@ -383,6 +326,7 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
         On any argument outside the contract (docs/format.md section 6), before anything is written.
     """
     if _is_compiling():
+        check_traceable(library)
         # Traced with fake tensors: check what eager would refuse and is known while tracing; the
         # op checks the rest when it runs.
         validation.check_flag(apply_q_rope, "apply_q_rope")
@@ -399,11 +343,29 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
             q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope
         )
     return _rope_quantize_insert(
-        q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace
+        DEFAULT if library is None else library,
+        q,
+        kv,
+        cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        q_head_padded,
+        apply_q_rope,
+        q_inplace,
     )
 
 
-def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, *, compress_ratio=1):
+def cake_dsv4_nvfp4_kv_rope_quantize_insert(
+    kv: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    compress_ratio: int = 1,
+    library: KernelLibrary | None = None,
+) -> None:
     """Rotate, quantize and insert latent KV rows (no query), in one launch.
 
     Row ``i < slot_mapping.numel()`` is inserted when its slot is valid and
@@ -418,6 +380,8 @@ def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, 
         As in :func:`cake_dsv4_nvfp4_rope_quantize_insert`.
     compress_ratio : int
         1 or 2.
+    library : KernelLibrary, optional
+        The kernels and plan table to use (tests and benchmarks); default: the process's.
 
     Returns
     -------
@@ -425,14 +389,18 @@ def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, 
         The cache is updated in place.
     """
     if _is_compiling():
+        check_traceable(library)
         validation.check_compress_ratio(compress_ratio)
         return torch.ops.nvfp4_mla.kv_rope_quantize_insert(
             kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio
         )
-    return _kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
+    lib = DEFAULT if library is None else library
+    return _kv_rope_quantize_insert(lib, kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
 
 
-def nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache):
+def nvfp4_quantize_append_sparse_mla_cache(
+    latent_kv: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor, *, library: KernelLibrary | None = None
+) -> None:
     """Quantize already-roped BF16 rows and insert row ``i`` at ``slot_mapping[i]`` (the unfused writer).
 
     Parameters
@@ -444,6 +412,8 @@ def nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache):
         slots are skipped.
     cache : torch.Tensor
         As in :func:`cake_dsv4_nvfp4_rope_quantize_insert`.
+    library : KernelLibrary, optional
+        The kernels and plan table to use (tests and benchmarks); default: the process's.
 
     Returns
     -------
@@ -451,11 +421,14 @@ def nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache):
         The cache is updated in place.
     """
     if _is_compiling():
+        check_traceable(library)
         return torch.ops.nvfp4_mla.quantize_append(latent_kv, slot_mapping, cache)
-    return _append(latent_kv, slot_mapping, cache)
+    return _append(DEFAULT if library is None else library, latent_kv, slot_mapping, cache)
 
 
-def nvfp4_quantize_pack_sparse_mla_cache(latent_kv, *, kv_layout="HND"):
+def nvfp4_quantize_pack_sparse_mla_cache(
+    latent_kv: torch.Tensor, *, kv_layout: str = "HND", library: KernelLibrary | None = None
+) -> torch.Tensor:
     """Quantize whole pages into a new cache.
 
     Parameters
@@ -464,6 +437,8 @@ def nvfp4_quantize_pack_sparse_mla_cache(latent_kv, *, kv_layout="HND"):
         Contiguous CUDA BF16 ``[num_pages, page_size, 512]`` (already roped).
     kv_layout : str
         "HND" gives ``[num_pages, 1, page_size, 384]``, "NHD" ``[num_pages, page_size, 1, 384]``.
+    library : KernelLibrary, optional
+        The kernels and plan table to use (tests and benchmarks); default: the process's.
 
     Returns
     -------
@@ -472,5 +447,6 @@ def nvfp4_quantize_pack_sparse_mla_cache(latent_kv, *, kv_layout="HND"):
         ``page * page_size + entry``.
     """
     if _is_compiling():
+        check_traceable(library)
         return torch.ops.nvfp4_mla.quantize_pack(latent_kv, kv_layout)
-    return _pack(latent_kv, kv_layout)
+    return _pack(DEFAULT if library is None else library, latent_kv, kv_layout)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import launch, reference, validation
+from nvfp4_mla import config, launch, reference
 from nvfp4_mla.testing import make_cache, random_rows, random_slots, rope_table, storage_bytes
 
 gpu = pytest.mark.gpu
@@ -241,7 +241,7 @@ def test_in_place_q_overlapping_another_input_is_refused(device, lib):
 def test_reference_checks_rows_with_nvfp4_mla_check(monkeypatch):
     q, kv, cache, slots, positions, cos_sin = main_args()
     slots[3] = slots[1]
-    monkeypatch.setattr(validation, "DEBUG_CHECKS", True)
+    monkeypatch.setattr(config, "DEBUG_CHECKS", True)
     refused(
         lambda: reference.cake_dsv4_nvfp4_rope_quantize_insert(q, kv, cache, slots, positions, cos_sin),
         "row 3 repeats slot",

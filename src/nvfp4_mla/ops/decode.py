@@ -1,16 +1,22 @@
-"""Fused sparse MLA decode attention over the NVFP4 cache: ``kernels/nvfp4_mla_decode.cu`` and its entry.
+"""The ``sparse_mla_decode`` op: fused sparse MLA decode attention over the NVFP4 cache, its
+backends, the rule that picks one, and its custom ops.
 
 :func:`sparse_mla_decode` has the signature and semantics of
 :func:`nvfp4_mla.reference.sparse_mla_decode` (docs/format.md section 9), plus an optional ``out``.
-CUDA tensors go to the kernel, other devices to the reference.
+CUDA tensors go to a backend's kernels, other devices to the reference.
+
+**Backends.** Each is one module declaring an :class:`~nvfp4_mla.ops.attention.DecodeBackend`
+(its GPUs, its kernels, its attention kernel for a call): :data:`BACKENDS`, in order of
+preference. :func:`select_backend` is the one rule that picks among them.
 
 **Execution.** One launch of the attention kernel (a block per query row, head tile and split of
-the selected tokens), plus one launch of the combine kernel when the tokens are split across
-blocks. The split is a pure function of the shapes and the device (never of the data), and the
-combine adds the splits in a fixed order, so equal inputs give equal bits on every run. A warm
-call does the checks of :mod:`validation`, one dict lookup and its allocations (the outputs and,
-with splits, an fp32 workspace, all through torch's caching allocator on the current stream), with
-no host synchronisation: it can be captured in a CUDA graph.
+the selected tokens), plus one launch of the combine kernel (``kernels/nvfp4_mla_decode.cu``,
+shared by every backend) when the tokens are split across blocks. The split is a pure function
+of the shapes and the device (never of the data), and the combine adds the splits in a fixed
+order, so equal inputs give equal bits on every run. A warm call does the checks of
+:mod:`nvfp4_mla.validation`, one plan lookup and its allocations (the outputs and, with splits,
+an fp32 workspace, all through torch's caching allocator on the current stream), with no host
+synchronisation: it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -23,16 +29,16 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
-from . import abi, kernel_cache, reference, validation
-from .jit import Template
-from .launch import Launcher, contiguous_strides, current_raw_stream, new_output
+from .. import abi, reference, validation
+from ..device import Device, device_info
+from ..jit import Template
+from ..launch import Launcher, contiguous_strides, current_raw_stream, new_output
+from . import decode_mma
+from .attention import DecodeBackend, arch_capability
+from .library import DEFAULT, KernelLibrary, check_traceable
 
-BLOCK_N = 32  # selected tokens a tile
-HEAD_TILES = (16, 32, 64)  # heads a block; the largest that fits the GPU's shared memory
-# Warps sharing a row block of 16 heads, each a slice of the 512 dims: 2 give a warp 256 output
-# dims (128 fp32 accumulators a thread: one block of 8 warps an SM at 64 heads); 4 halve that, for
-# blocks of 4 or 8 warps at 16 and 32 heads.
-DIM_SPLITS = {16: 4, 32: 4, 64: 2}
+BACKENDS: dict[str, DecodeBackend] = {b.name: b for b in (decode_mma.BACKEND,)}
+
 COMBINE_THREADS = abi.HEAD_DIM // 4
 MAX_SPLITS = COMBINE_THREADS  # the combine kernel takes a split a thread
 # When choosing the split, in tile-times of one block: what a block costs besides its tiles (its
@@ -41,102 +47,53 @@ _BLOCK_COST = 1
 _COMBINE_COST = 1
 _LOG2E = 1.0 / math.log(2.0)
 
-# kernels/nvfp4_mla_decode.cu Params (their static_asserts check the sizes): attention is 6 pointers,
-# two pools (3 pointers, 5 int64 each), 3 int64 and sm_scale * log2(e) as a double; combine is
-# 5 pointers and 2 int64.
-ATTEND_PARAMS = struct.Struct("<6Q3Q5q3Q5q3qd")
+# kernels/nvfp4_mla_decode.cu's combine Params (its static_assert checks the size): 5 pointers and 2 int64.
 COMBINE_PARAMS = struct.Struct("<5Q2q")
 
 
-def attend_threads(head_tile: int) -> int:
-    """Threads of an attention block: a warp per (row block of 16 heads, dims slice)."""
-    return 32 * head_tile // 16 * DIM_SPLITS[head_tile]
+class CombineSpec(NamedTuple):
+    """The split combine kernel (one build, shared by every backend)."""
 
-
-def shared_bytes(head_tile: int) -> int:
-    """Dynamic shared memory of the attention kernel with ``head_tile`` heads a block (its layout
-    is in the kernel, which checks this count)."""
-    return (
-        head_tile * abi.HEAD_DIM * 2  # Q, as MMA fragments
-        + BLOCK_N * (abi.HEAD_DIM + 8) * 2  # K (= V): padded BF16 rows
-        + BLOCK_N * abi.RECORD_BYTES  # the tile's records
-        + attend_threads(head_tile) * 4 * 4 * 4  # partial scores: 4 n-tiles x 4 fp32 a thread
-        + 2 * BLOCK_N * 8  # record addresses
-        + 2 * BLOCK_N * 8  # slots of two tiles
-        + 16  # live-token masks of two tiles
-        + 256 * 4  # every E4M3 scale byte as a BF16 pair
-    )
-
-
-class DecodeSpec(NamedTuple):
-    """One compile of ``kernels/nvfp4_mla_decode.cu``: the attention kernel for a head tile, or the
-    split combine kernel. Page sizes, slot dtypes, head counts, lengths and sinks are run-time
-    arguments: each is used once per selected token or per row, next to 512 dequantized values
-    and 4 * 512 * head_tile MMA flops, so specializing on them would only multiply the variants."""
-
-    kernel: str  # "attend" or "combine"
-    head_tile: int = 0  # attend: heads a block, one of HEAD_TILES
+    max_splits: int = MAX_SPLITS
 
     @staticmethod
     @functools.cache
-    def attend(head_tile: int) -> DecodeSpec:
-        if head_tile not in HEAD_TILES:
-            raise ValueError(f"head_tile must be one of {HEAD_TILES}, got {head_tile!r}")
-        return DecodeSpec("attend", head_tile)
-
-    @staticmethod
-    @functools.cache
-    def combine() -> DecodeSpec:
-        return DecodeSpec("combine")
-
-    @property
-    def threads(self) -> int:
-        return attend_threads(self.head_tile) if self.kernel == "attend" else COMBINE_THREADS
-
-    @property
-    def shared_bytes(self) -> int:
-        return shared_bytes(self.head_tile) if self.kernel == "attend" else 0
+    def of() -> CombineSpec:
+        return CombineSpec()
 
     @property
     def template(self) -> Template:
-        if self.kernel == "attend":
-            return Template("nvfp4_mla_decode.cu", "nvfp4_mla_decode", ATTEND_PARAMS, self.threads, self.shared_bytes)
-        return Template("nvfp4_mla_decode.cu", "nvfp4_mla_decode_combine", COMBINE_PARAMS, self.threads)
+        return Template(decode_mma.SOURCE, "nvfp4_mla_decode_combine", COMBINE_PARAMS, COMBINE_THREADS)
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""
-        if self.kernel == "attend":
-            return {
-                "COMBINE": 0,
-                "HEAD_TILE": self.head_tile,
-                "DIM_SPLIT": DIM_SPLITS[self.head_tile],
-                "BLOCK_N": BLOCK_N,
-                "SMEM_BYTES": self.shared_bytes,
-            }
-        return {"COMBINE": 1, "MAX_SPLITS": MAX_SPLITS}
+        return {"COMBINE": 1, "MAX_SPLITS": self.max_splits}
 
     def describe(self) -> str:
-        """A short human-readable name, e.g. ``decode heads/block=32``."""
-        return f"decode heads/block={self.head_tile}" if self.kernel == "attend" else "decode split combine"
+        return "decode split combine"
 
 
-ALL_SPECS = (*(DecodeSpec.attend(t) for t in HEAD_TILES), DecodeSpec.combine())
+def select_backend(gpu: Device, num_heads: int) -> DecodeBackend:
+    """The backend a call uses: by architecture first (the first of :data:`BACKENDS` that supports
+    the GPU), then by shape where measurements show another backend wins (none yet: the
+    ``mma.sync`` kernel is the only backend of every GPU)."""
+    return next(b for b in BACKENDS.values() if b.supports(gpu.capability))
 
 
-def choose_head_tile(num_heads: int, shared_optin: int) -> int:
-    """The smallest head tile holding every head, else the largest whose shared memory fits
-    ``shared_optin`` bytes (a block's opt-in maximum: 99 KiB on sm_86/89/120, more on sm_80/90/100)."""
-    fitting = [t for t in HEAD_TILES if shared_bytes(t) <= shared_optin]
-    return next((t for t in fitting if t >= num_heads), fitting[-1])
+def specs(arch: str) -> tuple:
+    """Every kernel ``sparse_mla_decode`` may launch on a GPU of ``arch``: each supporting
+    backend's, and the combine kernel."""
+    capability = arch_capability(arch)
+    kernels = [s for b in BACKENDS.values() if b.supports(capability) for s in b.specs(arch)]
+    return (*kernels, CombineSpec.of())
 
 
-def choose_split(blocks: int, num_tokens: int, concurrent_blocks: int) -> tuple[int, int]:
+def choose_split(blocks: int, num_tiles: int, concurrent_blocks: int) -> tuple[int, int]:
     """``(num_splits, tiles_per_split)`` for ``blocks`` (query row, head tile) pairs over
-    ``num_tokens`` selected tokens (both tables' widths) when ``concurrent_blocks`` blocks fit the
-    GPU at once: the split with the fewest tile-times (waves x the tiles of a block, plus a block's
-    fixed cost), plus the combine's, the smaller split on ties. Depends on shapes only, so runs are
-    reproducible."""
-    num_tiles = -(-num_tokens // BLOCK_N)
+    ``num_tiles`` tiles of selected tokens (both tables' widths) when ``concurrent_blocks`` blocks
+    fit the GPU at once: the split with the fewest tile-times (waves x the tiles of a block, plus a
+    block's fixed cost), plus the combine's, the smaller split on ties. Depends on shapes only, so
+    runs are reproducible."""
     best = ((num_tiles + _BLOCK_COST) * -(-blocks // concurrent_blocks), 1, num_tiles)
     for splits in range(2, min(num_tiles, MAX_SPLITS) + 1):
         per_split = -(-num_tiles // splits)
@@ -148,50 +105,60 @@ def choose_split(blocks: int, num_tokens: int, concurrent_blocks: int) -> tuple[
     return best[1], best[2]
 
 
-class Plan(NamedTuple):
+class DecodePlan(NamedTuple):
     """The launches of one call shape on one device."""
 
+    backend: str
     attend: Launcher
-    combine: Launcher | None  # None: no split
-    spec: DecodeSpec
+    shared_bytes: int  # the attention launch's dynamic shared memory
+    head_tile: int
     blocks: int
     num_splits: int
     tiles_per_split: int
+    combine: Launcher | None  # None: no split
 
 
-def make_plan(
-    index: int, num_heads: int, rows: int, num_tokens: int, head_tile: int | None = None, num_splits: int | None = None
-) -> Plan:
-    """The plan of a call on device ``index`` (compiling or loading its kernels): ``rows`` query
-    rows (batch * q_len) of ``num_heads`` heads over ``num_tokens`` table entries. ``head_tile``
-    and ``num_splits`` override the choices (for benchmarks and tests)."""
-    from cupy.cuda import runtime
-
-    if head_tile is None:
-        optin = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, index)
-        head_tile = choose_head_tile(num_heads, optin)
-    spec = DecodeSpec.attend(head_tile)
-    cache = kernel_cache.default()
-    attend = cache.launcher(index, spec)
-    blocks = rows * -(-num_heads // head_tile)
-    num_tiles = -(-num_tokens // BLOCK_N)
-    if num_splits is None:
-        num_splits, tiles_per_split = choose_split(blocks, num_tokens, attend.resident_blocks)
+def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa: int, k_extra: int) -> DecodePlan:
+    """The plan of a call on ``device_index`` (compiling or loading its kernels on a miss):
+    ``rows`` query rows (batch * q_len) of ``num_heads`` heads over tables of ``k_swa`` and
+    ``k_extra`` entries. ``lib``'s decode fields override the backend, head tile and split."""
+    key = ("decode", device_index, num_heads, rows, k_swa, k_extra)
+    found = lib.plans.get(key)
+    if found is not None:
+        return found
+    forced = lib.decode_backend
+    if forced is not None and forced not in BACKENDS:
+        raise ValueError(f"decode backend {forced!r} is not one of {sorted(BACKENDS)}")
+    gpu = device_info(device_index)
+    backend = select_backend(gpu, num_heads) if forced is None else BACKENDS[forced]
+    if not backend.supports(gpu.capability):
+        raise ValueError(f"decode backend {backend.name!r} does not run on {gpu.arch}")
+    attention = backend.attention(lib, gpu, num_heads)
+    blocks = rows * -(-num_heads // attention.head_tile)
+    num_tiles = -(-(k_swa + k_extra) // attention.tile_tokens)
+    if lib.decode_splits is None:
+        num_splits, tiles_per_split = choose_split(blocks, num_tiles, attention.launcher.resident_blocks)
     else:
-        tiles_per_split = -(-num_tiles // min(num_splits, MAX_SPLITS))
+        tiles_per_split = -(-num_tiles // min(lib.decode_splits, MAX_SPLITS))
         num_splits = -(-num_tiles // tiles_per_split)
-    combine = cache.launcher(index, DecodeSpec.combine()) if num_splits > 1 else None
-    return Plan(attend, combine, spec, blocks * num_splits, num_splits, tiles_per_split)
+    combine = lib.launcher(device_index, lib.spec(CombineSpec.of())) if num_splits > 1 else None
+    found = DecodePlan(
+        backend.name,
+        attention.launcher,
+        attention.shared_bytes,
+        attention.head_tile,
+        blocks * num_splits,
+        num_splits,
+        tiles_per_split,
+        combine,
+    )
+    return lib.remember(key, found)
 
 
-# Keyed on (device, heads, rows, swa k, extra k): the only lookup a warm call does.
-_plans: dict[tuple, Plan] = {}
-
-
-def _pool_params(cache, slots, lens, geometry) -> tuple[int, ...]:
+def _pool_params(cache, slots, lens, layout) -> tuple[int, ...]:
     if cache is None:  # no second pool: k = 0, never read
         return (0, 0, 0, 0, 1, 0, 0, 0)
-    num_pages, page_size, page_stride = geometry
+    num_pages, page_size, page_stride = layout
     return (
         cache.data_ptr(),
         slots.data_ptr(),
@@ -204,7 +171,7 @@ def _pool_params(cache, slots, lens, geometry) -> tuple[int, ...]:
     )
 
 
-def _decode_cuda(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out):
+def _decode_cuda(lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out):
     swa, extra = validation.check_decode(
         q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, need_cuda=True
     )
@@ -222,12 +189,9 @@ def _decode_cuda(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, ex
     if rows == 0:
         return out, lse
     k_swa, k_extra = swa_slots.shape[2], 0 if extra_slots is None else extra_slots.shape[2]
-    key = (device, num_heads, rows, k_swa, k_extra)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = make_plan(key[0], num_heads, rows, k_swa + k_extra)
+    found = lib.plans.get(("decode", device, num_heads, rows, k_swa, k_extra))  # plan()'s key, looked up inline
     launch(
-        plan,
+        plan(lib, device, num_heads, rows, k_swa, k_extra) if found is None else found,
         q,
         out,
         lse,
@@ -239,9 +203,9 @@ def _decode_cuda(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, ex
     return out, lse
 
 
-def launch(plan: Plan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool) -> None:
+def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool) -> None:
     """The launches of ``plan`` on checked arguments; each pool is ``(cache, slots, lens,
-    geometry)``, all None for a missing extra pool. With splits, the fp32 workspace comes from
+    layout)``, all None for a missing extra pool. With splits, the fp32 workspace comes from
     torch's caching allocator on the current stream."""
     num_heads, device = q.shape[2], q.get_device()
     stream = current_raw_stream(device)
@@ -256,7 +220,7 @@ def launch(plan: Plan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool) -> No
         plan.blocks,
         1,
         1,
-        plan.spec.shared_bytes,
+        plan.shared_bytes,
         stream,
         q.data_ptr(),
         out.data_ptr(),
@@ -289,10 +253,10 @@ def launch(plan: Plan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool) -> No
         )
 
 
-def _decode(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out):
+def _decode(lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out):
     if isinstance(q, torch.Tensor) and q.is_cuda:
         return _decode_cuda(
-            q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out
+            lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out
         )
     result, lse = reference.sparse_mla_decode(
         q,
@@ -334,7 +298,8 @@ def _decode_op(
     sm_scale: float,
     sinks: _OptTensor,
 ) -> tuple[_Tensor, _Tensor]:
-    out, lse = _decode(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, None)
+    args = (q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks)
+    out, lse = _decode(DEFAULT, *args, None)
     return out, lse
 
 
@@ -356,7 +321,8 @@ def _decode_out_op(
     sinks: _OptTensor,
     out: _Tensor,
 ) -> _Tensor:
-    _, lse = _decode(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out)
+    args = (q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks)
+    _, lse = _decode(DEFAULT, *args, out)
     return lse
 
 
@@ -380,6 +346,7 @@ def sparse_mla_decode(
     sm_scale: float,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    library: KernelLibrary | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode attention read straight from one or two NVFP4 caches.
 
@@ -423,6 +390,9 @@ def sparse_mla_decode(
     out
         Optional BF16 ``[batch, q_len, heads, 512]`` output to fill (contiguous, on q's device,
         sharing no memory with the inputs). It is returned.
+    library
+        The kernels, backend choice and plan table to use on CUDA tensors (tests and benchmarks);
+        default: the process's.
 
     Returns
     -------
@@ -435,8 +405,10 @@ def sparse_mla_decode(
         On any argument outside the contract, before anything is launched.
     """
     if _is_compiling():  # traced with fake tensors: the op checks its arguments when it runs
+        check_traceable(library)
         args = (q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, float(sm_scale), sinks)
         if out is None:
             return torch.ops.nvfp4_mla.sparse_mla_decode(*args)
         return out, torch.ops.nvfp4_mla.sparse_mla_decode_out(*args, out)
-    return _decode(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out)
+    lib = DEFAULT if library is None else library
+    return _decode(lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out)

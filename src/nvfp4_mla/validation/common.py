@@ -1,7 +1,7 @@
-"""The checks every entry shares: argument types, devices, alignment, memory overlap, the cache view.
+"""The checks every entry shares: argument types, devices, alignment, memory overlap, the cache layout.
 
-Used by the writers' and the reader's checks (``validation``) and the attention entry's
-(``validation.decode``); ``ValueError`` messages name the fix. :func:`signature` and
+Used by each op's checks (``validation.writers``, ``validation.reader``, ``validation.decode``);
+``ValueError`` messages name the fix. :func:`signature` and
 :func:`check_pointers` split a writer's checks for the kernel path's host time: those fixed by the
 arguments' metadata run once per signature, those that depend on where the tensors are and on
 their autograd state on every call.
@@ -9,20 +9,22 @@ their autograd state on every call.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch
 
 from .. import abi
 
-_BF16 = torch.bfloat16
-_SLOT_DTYPES = (torch.int32, torch.int64)
+BF16 = torch.bfloat16
+SLOT_DTYPES = (torch.int32, torch.int64)
 _CUDA_FIX = " (move it with .cuda(), or use nvfp4_mla.reference for CPU tensors)"
 _PLAIN_OPTIONS = (bool, int, str)  # option types a signature holds (hashable; keyed with the type, so True is not 1)
 _Tensor = torch.Tensor
 
 
-class CacheGeometry(NamedTuple):
+class CacheLayout(NamedTuple):
+    """Where a cache view's records lie (docs/format.md section 3)."""
+
     num_pages: int
     page_size: int
     page_stride: int  # bytes between pages; >= page_size * 384, a multiple of 16
@@ -38,7 +40,7 @@ class PointerChecks(NamedTuple):
     written: tuple[int, ...]  # indices of the tensors the call writes
 
 
-def _fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     raise ValueError(message)
 
 
@@ -47,42 +49,42 @@ def check_tensors(tensors: tuple, names: tuple) -> None:
     for t, name in zip(tensors, names):
         if not isinstance(t, torch.Tensor):
             kind = type(t)
-            _fail(f"{name} must be a torch.Tensor, got {kind.__module__}.{kind.__qualname__}")
+            fail(f"{name} must be a torch.Tensor, got {kind.__module__}.{kind.__qualname__}")
 
 
-def _check_bf16_rows(t: torch.Tensor, name: str, dims: str, ndim: int) -> None:
+def check_bf16_rows(t: torch.Tensor, name: str, dims: str, ndim: int) -> None:
     """A contiguous BF16 tensor of ``ndim`` dims, the last 512 (``dims`` names them for the message)."""
-    if t.dtype is not _BF16:
-        _fail(f"{name} must have dtype torch.bfloat16, got {t.dtype}")
+    if t.dtype is not BF16:
+        fail(f"{name} must have dtype torch.bfloat16, got {t.dtype}")
     shape = t.shape
     if len(shape) != ndim or shape[-1] != abi.HEAD_DIM:
-        _fail(f"{name} must be [{dims}], got {list(shape)}")
+        fail(f"{name} must be [{dims}], got {list(shape)}")
     if not t.is_contiguous():
-        _fail(f"{name} must be contiguous")
+        fail(f"{name} must be contiguous")
 
 
 def check_flag(value: object, name: str) -> None:
     """A real bool: a string like 'False' would be truthy."""
     if type(value) is not bool:
-        _fail(f"{name} must be a bool, got {value!r}")
+        fail(f"{name} must be a bool, got {value!r}")
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int]:
+def extent(t: torch.Tensor) -> tuple[int, int]:
     """First and one-past-last byte of a contiguous tensor."""
     start = t.data_ptr()
     return start, start + t.nbytes
 
 
 def _fail_overlap(name: str, written_name: str) -> None:
-    _fail(f"{name} overlaps {written_name} in memory: the call writes {written_name}; pass separate tensors")
+    fail(f"{name} overlaps {written_name} in memory: the call writes {written_name}; pass separate tensors")
 
 
-def _check_disjoint(written: tuple[int, int], written_name: str, tensors: tuple, names: tuple) -> None:
+def check_disjoint(written: tuple[int, int], written_name: str, tensors: tuple, names: tuple) -> None:
     """No input shares a byte with a tensor the call writes (on the GPU that would be a race)."""
     lo, hi = written
     if lo == hi:
         return
-    for t, name in zip(tensors, names):  # (inlined _extent: this runs on every call)
+    for t, name in zip(tensors, names):  # (inlined extent: this runs on every call)
         t_lo = t.data_ptr()
         if t_lo < hi and lo < t_lo + t.nbytes:
             _fail_overlap(name, written_name)
@@ -119,7 +121,7 @@ def check_pointers(tensors: tuple, checks: PointerChecks) -> list[int]:
     for i in checks.aligned:
         combined |= pointers[i]
     if combined % abi.PAGE_ALIGN:
-        _check_aligned(tuple(tensors[i] for i in checks.aligned), tuple(checks.names[i] for i in checks.aligned))
+        check_aligned(tuple(tensors[i] for i in checks.aligned), tuple(checks.names[i] for i in checks.aligned))
     spans = checks.spans
     for w in checks.written:
         t = tensors[w]
@@ -134,9 +136,9 @@ def check_pointers(tensors: tuple, checks: PointerChecks) -> list[int]:
     return pointers
 
 
-def cache_extent(cache: torch.Tensor, geometry: CacheGeometry) -> tuple[int, int]:
+def cache_extent(cache: torch.Tensor, layout: CacheLayout) -> tuple[int, int]:
     """First and one-past-last byte of a checked cache view."""
-    num_pages, page_size, page_stride = geometry
+    num_pages, page_size, page_stride = layout
     start = cache.data_ptr()
     return start, start + (num_pages and (num_pages - 1) * page_stride + page_size * abi.RECORD_BYTES)
 
@@ -145,17 +147,17 @@ def check_mutable(t: torch.Tensor, name: str) -> None:
     """A tensor the call writes in place must not be tracked by autograd or be an inference tensor
     outside inference mode: the kernel's write would be invisible to either."""
     if t.requires_grad:
-        _fail(
+        fail(
             f"{name} is written in place but requires grad: autograd cannot see the kernel's write; "
             f"pass {name}.detach()"
         )
     if t.is_inference() and not torch.is_inference_mode_enabled():
-        _fail(
+        fail(
             f"{name} is an inference tensor written in place outside inference mode; call inside torch.inference_mode()"
         )
 
 
-def _check_device(tensors: tuple, names: tuple, need_cuda: bool) -> None:
+def check_device(tensors: tuple, names: tuple, need_cuda: bool) -> None:
     # get_device() is an int (-1 off CUDA): cheaper than building torch.device objects; the
     # devices are only looked at closely when something is off, or off CUDA (the reference).
     indices = [t.get_device() for t in tensors]
@@ -163,15 +165,15 @@ def _check_device(tensors: tuple, names: tuple, need_cuda: bool) -> None:
         return
     for t, name in zip(tensors, names):
         if need_cuda and not t.is_cuda:
-            _fail(f"{name} must be a CUDA tensor, got one on {t.device}{_CUDA_FIX}")
+            fail(f"{name} must be a CUDA tensor, got one on {t.device}{_CUDA_FIX}")
         if t.device != tensors[0].device:
-            _fail(
+            fail(
                 f"all tensors must be on the same CUDA device (or all on the CPU for the "
                 f"reference): {names[0]} is on {tensors[0].device}, {name} on {t.device}"
             )
 
 
-def _check_aligned(tensors: tuple, names: tuple) -> None:
+def check_aligned(tensors: tuple, names: tuple) -> None:
     # The kernels move these with 16-byte vector accesses.
     combined = 0
     for t in tensors:
@@ -179,15 +181,15 @@ def _check_aligned(tensors: tuple, names: tuple) -> None:
     if combined % abi.PAGE_ALIGN:
         for t, name in zip(tensors, names):
             if t.data_ptr() % abi.PAGE_ALIGN:
-                _fail(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x}); pass a fresh tensor")
+                fail(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x}); pass a fresh tensor")
 
 
-def check_cache(cache: torch.Tensor) -> CacheGeometry:
-    """Checks a cache view of docs/format.md section 3 and returns its geometry."""
+def check_cache(cache: torch.Tensor) -> CacheLayout:
+    """Checks a cache view of docs/format.md section 3 and returns its layout."""
     if not isinstance(cache, torch.Tensor):
         check_tensors((cache,), ("cache",))
     if cache.dtype is not torch.uint8:
-        _fail(f"cache must have dtype torch.uint8, got {cache.dtype}")
+        fail(f"cache must have dtype torch.uint8, got {cache.dtype}")
     shape, strides = cache.shape, cache.stride()
     ndim = len(shape)
     if ndim == 3:
@@ -197,24 +199,24 @@ def check_cache(cache: torch.Tensor) -> CacheGeometry:
     elif ndim == 4 and shape[2] == 1:
         page_axis = 1  # NHD
     elif ndim == 4:
-        _fail(
+        fail(
             f"cache must have a singleton latent-head dimension: HND [num_pages, 1, page_size, 384] "
             f"or NHD [num_pages, page_size, 1, 384], got {list(shape)}"
         )
     if ndim not in (3, 4) or shape[-1] != abi.RECORD_BYTES or shape[page_axis] < 1:
-        _fail(
+        fail(
             "cache must be [num_pages, page_size, 384], HND [num_pages, 1, page_size, 384] or "
             f"NHD [num_pages, page_size, 1, 384] with page_size >= 1, got {list(shape)}"
         )
     num_pages, page_size = shape[0], shape[page_axis]
     if strides[-1] != 1 or (page_size > 1 and strides[page_axis] != abi.RECORD_BYTES):
-        _fail(
+        fail(
             "cache must keep each page's page_size * 384 bytes contiguous (stride(-1) == 1 and "
             f"page-size axis stride 384), got strides {list(strides)}"
         )
     page_stride = strides[0] if num_pages > 1 else page_size * abi.RECORD_BYTES
     if page_stride % abi.PAGE_ALIGN:
-        _fail(f"cache page stride must be a multiple of 16 bytes, got {page_stride}")
+        fail(f"cache page stride must be a multiple of 16 bytes, got {page_stride}")
     if page_stride < page_size * abi.RECORD_BYTES:
-        _fail(f"cache pages overlap: page stride {page_stride} < page_size * 384 = {page_size * 384}")
-    return CacheGeometry(num_pages, page_size, page_stride)
+        fail(f"cache pages overlap: page stride {page_stride} < page_size * 384 = {page_size * 384}")
+    return CacheLayout(num_pages, page_size, page_stride)

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from nvfp4_mla import reference, validation
+from nvfp4_mla import config, reference, validation
 from nvfp4_mla.testing import CANARY, make_cache, random_rows, raw_bytes, rope_table, storage_bytes
 
 T, H = 4, 8
@@ -483,7 +483,7 @@ def test_debug_check_ratio_two_checks_the_rope_row():
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_debug_check_of_the_kv_entry_skips_padding_rows(monkeypatch, ratio):
     """Rows past slot_mapping are never inserted by the KV entry: their positions are not checked."""
-    monkeypatch.setattr(validation, "DEBUG_CHECKS", True)
+    monkeypatch.setattr(config, "DEBUG_CHECKS", True)
     kv = torch.zeros(3, 512, dtype=torch.bfloat16)
     cache = torch.zeros(2, 16, 384, dtype=torch.uint8)
     table = torch.zeros(10, 64)
@@ -512,7 +512,7 @@ def test_debug_checks_follow_the_environment_at_import():
     import subprocess
     import sys
 
-    code = "import nvfp4_mla.validation as v; print(v.DEBUG_CHECKS)"
+    code = "import nvfp4_mla.config as c; print(c.DEBUG_CHECKS)"
     for value, expected in (("1", "True"), ("0", "False"), ("", "False")):
         env = {**__import__("os").environ, "NVFP4_MLA_CHECK": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

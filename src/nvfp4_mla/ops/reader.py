@@ -1,10 +1,10 @@
-"""The GPU reader: ``nvfp4_dequantize_sparse_mla_cache`` as one launch of ``kernels/nvfp4_mla_read.cu``.
+"""The reader op: ``nvfp4_dequantize_sparse_mla_cache`` as one launch of ``kernels/nvfp4_mla_read.cu``.
 
 Semantics are docs/format.md section 8 and :func:`nvfp4_mla.reference.nvfp4_dequantize_sparse_mla_cache`,
 which defines the bits: CUDA tensors go to the kernel, other devices to that reference. A warm
-call does the checks of :mod:`validation`, at most one output allocation, one dict lookup and one
-launch on torch's current stream, with no host synchronisation (graph-capturable); none when
-there is no row to read.
+call does the checks of :mod:`nvfp4_mla.validation`, at most one output allocation, one plan
+lookup and one launch on torch's current stream, with no host synchronisation (graph-capturable);
+none when there is no row to read.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
-from . import abi, kernel_cache, reference, validation
-from .jit import Template
-from .launch import Launcher, contiguous_strides, current_raw_stream, new_output
+from .. import abi, reference, validation
+from ..jit import Template
+from ..launch import Launcher, contiguous_strides, current_raw_stream, new_output
+from .library import DEFAULT, KernelLibrary, check_traceable
 
 TEAM_THREADS = 16  # threads that read one row together (the kernel's TEAM)
 BLOCK_THREADS = 256
@@ -31,8 +32,8 @@ _F32_NAN, _BF16_NAN = 0x7FC00000, abi.BF16_NAN_BITS
 _F32_INF = 0x7F800000
 
 
-class ReaderVariant(NamedTuple):
-    """One specialization of the reader kernel."""
+class ReaderSpec(NamedTuple):
+    """One build of the reader kernel."""
 
     page_size: int
     slot_int64: bool  # slots are int64 (else int32)
@@ -46,16 +47,16 @@ class ReaderVariant(NamedTuple):
 
     @staticmethod
     @functools.cache
-    def of(page_size: int, slot_dtype: torch.dtype | None, dtype: torch.dtype) -> ReaderVariant:
-        """The variant of a call (arguments already validated); ``slot_dtype`` None for slots=None."""
-        return ReaderVariant(page_size, slot_dtype is torch.int64, slot_dtype is None, dtype is torch.float32)
+    def of(page_size: int, slot_dtype: torch.dtype | None, dtype: torch.dtype) -> ReaderSpec:
+        """The spec of a call (arguments already validated); ``slot_dtype`` None for slots=None."""
+        return ReaderSpec(page_size, slot_dtype is torch.int64, slot_dtype is None, dtype is torch.float32)
 
     @property
     def rows_per_block(self) -> int:
         return BLOCK_THREADS // TEAM_THREADS * self.rows_per_team
 
     def defines(self) -> dict[str, int]:
-        """The kernel's ``-D`` constants of this variant."""
+        """The kernel's ``-D`` constants."""
         return {
             "PAGE_SIZE": self.page_size,
             "SLOT_INT64": int(self.slot_int64),
@@ -65,10 +66,10 @@ class ReaderVariant(NamedTuple):
         }
 
     def describe(self) -> str:
-        """A short human-readable name, e.g. ``read page_size=64 int32 -> bfloat16``."""
-        slots = "all slots" if self.identity_slots else "int64" if self.slot_int64 else "int32"
-        extra = f" rows_per_team={self.rows_per_team}" if self.rows_per_team != ROWS_PER_TEAM else ""
-        return f"read page_size={self.page_size} {slots} -> {'float32' if self.out_fp32 else 'bfloat16'}{extra}"
+        """The kernel in words, e.g. ``reader, page 64, int32 slots -> bfloat16``."""
+        slots = "every slot" if self.identity_slots else f"{'int64' if self.slot_int64 else 'int32'} slots"
+        extra = f", {self.rows_per_team} rows a team" if self.rows_per_team != ROWS_PER_TEAM else ""
+        return f"reader, page {self.page_size}, {slots} -> {'float32' if self.out_fp32 else 'bfloat16'}{extra}"
 
 
 def fill_pattern(invalid: float, out_fp32: bool) -> int:
@@ -90,10 +91,10 @@ def fill_pattern(invalid: float, out_fp32: bool) -> int:
     return bf16 * 0x10001
 
 
-def launch(launcher: Launcher, rows_per_block: int, device: int, cache, slots_ptr, out, geometry, num_rows, fill):
+def launch(launcher: Launcher, rows_per_block: int, device: int, cache, slots_ptr, out, layout, num_rows, fill):
     """One launch reading ``num_rows > 0`` rows into ``out`` (arguments already checked), on the
     current stream of CUDA device ``device``; the kernel's ``Params`` in order."""
-    num_pages, page_size, page_stride = geometry
+    num_pages, page_size, page_stride = layout
     launcher.launch(
         -(-num_rows // rows_per_block),
         1,
@@ -110,18 +111,16 @@ def launch(launcher: Launcher, rows_per_block: int, device: int, cache, slots_pt
     )
 
 
-# Keyed on (device, page size, slot dtype or None, output dtype): the only lookup a warm call does.
-_kernels: dict[tuple, tuple[Launcher, int]] = {}
 _NAN_FILLS = {torch.float32: _F32_NAN, torch.bfloat16: _BF16_NAN * 0x10001}
 
 
-def _dequantize_cuda(cache, slots, dtype, invalid, out):
+def _dequantize(lib: KernelLibrary, cache, slots, dtype, invalid, out):
     # Lean on purpose: this is the whole host cost of a decode step's read (see the benchmark).
-    geometry = validation.check_dequantize(cache, slots, dtype, invalid, out, need_cuda=True)
+    layout = validation.check_dequantize(cache, slots, dtype, invalid, out, need_cuda=True)
     given = out is not None
     device = cache.get_device()
     if slots is None:
-        num_rows = geometry[0] * geometry[1]
+        num_rows = layout[0] * layout[1]
         slot_dtype, slots_ptr = None, 0
         shape: tuple = (num_rows, abi.HEAD_DIM)
     else:
@@ -132,13 +131,13 @@ def _dequantize_cuda(cache, slots, dtype, invalid, out):
         out = new_output(cache, shape, contiguous_strides(shape), dtype, device)
     if num_rows == 0:
         return out
-    key = (device, geometry[1], slot_dtype, dtype)
-    found = _kernels.get(key)
+    key = ("read", device, layout[1], slot_dtype, dtype)
+    found = lib.plans.get(key)
     if found is None:
-        variant = ReaderVariant.of(*key[1:])
-        found = _kernels[key] = (kernel_cache.default().launcher(device, variant), variant.rows_per_block)
+        spec = lib.spec(ReaderSpec.of(*key[2:]))
+        found = lib.remember(key, (lib.launcher(device, spec), spec.rows_per_block))
     fill = _NAN_FILLS[dtype] if invalid != invalid else fill_pattern(invalid, dtype is torch.float32)
-    launch(found[0], found[1], device, cache, slots_ptr, out, geometry, num_rows, fill)
+    launch(found[0], found[1], device, cache, slots_ptr, out, layout, num_rows, fill)
     if given:
         increment_version(out)  # written in place: autograd and views must see a new version
     return out
@@ -159,8 +158,8 @@ def _dequantize_op(cache: _Tensor, slots: _Tensor | None, dtype: torch.dtype, in
 @_dequantize_op.register_fake
 def _(cache, slots, dtype, invalid):
     if slots is None:
-        geometry = validation.check_cache(cache)
-        return cache.new_empty((geometry.num_pages * geometry.page_size, abi.HEAD_DIM), dtype=dtype)
+        layout = validation.check_cache(cache)
+        return cache.new_empty((layout.num_pages * layout.page_size, abi.HEAD_DIM), dtype=dtype)
     return cache.new_empty((*slots.shape, abi.HEAD_DIM), dtype=dtype)
 
 
@@ -184,6 +183,7 @@ def nvfp4_dequantize_sparse_mla_cache(
     dtype: torch.dtype = torch.float32,
     invalid: float = float("nan"),
     out: torch.Tensor | None = None,
+    library: KernelLibrary | None = None,
 ) -> torch.Tensor:
     """Reads records back as values: NoPE = E2M1 value x E4M3 scale, RoPE = the stored BF16.
 
@@ -208,6 +208,9 @@ def nvfp4_dequantize_sparse_mla_cache(
     out
         Optional preallocated output: contiguous, ``slots.shape + (512,)``, of ``dtype``, on the
         cache's device, sharing no memory with the cache or the slots. It is filled and returned.
+    library
+        The kernels and plan table to use on CUDA tensors (tests and benchmarks); default: the
+        process's.
 
     Returns
     -------
@@ -222,10 +225,11 @@ def nvfp4_dequantize_sparse_mla_cache(
         or written.
     """
     if _is_compiling():  # traced with fake tensors: the op checks its arguments when it runs
+        check_traceable(library)
         if out is None:
             return torch.ops.nvfp4_mla.dequantize(cache, slots, dtype, invalid)
         torch.ops.nvfp4_mla.dequantize_out(cache, slots, dtype, invalid, out)
         return out
     if isinstance(cache, torch.Tensor) and cache.is_cuda:
-        return _dequantize_cuda(cache, slots, dtype, invalid, out)
+        return _dequantize(DEFAULT if library is None else library, cache, slots, dtype, invalid, out)
     return reference.nvfp4_dequantize_sparse_mla_cache(cache, slots, dtype=dtype, invalid=invalid, out=out)

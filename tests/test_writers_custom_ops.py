@@ -67,11 +67,11 @@ def attention_pre_step(q, kv, cache, slots, positions, cos_sin, latent_scale):
 def test_compiled_entry_dispatches_to_the_right_op(monkeypatch, q_inplace):
     """On the CPU, with the reference standing in for the kernel path behind the ops: the traced
     call reaches the op of its mode and gives the reference's bytes (q rotated once, in place)."""
-    from nvfp4_mla import ops
+    from nvfp4_mla.ops import writers
 
     modes = []
 
-    def stand_in(q, kv, cache, slots, positions, cos_sin, q_head_padded, apply_q_rope, inplace):
+    def stand_in(library, q, kv, cache, slots, positions, cos_sin, q_head_padded, apply_q_rope, inplace):
         modes.append(inplace)
         return reference.cake_dsv4_nvfp4_rope_quantize_insert(
             q,
@@ -85,7 +85,7 @@ def test_compiled_entry_dispatches_to_the_right_op(monkeypatch, q_inplace):
             q_inplace=inplace,
         )
 
-    monkeypatch.setattr(ops, "_rope_quantize_insert", stand_in)
+    monkeypatch.setattr(writers, "_rope_quantize_insert", stand_in)
     torch._dynamo.reset()
     q, kv = random_rows((9, 16, 512)), random_rows((9, 512))
     rest = (random_slots(9, 64), torch.randint(0, 4096, (9,)), rope_table(4096))

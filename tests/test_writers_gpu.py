@@ -18,6 +18,7 @@ import torch
 
 import nvfp4_mla
 from nvfp4_mla import abi, reference
+from nvfp4_mla.ops.writer_spec import WriterSpec
 from nvfp4_mla.testing import (
     ARG_NAMES,
     CANARY,
@@ -33,12 +34,10 @@ from nvfp4_mla.testing import (
     make_cache,
     make_inputs,
     one_kv_block,
-    planned_with_grid,
     record_offsets,
     storage_bytes,
     synchronize,
 )
-from nvfp4_mla.variant import Variant
 
 DEVICE = "cuda"
 gpu = pytest.mark.gpu  # on every test of this file but test_cpu_tensors_rejected
@@ -276,8 +275,7 @@ ONE_BLOCK_CASES = [
 def test_one_block_does_every_kv_unit(case, seed):
     """Every KV row inserted by a single block (4 units of 64 threads), whatever their number and
     however few of them are inserted."""
-    with planned_with_grid(one_kv_block):
-        check_case(case, DEVICE)
+    check_case(case, DEVICE, library=nvfp4_mla.KernelLibrary(writer_grid=one_kv_block))
 
 
 QUERY_BLOCK_CASES = [
@@ -289,9 +287,9 @@ QUERY_BLOCK_CASES = [
     Case(num_tokens=37, num_heads=16, q_head_padded=16, q_inplace=True, bad_positions=True),
 ]
 QUERY_LAYOUTS = {  # query blocks of each layout the kernel tells apart
-    "row_a_block": lambda variant, tokens: variant.q_rows(tokens),
-    "unit_a_block": lambda variant, tokens: variant.q_units(tokens),
-    "four_units_a_block": lambda variant, tokens: -(-variant.q_units(tokens) // 4),
+    "row_a_block": lambda spec, tokens: spec.q_rows(tokens),
+    "unit_a_block": lambda spec, tokens: spec.q_units(tokens),
+    "four_units_a_block": lambda spec, tokens: -(-spec.q_units(tokens) // 4),
 }
 
 
@@ -299,16 +297,15 @@ QUERY_LAYOUTS = {  # query blocks of each layout the kernel tells apart
 @cases(QUERY_BLOCK_CASES)
 @pytest.mark.parametrize("layout", QUERY_LAYOUTS)
 def test_query_block_layouts(case, seed, layout):
-    """The query's blocks do a row, a unit or 4 units each (variant.grid's choices, told apart by
+    """The query's blocks do a row, a unit or 4 units each (WriterSpec.grid's choices, told apart by
     the kernel from the number of blocks), q_out and in place alike: the same bytes every way."""
-    grid, query_blocks = Variant.grid, QUERY_LAYOUTS[layout]
+    query_blocks = QUERY_LAYOUTS[layout]
 
-    def forced(self, tokens, kv_rows, resident, sms):
-        kv_blocks, _ = grid(self, tokens, kv_rows, resident, sms)
-        return kv_blocks, kv_blocks + query_blocks(self, tokens)
+    def forced(spec: WriterSpec, tokens, kv_rows, resident, sms):
+        kv_blocks, _ = spec.grid(tokens, kv_rows, resident, sms)
+        return kv_blocks, kv_blocks + query_blocks(spec, tokens)
 
-    with planned_with_grid(forced):
-        check_case(case, DEVICE)
+    check_case(case, DEVICE, library=nvfp4_mla.KernelLibrary(writer_grid=forced))
 
 
 @gpu
@@ -448,7 +445,7 @@ def test_debug_check_env(problem, seed, monkeypatch):
     """NVFP4_MLA_CHECK=1 (docs/format.md section 5): good inputs (padding slots included) still
     match the reference; an out-of-range position or a repeated valid slot raises ValueError
     before any write. The variable is read at import; the module attribute it sets is flipped here."""
-    monkeypatch.setattr(nvfp4_mla.validation, "DEBUG_CHECKS", True)
+    monkeypatch.setattr(nvfp4_mla.config, "DEBUG_CHECKS", True)
     case = Case(num_tokens=24)
     check_case(case, DEVICE)
     inputs = make_inputs(dataclasses.replace(case, bad_slots=False), DEVICE)

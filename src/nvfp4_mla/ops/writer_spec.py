@@ -1,8 +1,9 @@
-"""The compile-time geometry of the writer kernel: one vocabulary, one named constructor per entry.
+"""The build spec of the writer kernel, ``kernels/nvfp4_mla_write.cu``: one vocabulary, one named
+constructor per entry, and the launch grid it plans.
 
-A :class:`Variant` is everything that specializes ``kernels/nvfp4_mla_write.cu`` (its ``-D``
-constants). Field names are the entries' argument names. The constructors are memoized, so the
-hot path gets the same Variant object back for the same arguments.
+A :class:`WriterSpec` is everything that specializes the kernel (its ``-D`` constants). Field
+names are the entries' argument names. The constructors are memoized, so a plan miss gets the
+same spec object back for the same arguments.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import abi
-from .jit import Template
+from .. import abi
+from ..jit import Template
 
 
 class QMode(enum.IntEnum):
@@ -37,8 +38,8 @@ WRITE_TEMPLATE = Template(
 )
 
 
-class Variant(NamedTuple):
-    """One specialization of the writer kernel. Fields an entry does not use are 0 / False."""
+class WriterSpec(NamedTuple):
+    """One build of the writer kernel. Fields an entry does not use are 0 / False."""
 
     page_size: int
     slot_int64: bool = True  # slot_mapping is int64 (else int32)
@@ -66,10 +67,10 @@ class Variant(NamedTuple):
         q_head_padded: int,
         apply_q_rope: bool,
         q_inplace: bool,
-    ) -> Variant:
+    ) -> WriterSpec:
         """``cake_dsv4_nvfp4_rope_quantize_insert`` (arguments already validated)."""
         if q_inplace and apply_q_rope:
-            return Variant(
+            return WriterSpec(
                 page_size,
                 slot_dtype is torch.int64,
                 q_mode=QMode.IN_PLACE,
@@ -78,8 +79,8 @@ class Variant(NamedTuple):
                 apply_q_rope=True,
             )
         if q_inplace or not q_head_padded:  # cache only: the KV entry with ratio 1
-            return Variant.kv(page_size, slot_dtype, 1)
-        return Variant(
+            return WriterSpec.kv(page_size, slot_dtype, 1)
+        return WriterSpec(
             page_size,
             slot_dtype is torch.int64,
             q_mode=QMode.PADDED,
@@ -90,21 +91,21 @@ class Variant(NamedTuple):
 
     @staticmethod
     @functools.cache
-    def kv(page_size: int, slot_dtype: torch.dtype, compress_ratio: int) -> Variant:
+    def kv(page_size: int, slot_dtype: torch.dtype, compress_ratio: int) -> WriterSpec:
         """``cake_dsv4_nvfp4_kv_rope_quantize_insert``."""
-        return Variant(page_size, slot_dtype is torch.int64, compress_ratio=compress_ratio)
+        return WriterSpec(page_size, slot_dtype is torch.int64, compress_ratio=compress_ratio)
 
     @staticmethod
     @functools.cache
-    def append(page_size: int, slot_dtype: torch.dtype) -> Variant:
+    def append(page_size: int, slot_dtype: torch.dtype) -> WriterSpec:
         """``nvfp4_quantize_append_sparse_mla_cache``."""
-        return Variant(page_size, slot_dtype is torch.int64, kv_rope=False)
+        return WriterSpec(page_size, slot_dtype is torch.int64, kv_rope=False)
 
     @staticmethod
     @functools.cache
-    def pack(page_size: int) -> Variant:
+    def pack(page_size: int) -> WriterSpec:
         """``nvfp4_quantize_pack_sparse_mla_cache``: row i goes to slot i."""
-        return Variant(page_size, False, identity_slots=True, kv_rope=False)
+        return WriterSpec(page_size, False, identity_slots=True, kv_rope=False)
 
     # ------------------------------------------------------------ what the kernel needs
 
@@ -164,21 +165,21 @@ class Variant(NamedTuple):
         }
 
     def describe(self) -> str:
-        """A short human-readable name, e.g. ``main page_size=64 heads 8->16 int64``."""
-        slots = "identity" if self.identity_slots else "int64" if self.slot_int64 else "int32"
+        """The kernel in words, e.g. ``writer main, page 256, 8 -> 16 heads, int64 slots``."""
+        slots = "" if self.identity_slots else f", {'int64' if self.slot_int64 else 'int32'} slots"
         if self.q_mode == QMode.PADDED:
-            rope = "" if self.apply_q_rope else " no-rope"
-            what = f"main heads {self.num_heads}->{self.q_head_padded}{rope}"
+            rope = "" if self.apply_q_rope else " (no RoPE)"
+            what = f"main, {self.num_heads} -> {self.q_head_padded} heads{rope}"
         elif self.q_mode == QMode.IN_PLACE:
-            what = f"main heads {self.num_heads} in place"
+            what = f"main, {self.num_heads} heads in place"
         elif self.identity_slots:
             what = "pack"
         elif not self.kv_rope:
             what = "append"
         else:
-            what = f"kv ratio {self.compress_ratio}"
-        extra = f" kv_rows_per_warp={self.kv_rows_per_warp}" if self.kv_rows_per_warp != 1 else ""
-        return f"{what} page_size={self.page_size} {slots}{extra}"
+            what = f"kv, compress ratio {self.compress_ratio}"
+        extra = f", {self.kv_rows_per_warp} KV rows a warp" if self.kv_rows_per_warp != 1 else ""
+        return f"writer {what}, page {self.page_size}{slots}{extra}"
 
 
 def _blocks(units: int) -> int:

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, kernel_cache, reference, validation
-from nvfp4_mla.reader import ReaderVariant
+from nvfp4_mla import abi, reference, validation
 from nvfp4_mla.testing import (
     ARG_NAMES,
     ENTRIES,
@@ -413,14 +412,3 @@ def test_validation_on_the_gpu_path():
         read(cache, pool[:32].view(torch.int64), out=pool[: 4 * 512 * 4].view(torch.float32).view(4, 512))
     with pytest.raises(ValueError, match="invalid must be a Python float"):
         read(cache, slots, invalid=torch.tensor(0.0))
-
-
-def test_kernel_resources():
-    """Every reader variant loads on this GPU with no local memory (spills)."""
-    index = torch.cuda.current_device()
-    for page_size in PAGE_SIZES:
-        for slot_dtype in (torch.int32, torch.int64, None):
-            for dtype in DTYPES:
-                variant = ReaderVariant.of(page_size, slot_dtype, dtype)
-                launcher = kernel_cache.default().launcher(index, variant)
-                assert launcher.local_size_bytes == 0, f"{variant.describe()}: {launcher.local_size_bytes} bytes"

@@ -18,7 +18,9 @@ import torch
 
 import nvfp4_mla
 import nvfp4_mla.reference.decode as exact_decode
-from nvfp4_mla import abi, decode, kernel_cache, validation
+from nvfp4_mla import abi, validation
+from nvfp4_mla.device import device_info
+from nvfp4_mla.ops import decode, decode_mma
 from nvfp4_mla.testing import dirty_allocator, make_cache
 
 pytestmark = pytest.mark.gpu
@@ -70,8 +72,9 @@ def lengths(batch, q_len, k, g):
     return torch.randint(-2, k + 3, (batch, q_len), generator=g, dtype=torch.int32).to(DEVICE)
 
 
-def run(q, pools, sm_scale=SM_SCALE, sinks=None, out=None):
-    """``nvfp4_mla.sparse_mla_decode`` on ``pools``, a list of one or two ``(Pool, slots, lens)``."""
+def run(q, pools, sm_scale=SM_SCALE, sinks=None, out=None, library=None):
+    """``nvfp4_mla.sparse_mla_decode`` on ``pools``, a list of one or two ``(Pool, slots, lens)``
+    (on ``library``: default the process's)."""
     (swa, swa_slots, swa_lens), *extra = pools
     kwargs = {}
     if extra:
@@ -80,7 +83,7 @@ def run(q, pools, sm_scale=SM_SCALE, sinks=None, out=None):
     if out is None and not torch.cuda.is_current_stream_capturing():
         dirty_allocator(q.numel() * q.element_size(), DEVICE)  # out starts as NaN bytes: a skipped element fails
     return nvfp4_mla.sparse_mla_decode(
-        q, swa.cache, swa_slots, swa_lens=swa_lens, sm_scale=sm_scale, sinks=sinks, out=out, **kwargs
+        q, swa.cache, swa_slots, swa_lens=swa_lens, sm_scale=sm_scale, sinks=sinks, out=out, library=library, **kwargs
     )
 
 
@@ -140,10 +143,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def head_tile_fits(head_tile: int) -> bool:
     """Whether this GPU gives a block the attention kernel's shared memory for ``head_tile``."""
-    from cupy.cuda import runtime
-
-    optin = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, torch.cuda.current_device())
-    return decode.shared_bytes(head_tile) <= optin
+    return decode_mma.shared_bytes(head_tile) <= device_info(torch.cuda.current_device()).shared_optin
 
 
 # ---------------------------------------------------------------- semantics
@@ -274,19 +274,15 @@ def test_decode_shapes_of_the_benchmark(seed):
 
 
 def planned(q, pools, head_tile, num_splits, sinks=None):
-    """The decode with a forced head tile and split count."""
-    rows, heads = q.shape[0] * q.shape[1], q.shape[2]
-    num_tokens = sum(slots.shape[2] for _, slots, _ in pools)
-    plan = decode.make_plan(q.get_device(), heads, rows, num_tokens, head_tile, num_splits)
-    out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-    args = [(p.cache, slots, lens, validation.check_cache(p.cache)) for p, slots, lens in pools]
-    extra = args[1] if len(args) > 1 else (None, None, None, None)
-    decode.launch(plan, q, out, lse, SM_SCALE, sinks, args[0], extra)
-    return plan, (out, lse)
+    """The decode with a forced head tile and split count, and its plan."""
+    library = nvfp4_mla.KernelLibrary(decode_head_tile=head_tile, decode_splits=num_splits)
+    widths = [slots.shape[2] for _, slots, _ in pools] + [0]
+    plan = decode.plan(library, q.get_device(), q.shape[2], q.shape[0] * q.shape[1], widths[0], widths[1])
+    return plan, run(q, pools, sinks=sinks, library=library)
 
 
 @pytest.mark.parametrize("heads", [8, 40, 64, 128])
-@pytest.mark.parametrize("head_tile", decode.HEAD_TILES)
+@pytest.mark.parametrize("head_tile", decode_mma.HEAD_TILES)
 def test_every_head_tile_and_split(seed, heads, head_tile):
     """Both epilogues (direct, and partials + combine) for each head tile, heads not a multiple of it."""
     if not head_tile_fits(head_tile):
@@ -301,7 +297,7 @@ def test_every_head_tile_and_split(seed, heads, head_tile):
     q = queries(batch, q_len, heads, g)
     sinks = torch.randn(heads, generator=g).to(DEVICE)
     want = exact(q, pools, sinks=sinks)
-    num_tiles = -(-328 // decode.BLOCK_N)  # 11: splits of 6, 3 and 1 tiles below
+    num_tiles = -(-328 // decode_mma.BLOCK_N)  # 11: splits of 6, 3 and 1 tiles below
     for num_splits in (1, 2, 4, num_tiles):
         plan, got = planned(q, pools, head_tile, num_splits, sinks)
         assert plan.num_splits == num_splits and (plan.combine is None) == (num_splits == 1)
@@ -328,8 +324,7 @@ def test_split_runs_are_bitwise_reproducible(seed):
     q = queries(1, 1, 128, g)
     sinks = torch.randn(128, generator=g).to(DEVICE)
     first = run(q, pools, sinks=sinks)
-    key = (q.get_device(), 128, 1, 128, 1024)
-    assert decode._plans[key].num_splits > 1, "batch 1 must be split across blocks"
+    assert decode.plan(nvfp4_mla.ops.DEFAULT, q.get_device(), 128, 1, 128, 1024).num_splits > 1, "batch 1 is split"
     for _ in range(3):
         again = run(q, pools, sinks=sinks)
         assert bits_equal(again[0], first[0]) and bits_equal(again[1], first[1])
@@ -396,10 +391,3 @@ def test_torch_compile_matches_eager(seed):
     compiled = torch.compile(step, fullgraph=True)
     got, want = compiled(q, pool.cache, slots), step(q, pool.cache, slots)
     assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
-
-
-def test_kernels_do_not_spill_on_this_gpu():
-    index = torch.cuda.current_device()
-    for spec in decode.ALL_SPECS:
-        launcher = kernel_cache.default().launcher(index, spec)
-        assert launcher.local_size_bytes == 0, f"{spec.describe()}: {launcher.local_size_bytes} bytes of local memory"

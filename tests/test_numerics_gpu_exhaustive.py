@@ -19,24 +19,21 @@ import re
 import pytest
 import torch
 
-from nvfp4_mla import abi, jit, ops, reference
+import nvfp4_mla
+from nvfp4_mla import abi, jit, reference
 from nvfp4_mla.testing import SPECIAL_BITS, VirtualArchKernels, check, make_cache, rope_table
 
 DEVICE = "cuda"
 PAGE_SIZE = 64
 BF16_PATTERNS = 1 << 16
 MAGNITUDES = torch.arange(0x7F81, dtype=torch.int32)  # +0 .. +inf: every non-NaN BF16 magnitude
-SM80_KERNELS = VirtualArchKernels("sm_80")
+SM80_LIBRARY = nvfp4_mla.KernelLibrary(VirtualArchKernels("sm_80"))
 
 
 @pytest.fixture(params=["native", "sm_80 PTX"])
 def kernels(request):
-    """The entries' kernels: the native ones, or sm_80's code paths JIT-compiled for this GPU."""
-    if request.param == "native":
-        yield
-        return
-    with ops.kernels_from(SM80_KERNELS):
-        yield
+    """The library the entries run on: the native kernels, or sm_80's code paths JIT-compiled for this GPU."""
+    return None if request.param == "native" else SM80_LIBRARY
 
 
 def bf16_of(bits: torch.Tensor) -> torch.Tensor:
@@ -130,7 +127,8 @@ def test_every_bf16_pattern_under_every_scale_code(seed, kernels):
     groups = torch.cat([sweep_groups(int(a)) for a in amax_for_every_code()])
     rows = rows_of_groups(groups)
     for start in range(0, rows.shape[0], 8192):  # a few calls, each checked as a whole storage
-        check("append", append_call(rows[start : start + 8192]), {}, label=f"sweep rows {start}+", ref_device=DEVICE)
+        rows_chunk = append_call(rows[start : start + 8192])
+        check("append", rows_chunk, {}, label=f"sweep rows {start}+", ref_device=DEVICE, library=kernels)
 
 
 @pytest.mark.gpu
@@ -142,7 +140,7 @@ def test_awkward_values_at_every_position(entry, seed, kernels):
     rows = rows_of_groups(groups)
     args = append_call(rows)
     if entry == "append":
-        check(entry, args, {}, label="awkward groups", ref_device=DEVICE)
+        check(entry, args, {}, label="awkward groups", ref_device=DEVICE, library=kernels)
         return
     kv, slots, cache = args
     max_position = 4096
@@ -153,14 +151,15 @@ def test_awkward_values_at_every_position(entry, seed, kernels):
         {"compress_ratio": 1},
         label="awkward groups",
         ref_device=DEVICE,
+        library=kernels,
     )
 
 
 def header_constant(name: str) -> int:
     """A ``#define`` of the numerics header as an integer."""
-    text = (jit.kernel_dir() / jit.HEADER_FILE).read_text()
+    text = jit.source(jit.NUMERICS_HEADER)
     match = re.search(rf"^#define {name} \(?(-?(?:0x[0-9A-Fa-f]+|\d+))u?\)?$", text, re.MULTILINE)
-    assert match, f"{name} not found in {jit.HEADER_FILE}"
+    assert match, f"{name} not found in {jit.NUMERICS_HEADER}"
     return int(match.group(1), 0)
 
 

@@ -14,7 +14,7 @@ per-group scales, huge, tiny down to BF16 subnormals, ...) with +-0/+-inf/NaN sp
   heads are the (rotated) query, all-NaN outside the table, and its padded heads zero bits.
 - GPU (``gpu`` marker): kernel == reference, whole storages and returned tensors byte for byte.
 
-The corpus of tests/fuzz_corpus.py runs first through both. Hypothesis keeps no database (CI is
+The corpus of tests/writers_fuzz_corpus.py runs first through both. Hypothesis keeps no database (CI is
 stateless) and draws fresh examples every run; a failure prints the falsifying example, a
 ``corpus entry`` line to paste into the corpus, and a ``@reproduce_failure`` blob.
 """
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from fuzz_corpus import CORPUS
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
+from writers_fuzz_corpus import CORPUS
 
 from nvfp4_mla import abi, reference
 from nvfp4_mla.testing import (
@@ -149,7 +149,7 @@ class FuzzCase:
         return f"{self.name or 'fuzz'}: {self.case} {drawn}"
 
     def as_dict(self) -> dict:
-        """The corpus form (tests/fuzz_corpus.py): Case fields that differ from the defaults."""
+        """The corpus form (tests/writers_fuzz_corpus.py): Case fields that differ from the defaults."""
         d = {"name": self.name or "FILL_IN", "entry": self.case.entry}
         for name, default in _CASE_FIELDS.items():
             value = getattr(self.case, name)
@@ -218,7 +218,7 @@ def fuzz_cases(draw, entry: str | None = None) -> FuzzCase:
 
 
 def apply_edits(inputs: dict, edits) -> None:
-    """Writes each ``(name, index, values)`` edit (see tests/fuzz_corpus.py) into ``inputs``."""
+    """Writes each ``(name, index, values)`` edit (see tests/writers_fuzz_corpus.py) into ``inputs``."""
     for name, index, values in edits:
         t = inputs[name]
         *lead, start = index

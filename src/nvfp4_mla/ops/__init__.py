@@ -1,0 +1,30 @@
+"""The ops on the GPU: one module per op, each its validation, planning, launch and torch custom
+ops, on a :class:`~nvfp4_mla.ops.library.KernelLibrary` (the process's by default).
+
+- :mod:`.writers` (the four writer entries; their kernel's build spec in :mod:`.writer_spec`);
+- :mod:`.reader` (``nvfp4_dequantize_sparse_mla_cache``);
+- :mod:`.decode` (``sparse_mla_decode``), its backends (:mod:`.decode_mma`, ...) and the rule
+  that picks one; what they share in :mod:`.attention`;
+- :mod:`.registry`: every op's kernels, for precompile, the CLI and CI.
+"""
+
+from .decode import sparse_mla_decode
+from .library import DEFAULT, KernelLibrary
+from .reader import nvfp4_dequantize_sparse_mla_cache
+from .writers import (
+    cake_dsv4_nvfp4_kv_rope_quantize_insert,
+    cake_dsv4_nvfp4_rope_quantize_insert,
+    nvfp4_quantize_append_sparse_mla_cache,
+    nvfp4_quantize_pack_sparse_mla_cache,
+)
+
+__all__ = [
+    "DEFAULT",
+    "KernelLibrary",
+    "cake_dsv4_nvfp4_kv_rope_quantize_insert",
+    "cake_dsv4_nvfp4_rope_quantize_insert",
+    "nvfp4_dequantize_sparse_mla_cache",
+    "nvfp4_quantize_append_sparse_mla_cache",
+    "nvfp4_quantize_pack_sparse_mla_cache",
+    "sparse_mla_decode",
+]

@@ -1,0 +1,60 @@
+"""What every backend of ``sparse_mla_decode`` shares: the attention kernels' parameters, the
+declaration of a backend, and what a backend decides for a call.
+
+An attention kernel (``nvfp4_mla_decode`` in any of its backends' files) takes the ``Params`` of
+:data:`ATTEND_PARAMS` and runs a block per (query row, head tile, split of the selected tokens),
+the head tile fastest: it writes ``out`` and ``lse`` itself without splits, else unnormalized
+fp32 partial outputs that the op's combine kernel merges in split order. A backend is one module
+that declares :class:`DecodeBackend`; ``ops.decode`` lists the backends and holds the rule that
+picks one.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+from ..device import Device
+from ..jit import KernelSpec
+from ..launch import Launcher
+
+if TYPE_CHECKING:
+    from .library import KernelLibrary
+
+# The attention kernels' Params (their static_asserts check the size): 6 pointers (q, out, lse,
+# partial_o, partial_ml, sinks), two pools (3 pointers and 5 int64 each), 3 int64 (heads, splits,
+# tiles a split) and sm_scale * log2(e) as a double.
+ATTEND_PARAMS = struct.Struct("<6Q3Q5q3Q5q3qd")
+
+
+class Attention(NamedTuple):
+    """A backend's attention kernel for a call shape on one device."""
+
+    launcher: Launcher
+    shared_bytes: int  # dynamic shared memory a launch asks for
+    head_tile: int  # heads a block
+    tile_tokens: int  # selected tokens a tile (splits are whole tiles)
+
+
+class DecodeBackend(NamedTuple):
+    """One kernel family of ``sparse_mla_decode``."""
+
+    name: str
+    min_capability: int  # the GPUs it runs on: compute capability in [min, max] (90 for sm_90)
+    max_capability: int
+    specs: Callable[[str], tuple[KernelSpec, ...]]  # every kernel it may launch on a GPU of this arch
+    # (library, device, num_heads) -> its attention kernel for a call (loaded through the library)
+    attention: Callable[[KernelLibrary, Device, int], Attention]
+
+    def supports(self, capability: int) -> bool:
+        return self.min_capability <= capability <= self.max_capability
+
+
+def arch_capability(arch: str) -> int:
+    """90 for "sm_90" or "sm_90a"."""
+    match = re.fullmatch(r"sm_(\d+)[af]?", arch)
+    if match is None:
+        raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
+    return int(match.group(1))

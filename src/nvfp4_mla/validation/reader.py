@@ -1,0 +1,78 @@
+"""Argument checks of the reader, ``nvfp4_dequantize_sparse_mla_cache`` (docs/format.md section 8)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import abi
+from .common import (
+    SLOT_DTYPES,
+    CacheLayout,
+    cache_extent,
+    check_aligned,
+    check_cache,
+    check_device,
+    check_disjoint,
+    check_mutable,
+    check_tensors,
+    extent,
+    fail,
+)
+
+READ_DTYPES = (torch.float32, torch.bfloat16)  # what the reader returns
+
+
+def check_read_dtype(dtype: object) -> None:
+    """The reader's output dtype (also what precompile's Geometry("read") checks)."""
+    if dtype not in READ_DTYPES:
+        fail(f"dtype must be torch.float32 or torch.bfloat16 (both hold every value exactly), got {dtype!r}")
+
+
+def check_dequantize(
+    cache: torch.Tensor,
+    slots: torch.Tensor | None,
+    dtype: object,
+    invalid: object,
+    out: torch.Tensor | None,
+    need_cuda: bool,
+) -> CacheLayout:
+    """``nvfp4_dequantize_sparse_mla_cache``. Its output is ``slots.shape + (512,)``, or
+    ``[num_pages * page_size, 512]`` for ``slots=None``."""
+    layout = check_cache(cache)  # checks that it is a tensor
+    tensors, names = [cache], ["cache"]
+    if slots is None:
+        out_shape: tuple[int, ...] = (layout.num_pages * layout.page_size, abi.HEAD_DIM)
+    else:
+        if not isinstance(slots, torch.Tensor):  # on every decode step: the loop only when it fails
+            check_tensors((slots,), ("slots",))
+        if slots.dtype not in SLOT_DTYPES:
+            fail(f"slots must have dtype torch.int32 or torch.int64, got {slots.dtype}")
+        if not slots.is_contiguous():
+            fail("slots must be contiguous (pass slots.contiguous())")
+        tensors.append(slots)
+        names.append("slots")
+        out_shape = (*slots.shape, abi.HEAD_DIM)
+    check_read_dtype(dtype)
+    if type(invalid) not in (float, int):
+        fail(f"invalid must be a Python float (the value of the rows of invalid slots), got {invalid!r}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            check_tensors((out,), ("out",))
+        if out.dtype != dtype:
+            fail(f"out must have the dtype asked for ({dtype}), got {out.dtype}")
+        if tuple(out.shape) != out_shape:
+            fail(f"out must be slots.shape + (512,) = {list(out_shape)}, got {list(out.shape)}")
+        if not out.is_contiguous():
+            fail("out must be contiguous")
+        check_mutable(out, "out")
+        tensors.append(out)
+        names.append("out")
+    check_device(tuple(tensors), tuple(names), need_cuda)
+    check_aligned((cache,) if out is None else (cache, out), ("cache", "out"))
+    if out is not None:
+        written = extent(out)
+        check_disjoint(written, "out", tuple(tensors[1:-1]), tuple(names[1:-1]))
+        cache_lo, cache_hi = cache_extent(cache, layout)
+        if written[0] < written[1] and cache_lo < written[1] and written[0] < cache_hi:
+            fail("cache overlaps out in memory: the call writes out; pass separate tensors")
+    return layout
