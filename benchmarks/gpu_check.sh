@@ -4,14 +4,14 @@
 # proof that memcheck sees a seeded out-of-bounds write, the soak and the benchmarks. Runs from
 # the source tree with $GPU_PYTHON (default python3, which must have torch and CuPy); full logs
 # under $OUT (default ./gpu-logs); a short table last. Exits non-zero when any step fails.
-#   STEPS="pytest sanitizers oob soak bench host reader decode profile"  (default: all but profile); TESTS: test
+#   STEPS="pytest cache sanitizers oob soak bench host reader decode profile"  (default: all but profile); TESTS: test
 #   paths (default tests); STEP_TIMEOUT: seconds a step may take (default 900); PROFILES: ';'-separated
 #   benchmarks/ncu_driver.py shapes that the profile step runs under ncu (log: $OUT/ncu.log)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PYTHON:-python3}
 OUT=${OUT:-gpu-logs}
-STEPS=${STEPS:-pytest sanitizers oob soak bench host reader decode}  # profile: on request
+STEPS=${STEPS:-pytest cache sanitizers oob soak bench host reader decode}  # profile: on request
 mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 export NVFP4_MLA_CACHE_DIR=${NVFP4_MLA_CACHE_DIR:-$(mktemp -d)}
@@ -32,6 +32,9 @@ wants() { [[ " $STEPS " == *" $1 "* ]]; }
 
 $PY -c 'import torch, cupy; print(torch.cuda.get_device_name(), "torch", torch.__version__, "cupy", cupy.__version__, "nvrtc", cupy.cuda.nvrtc.getVersion())'
 wants pytest && step pytest "$OUT/pytest.log" 0 $PY -m pytest -q -rs -m gpu -p no:cacheprovider ${TESTS:-tests} ${PYTEST_ARGS:-}
+# The kernel cache's CPU tests with this machine's NVRTC (its cubins' ELF layout), other users included.
+wants cache && step cache "$OUT/cache.log" 0 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cache.py \
+    tests/test_cache_files.py
 if wants sanitizers; then
     for tool in memcheck racecheck initcheck; do
         step "$tool" "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
@@ -42,8 +45,10 @@ if wants sanitizers; then  # the reader and the attention kernel: invalid slots,
     step memcheck-rd "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
         --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_reader_gpu.py tests/test_decode_gpu.py \
         -k "invalid or lonely or nan or two_pools or random or split"
-    step racecheck-d "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck \
-        --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_decode_gpu.py -k "lonely or two_pools"
+    for tool in racecheck synccheck; do  # the Hopper kernel's mbarriers and named barriers too
+        step "$tool-d" "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" \
+            --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_decode_gpu.py -k "lonely or two_pools"
+    done
 fi
 # The seeded out-of-bounds write must be reported (exit 9), else the sanitizer step proves nothing.
 wants oob && step seeded-oob "$OUT/seeded_oob.log" 9 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \

@@ -31,33 +31,7 @@
 //
 // -D constants: HEAD_TILE (16, 32 or 64), DIM_SPLIT, BLOCK_N, SMEM_BYTES (the host's count of the
 // shared layout below, checked), COMBINE; THREADS and the record ABI come from jit.py/abi.py.
-#include "nvfp4_numerics.cuh"
-
-typedef unsigned long long u64;
-
-#define LN2 0.693147180559945309f
-
-// 2^x, fp32 (ex2.approx: about 2 ulp; 2^-inf = +0).
-__device__ __forceinline__ float exp2_approx(float x) {
-    float r;
-    asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
-
-__device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
-__device__ __forceinline__ float pos_inf() { return __uint_as_float(0x7f800000u); }
-
-// The natural-log LSE of a row from its running max m (log2 units) and sum l of 2^(s - m): +inf
-// for a lonely row (l == 0: the row's max token alone adds 1 to l).
-__device__ __forceinline__ float row_lse(float m, float l) { return l == 0.0f ? pos_inf() : (m + log2f(l)) * LN2; }
-
-// The factor of a row's unnormalized output: 1 / l times the sink factor 1 / (1 + e^(sink - lse));
-// 0 for a lonely row.
-__device__ __forceinline__ float output_factor(float l, float lse, const float* sinks, i64 head) {
-    if (l == 0.0f) return 0.0f;
-    const float inv_l = 1.0f / l;
-    return sinks ? inv_l / (1.0f + expf(sinks[head] - lse)) : inv_l;
-}
+#include "nvfp4_mla_decode.cuh"
 
 #if !COMBINE
 
@@ -75,10 +49,6 @@ constexpr int RECORD = DATA_BYTES + SCALE_BYTES; // 384
 constexpr int RECORD_CHUNKS = RECORD / 16;
 constexpr int DATA_CHUNKS = DATA_BYTES / 16;
 constexpr int NOPE_CHUNKS = NOPE_DIM / 8;        // 16-byte chunks (8 BF16) of a row's NoPE dims
-// The online softmax moves a row's base only when its max grew by more than this (log2 units), so
-// the output is rescaled a few times a row instead of at most tiles: p stays below 2^8, far from
-// fp32 or BF16 overflow.
-constexpr float RESCALE_SLACK = 8.0f;
 // Blocks an SM should hold: 128 registers a thread with 4 warps a row block (64 accumulators),
 // up to 255 with 2 (128 accumulators).
 constexpr int MIN_BLOCKS = 1;
@@ -106,33 +76,8 @@ constexpr int SM_SCALES = SM_LIVE + 16;                // u32 [256]: e4m3_bf16x2
 static_assert(SM_SCALES + 256 * 4 == SMEM_BYTES, "shared layout must match decode.shared_bytes");
 static_assert(SM_RAW % 16 == 0 && SM_X % 16 == 0 && SM_TOKEN % 16 == 0, "16-byte aligned regions");
 
-struct Pool {             // one cache and its slot table; k == 0: no such pool
-    const u8* cache;      // page 0
-    const void* slots;    // [rows, k] int32 or int64
-    const int* lens;      // [rows] or null (every entry counts)
-    i64 page_stride;      // bytes
-    i64 page_size;
-    i64 capacity;         // num_pages * page_size: valid slots are [0, capacity)
-    i64 k;
-    i64 slot_int64;
-};
-
-struct Params {  // 8-byte fields only: packed on the host with one struct format
-    const u16* q;         // BF16 [rows, num_heads, 512]
-    u32* out;             // BF16 [rows, num_heads, 512] (no splits)
-    float* lse;           // [rows, num_heads] (no splits)
-    float* partial_o;     // [rows, num_heads, num_splits, 512] (splits)
-    float* partial_ml;    // [rows, num_heads, num_splits, 2]: m, l (splits)
-    const float* sinks;   // [num_heads] or null
-    Pool swa, extra;
-    i64 num_heads;
-    i64 num_splits;
-    i64 tiles_per_split;
-    double score_scale;   // sm_scale * log2(e)
-};
-static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's struct format (decode.ATTEND_PARAMS)");
-
-__device__ __forceinline__ u32 shared_address(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+using Params = AttendParams;
+static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's struct format (attention.ATTEND_PARAMS)");
 
 __device__ __forceinline__ void ldmatrix_x4(u32 address, u32 (&r)[4]) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -166,13 +111,6 @@ __device__ __forceinline__ void named_barrier(int id, int count) {
 // first tile of a split included (splits may begin on an odd tile). The record addresses need one
 // buffer: only the copies read them, between the barriers that follow their writes.
 __device__ __forceinline__ int parity(int tile) { return tile & 1; }
-
-// Live entries of a row of a pool's table: lens clamped to [0, k], or k without lens.
-__device__ __forceinline__ i64 live_count(const int* lens, i64 k, i64 row) {
-    if (k == 0 || lens == nullptr) return k;
-    const i64 n = lens[row];
-    return n < 0 ? 0 : (n > k ? k : n);
-}
 
 // Token `lane` of `tile` (a thread of warp 0), two tiles ahead: starts the copy of its slot into
 // the tile's half of `slot_words` (-1 when the entry is past its table's live count: then its slot

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, jit, kernel_cache, ops, reference, validation
+from nvfp4_mla import abi, jit, kernel_cache, kernel_file, ops, reference, validation
 from nvfp4_mla.bench import grid, run, stub
 from nvfp4_mla.bench.arms import Entries
 from nvfp4_mla.bench.grid import Row
@@ -113,7 +113,7 @@ def test_stub_kernels_compile_with_their_own_key(nvrtc, arch):
         assert stub_key != shipped_key and jit.kernel_key(variant, arch, {jit.NUMERICS_HEADER: HEADER}) == shipped_key
         result = jit.compile_kernel(variant, arch, sources={jit.NUMERICS_HEADER: stubbed})
         assert result.cubin[:4] == b"\x7fELF" and result.spill_bytes == 0, variant
-        assert jit.proof(stub_key) in result.cubin and jit.proof(shipped_key) not in result.cubin
+        assert kernel_file.proof(stub_key) in result.cubin and kernel_file.proof(shipped_key) not in result.cubin
         assert result.cubin != jit.compile_kernel(variant, arch).cubin
     # The shipped source is untouched: the file, jit's copy and the shipped keys.
     assert stub.shipped_header() == HEADER == (jit.kernel_dir() / jit.NUMERICS_HEADER).read_text()
@@ -126,7 +126,8 @@ def test_stub_kernel_cache_compiles_in_memory_only(nvrtc, tmp_path, monkeypatch)
     assert cache.layers == []
     cubin, where = cache.build(VARIANTS[2], "sm_90")
     assert (
-        where is None and jit.proof(jit.kernel_key(VARIANTS[2], "sm_90", {jit.NUMERICS_HEADER: cache.header})) in cubin
+        where is None
+        and kernel_file.proof(jit.kernel_key(VARIANTS[2], "sm_90", {jit.NUMERICS_HEADER: cache.header})) in cubin
     )
     assert list(tmp_path.iterdir()) == []  # nothing written, not even the user's default directory
     with pytest.raises(kernel_cache.CacheError, match="kept in memory"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -24,8 +25,9 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from nvfp4_mla import Geometry, jit, kernel_cache, launch, precompile
-from nvfp4_mla.device import Device
+import nvfp4_mla
+from nvfp4_mla import Geometry, jit, kernel_cache, kernel_file, launch, precompile
+from nvfp4_mla.device import Device, device_info
 from nvfp4_mla.ops import decode
 from nvfp4_mla.ops.writer_spec import WriterSpec
 
@@ -67,7 +69,8 @@ def build(layers, spec=SPEC):
 
 
 def proves(data: bytes, spec, arch: str = ARCH) -> bool:
-    return f"nvfp4_mla-key:{jit.kernel_key(spec, arch)}".encode() in data
+    """Whether ``data`` holds the whole proof of ``spec``'s key, NUL-terminated as compiled in."""
+    return f"nvfp4_mla-key:{jit.kernel_key(spec, arch)}\0".encode() in data
 
 
 def test_second_lookup_reuses_the_file(kdir, compiles):
@@ -80,31 +83,169 @@ def test_second_lookup_reuses_the_file(kdir, compiles):
     assert len(compiles) == 2 and len(list(kdir.glob("*.cubin"))) == 2
 
 
-def test_kernel_of_another_geometry_under_this_name_is_refused(kdir, compiles):
-    """The planted file is a valid kernel with the right name (no hash in the name to match)."""
-    _, path, _ = build([kdir])
-    other, _, _ = build([kdir], OTHER)
-    path.write_bytes(other)
+def _planted(kind: str, spec=SPEC, other_spec=OTHER, arch: str = ARCH) -> bytes:
+    """The bytes of a damaged or foreign file put under ``spec``'s name (issue 24's audit and more);
+    ``other_spec`` is another kernel of the same family."""
+    key, other_key = jit.kernel_key(spec, arch), jit.kernel_key(other_spec, arch)
+    good = kernel_file.pack(jit.compile_kernel(spec, arch).cubin, key, arch)
+    other = jit.compile_kernel(other_spec, arch).cubin
+    if kind == "cut 512":
+        return good[:-512]
+    if kind == "cut to 4 KiB":
+        return good[: (len(good) - 1) // 4096 * 4096]
+    if kind == "appended":
+        return good + b"\0" * 4096
+    if kind == "key only":
+        return kernel_file.proof(key)
+    if kind == "other kernel":
+        return kernel_file.pack(other, other_key, arch)
+    if kind == "other + key":  # the audit's wrong kernel that ran: another cubin, this key appended
+        return kernel_file.pack(other + kernel_file.proof(key) + b"\0", key, arch)
+    if kind == "sm_80 build":
+        return kernel_file.pack(jit.compile_kernel(spec, "sm_80", key).cubin, key, arch)
+    if kind == "key's other half":  # the file name holds key[:32]: the proof must be the whole key
+        twin = key[:32] + "0" * 32
+        return kernel_file.pack(jit.compile_kernel(spec, arch, twin).cubin, key, arch)
+    if kind == "renamed kernel":  # passes every file check; the driver finds no such kernel
+        source = jit.source(spec.template.file)
+        renamed = source.replace(f" {spec.template.function}(", f" {spec.template.function}_x(")
+        return kernel_file.pack(jit.compile_kernel(spec, arch, key, {spec.template.file: renamed}).cubin, key, arch)
+    if kind == "flipped byte":
+        flipped = bytearray(good)
+        flipped[len(good) // 3] ^= 0x10
+        return bytes(flipped)
+    return b""
+
+
+DAMAGE = {
+    "cut 512": "cut or extended",
+    "cut to 4 KiB": "cut or extended",
+    "appended": "cut or extended",
+    "key only": "cut or extended",
+    "other kernel": "packed for key",
+    "other + key": "the key is not inside a loaded section",
+    "sm_80 build": "built for sm_80, not sm_90",
+    "key's other half": "the key is not inside a loaded section",
+    "flipped byte": "digest mismatch",
+    "empty": "empty file",
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_or_foreign_file_is_refused_rebuilt_then_hit(kdir, compiles, kind):
+    """Each damaged or planted file, in a trusted directory under the right name, is refused with
+    one warning naming the file and the reason, compiled afresh, and the next run is a hit."""
+    path = kdir / kernel_cache.KernelCache.file_name(jit.kernel_key(SPEC, ARCH), ARCH)
+    path.write_bytes(_planted(kind))
+    planted = len(compiles)
     data, rebuilt, caught = build([kdir])
-    assert any("not this key's kernel" in w for w in caught), caught
-    assert proves(data, SPEC) and not proves(data, OTHER) and rebuilt == path
-    assert proves(path.read_bytes(), SPEC) and len(compiles) == 3
+    assert [w for w in caught if str(path) in w and DAMAGE[kind] in w], caught
+    assert proves(data, SPEC) and rebuilt == path and len(compiles) == planted + 1
+    assert build([kdir]) == (data, path, []) and len(compiles) == planted + 1  # a hit, no warning
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip-key", "empty"])
-def test_damaged_file_is_refused_and_rebuilt(kdir, compiles, damage):
-    _, path, _ = build([kdir])
-    data = bytearray(path.read_bytes())
-    if damage == "truncate":
-        del data[len(data) // 2 :]
-    elif damage == "flip-key":
-        at = bytes(data).index(b"nvfp4_mla-key:") + 20
-        data[at] ^= 0x01
-    else:
-        data.clear()
-    path.write_bytes(bytes(data))
-    rebuilt, _, caught = build([kdir])
-    assert any("refused" in w for w in caught) and proves(rebuilt, SPEC) and len(compiles) == 2
+def test_the_file_is_the_whole_cubin_then_its_trailer(kdir):
+    data, path, _ = build([kdir])
+    on_disk = path.read_bytes()
+    assert on_disk.startswith(data) and kernel_file.unpack(on_disk, jit.kernel_key(SPEC, ARCH), ARCH) == data
+
+
+def test_files_of_the_former_format_are_never_looked_up(kdir, compiles):
+    key = jit.kernel_key(SPEC, ARCH)
+    (kdir / f"{ARCH}-{key[:32]}.cubin").write_bytes(b"a short cubin of an older version")
+    _, path, caught = build([kdir])
+    assert caught == [] and path.name.endswith(f".v{kernel_file.FORMAT_VERSION}.cubin") and len(compiles) == 1
+
+
+def test_a_fifo_or_a_device_node_is_refused_without_reading(kdir, compiles):
+    """Opened without blocking and refused by its type (the size cap would also say no; the
+    reason names the type)."""
+    path = kdir / kernel_cache.KernelCache.file_name(jit.kernel_key(SPEC, ARCH), ARCH)
+    os.mkfifo(path)
+    _, rebuilt, caught = build([kdir])
+    assert any("not a regular file" in w for w in caught) and rebuilt == path
+    assert not stat.S_ISFIFO(path.stat().st_mode)
+    if os.geteuid() == 0:
+        path.unlink()
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero: would read forever
+        _, _, caught = build([kdir])
+        assert any("not a regular file" in w for w in caught)
+
+
+def test_a_huge_sparse_file_is_refused_by_its_size(kdir, compiles):
+    path = kdir / kernel_cache.KernelCache.file_name(jit.kernel_key(SPEC, ARCH), ARCH)
+    with path.open("wb") as f:
+        f.truncate(6 << 30)  # 6 GiB, sparse
+    _, _, caught = build([kdir])
+    assert any("over the 16 MiB cap" in w for w in caught)
+
+
+def test_a_lock_file_planted_as_a_symlink_is_not_followed(kdir, tmp_path, compiles):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    name = kernel_cache.KernelCache.file_name(jit.kernel_key(SPEC, ARCH), ARCH)
+    (kdir / (name + kernel_cache.LOCK_SUFFIX)).symlink_to(victim)
+    data, path, caught = build([kdir])
+    assert path is None and proves(data, SPEC) and any("kept in memory" in w for w in caught)
+    assert victim.read_bytes() == b"precious"
+
+
+def test_a_symlinked_layer_of_another_user_is_refused(tmp_path, compiles):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a link of another user")
+    mine, planted = tmp_path / "mine", tmp_path / "planted"
+    build([mine])
+    planted.symlink_to(mine)
+    os.chown(planted, NOBODY, NOBODY, follow_symlinks=False)
+    _, path, caught = build([planted, tmp_path / "own"])
+    assert any("symbolic link owned by uid" in w for w in caught) and path.parent == tmp_path / "own"
+
+
+def test_the_driver_refusing_a_cached_image_is_a_miss(kdir, compiles, monkeypatch):
+    """A load failure (an image the driver will not take) warns once, compiles afresh over the
+    file and carries on; a kernel compiled just now and still refused is an error."""
+    loads: list = []
+
+    class Loaded(NamedTuple):
+        data: bytes
+        template: jit.Template
+        device: Device
+
+    def load(data, template, device):
+        loads.append(data)
+        if len(loads) == 1:
+            raise launch.LoadError("CUDA_ERROR_INVALID_IMAGE: device kernel image is invalid")
+        return Loaded(data, template, device)
+
+    build([kdir])  # a file the (stand-in) driver will refuse once
+    monkeypatch.setattr(kernel_cache, "Launcher", load)
+    monkeypatch.setattr(kernel_cache, "device_info", lambda index: Device(index, 90, 132, 232_448))
+    cache = kernel_cache.KernelCache([kdir])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = cache.launcher(0, SPEC)
+    assert any("refused by the driver (CUDA_ERROR_INVALID_IMAGE" in str(w.message) for w in caught)
+    assert len(loads) == 2 and len(compiles) == 2 and proves(loaded.data, SPEC)
+
+    def refuse(*args):
+        raise launch.LoadError("still refused")
+
+    monkeypatch.setattr(kernel_cache, "Launcher", refuse)
+    with warnings.catch_warnings(record=True), pytest.raises(launch.LoadError, match="still refused"):
+        warnings.simplefilter("always")
+        kernel_cache.KernelCache([kdir]).launcher(0, OTHER)
+
+
+def test_stale_temp_files_of_ours_are_removed_and_no_others(kdir, compiles):
+    ours, fresh = kdir / f"{kernel_cache.TEMP_PREFIX}old.tmp", kdir / f"{kernel_cache.TEMP_PREFIX}new.tmp"
+    theirs = kdir / "tmpold.tmp"
+    for path in (ours, fresh, theirs):
+        path.write_bytes(b"half")
+    old = time.time() - 2 * kernel_cache.STALE_TEMP_SECONDS
+    for path in (ours, theirs):
+        os.utime(path, (old, old))
+    build([kdir])
+    assert not ours.exists() and fresh.exists() and theirs.exists()
 
 
 def test_symlink_and_directory_with_a_cubins_name_are_misses(kdir, tmp_path, compiles):
@@ -192,16 +333,6 @@ def test_no_writable_directory_compiles_in_memory_with_one_warning(tmp_path, com
     assert set(Path(tempfile.gettempdir()).glob("nvfp4_mla-[!t]*")) == before  # no temp dirs
 
 
-def test_stale_temp_files_are_removed(kdir, compiles):
-    stale, fresh = kdir / "tmpold.tmp", kdir / "tmpnew.tmp"
-    stale.write_bytes(b"half")
-    fresh.write_bytes(b"in flight")
-    old = time.time() - 2 * kernel_cache.STALE_TEMP_SECONDS
-    os.utime(stale, (old, old))
-    build([kdir])
-    assert not stale.exists() and fresh.exists()
-
-
 def test_precompile_into_an_unusable_directory_raises_naming_it(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
@@ -231,9 +362,10 @@ def test_precompile_builds_the_reader_and_decode_kernels(kdir):
         directory=kdir,
     )
     specs = (*Geometry("read", 16, slot_dtype=None, dtype=torch.bfloat16).specs(ARCH), *decode.specs(ARCH))
-    assert len(built) == len(specs) == 5
+    assert len(built) == len(specs) == 6  # the reader, three mma.sync head tiles, the sm_90a wgmma kernel, the combine
+    assert [b.arch for b in built] == ["sm_90"] * 4 + ["sm_90a", "sm_90"]
     for b, spec in zip(built, specs):
-        assert b.path is not None and proves(b.path.read_bytes(), spec)
+        assert b.path is not None and proves(b.path.read_bytes(), spec, b.arch)
 
 
 def test_precompile_without_arch_or_gpu_says_to_pass_arch(kdir, monkeypatch):
@@ -317,11 +449,14 @@ _CHILD = textwrap.dedent(
 )
 
 
+SOURCE_ROOT = str(Path(nvfp4_mla.__file__).resolve().parents[1])
+
+
 def child(env: dict, go: str = "", user: int | None = None) -> subprocess.Popen:
     prefix = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user is not None else []
     return subprocess.Popen(
         [*prefix, sys.executable, "-c", _CHILD, go],
-        env={**os.environ, **env},
+        env={**os.environ, "PYTHONPATH": SOURCE_ROOT, **env},  # cwd is /: the package by its absolute path
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -381,9 +516,16 @@ def shared_tmp():
 
 
 def test_read_only_precompiled_set_serves_another_user_with_zero_compiles(shared_tmp):
+    """precompile(directory=D) makes D readable by others (0755, whatever the umask) and leaves no
+    lock file in it; read-only, it serves another user with zero compiles."""
     base, nobody_home = shared_tmp
     image = base / "image"
-    precompile([Geometry("main", 16, 8, 16, slot_dtype=torch.int32)], arch=ARCH, directory=image)
+    old = os.umask(0o077)
+    try:
+        precompile([Geometry("main", 16, 8, 16, slot_dtype=torch.int32)], arch=ARCH, directory=image)
+    finally:
+        os.umask(old)
+    assert image.stat().st_mode & 0o777 == 0o755 and [p.suffix for p in image.iterdir()] == [".cubin"]
     image.chmod(0o555)
     tmp = base / "tmp"
     tmp.mkdir()
@@ -411,7 +553,8 @@ def test_missing_cupy_names_the_fix(monkeypatch):
     modules = sys.modules
     for name in [m for m in modules if m == "cupy" or m.startswith("cupy.")] + ["cupy"]:
         monkeypatch.setitem(modules, name, None)  # importing CuPy now fails
-    monkeypatch.setattr(jit, "_nvrtc_identity", None)
+    jit.nvrtc_identity.cache_clear()
+    jit._libnvrtc.cache_clear()
     with pytest.raises(RuntimeError, match=r"need CuPy: install CuPy .*\.\[cu12\]"):
         launch.Launcher(b"", SPEC.template, Device(0, 90, 132, 232_448))
     with pytest.raises(RuntimeError, match=r"NVRTC is not available: install"):
@@ -427,7 +570,8 @@ def test_key_changes_with_everything_that_shapes_the_kernel(monkeypatch, part):
     elif part == "header":
         sources = {jit.NUMERICS_HEADER: jit.source(jit.NUMERICS_HEADER) + "\n// edit"}
     elif part == "nvrtc":
-        monkeypatch.setattr(jit, "_nvrtc_identity", jit.nvrtc_identity() + " patched")
+        patched = jit.nvrtc_identity() + " patched"
+        monkeypatch.setattr(jit, "nvrtc_identity", lambda: patched)
     spec = SPEC._replace(kv_rows_per_warp=2) if part == "options" else SPEC
     assert jit.kernel_key(spec, "sm_80" if part == "arch" else ARCH, sources) != before
 
@@ -512,3 +656,96 @@ class _Pinned(_Row):
 
     def defines(self) -> dict[str, int]:
         return SPEC.defines()
+
+
+def test_a_layer_the_user_cannot_enter_is_skipped(shared_tmp):
+    """A 0700 directory of root as the first layer: skipped with a warning naming it, never a
+    crash, and the kernel compiles into the user's own layer."""
+    base, nobody_home = shared_tmp
+    locked = base / "locked"
+    precompile([Geometry("main", 16, 8, 16, slot_dtype=torch.int32)], arch=ARCH, directory=locked)
+    locked.chmod(0o700)
+    env = {"NVFP4_MLA_CACHE_DIR": str(locked), "HOME": str(nobody_home), "XDG_CACHE_HOME": str(nobody_home / "xdg")}
+    got = result(child(env, user=NOBODY))
+    assert got["compiles"] == 1 and got["path"].startswith(str(nobody_home)), got
+    assert any(f"kernel cache {locked} ignored: it cannot be opened (Permission denied)" in w for w in got["warnings"])
+
+
+@root_only
+def test_the_group_opt_in_trusts_only_this_users_groups(tmp_path, compiles, monkeypatch):
+    """NVFP4_MLA_CACHE_TRUST_GROUP=1: a group-writable directory is trusted only when its group is
+    one of this user's; another user's file only when its group is one of this user's and it sits
+    in such a directory."""
+    mine = os.getegid()
+    foreign = next(g for g in (NOBODY, 65533, 12345) if g not in os.getgroups() and g != mine)
+    monkeypatch.setenv("NVFP4_MLA_CACHE_TRUST_GROUP", "1")
+    shared = tmp_path / "shared"
+    _, path, _ = build([shared])
+    assert path is not None
+    shared.chmod(0o770)
+    os.chown(shared, -1, foreign)
+    _, elsewhere, caught = build([shared, tmp_path / "own"])
+    assert any(f"writable by its group, gid {foreign} (not one of this user's groups)" in w for w in caught)
+    assert elsewhere is not None and elsewhere.parent == tmp_path / "own"
+    os.chown(shared, -1, mine)
+    os.chown(path, NOBODY, mine)  # another member's file, in the group's directory: trusted
+    assert build([shared])[1:] == (path, []) and len(compiles) == 2
+    os.chown(path, NOBODY, foreign)  # a file of a group not ours
+    _, _, caught = build([shared])
+    assert any(f"owned by uid {NOBODY}" in w for w in caught) and len(compiles) == 3
+    private = tmp_path / "private"
+    _, own_file, _ = build([private])
+    assert own_file is not None
+    os.chown(own_file, NOBODY, mine)  # another user's file in a directory that is not the group's
+    _, _, caught = build([private])
+    assert any(f"owned by uid {NOBODY}" in w for w in caught)
+
+
+def test_an_unusable_home_names_itself_and_the_fix(shared_tmp):
+    """CuPy creates ~/.cupy when it is imported: with HOME=/ that fails, and the message says so."""
+    base, _ = shared_tmp
+    env = {"HOME": "/", "XDG_CACHE_HOME": "", "NVFP4_MLA_CACHE_DIR": str(base / "none"), "PATH": os.environ["PATH"]}
+    code = "from nvfp4_mla import Geometry, precompile\nprecompile([Geometry('kv', 16)], arch='sm_90')"
+    prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    done = subprocess.run([*prefix, sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd="/")
+    assert done.returncode != 0 and "CUPY_CACHE_DIR" in done.stderr.splitlines()[-1], done.stderr
+
+
+# ---------------------------------------------------------------- the load path (GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [*DAMAGE, "renamed kernel"])
+def test_damaged_files_on_the_load_path(tmp_path, monkeypatch, kind):
+    """Each damaged file under the right name, in a trusted directory, on a real entry call: one
+    warning naming the file, one compile, the reference's bytes; a new process's cache then loads
+    it with no compile. The renamed kernel passes every file check and the driver refuses it (a
+    load failure is a miss too)."""
+    from nvfp4_mla import reference
+    from nvfp4_mla.testing import make_cache, random_rows, random_slots
+
+    arch = device_info(torch.cuda.current_device()).arch
+    spec, other = WriterSpec.append(16, torch.int32), WriterSpec.append(32, torch.int32)
+    kdir = tmp_path / "kernels"
+    kdir.mkdir(mode=0o700)
+    path = kdir / kernel_cache.KernelCache.file_name(jit.kernel_key(spec, arch), arch)
+    path.write_bytes(_planted(kind, spec, other, arch))
+    compiled: list = []
+    real = jit.compile_kernel
+    monkeypatch.setattr(jit, "compile_kernel", lambda s, a, k=None: compiled.append(s) or real(s, a, k))
+    rows, slots = random_rows((5, 512), "cuda"), random_slots(5, 32, torch.int32).cuda()
+    want = make_cache(2, 16)
+    reference.nvfp4_quantize_append_sparse_mla_cache(rows.cpu(), slots.cpu(), want)
+    for expected in (1, 0):  # a miss with one warning, then (a new process's cache) a hit
+        cache = make_cache(2, 16, device="cuda")
+        library = nvfp4_mla.KernelLibrary(kernel_cache.KernelCache([kdir]))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            nvfp4_mla.nvfp4_quantize_append_sparse_mla_cache(rows, slots, cache, library=library)
+        assert torch.equal(cache.cpu(), want) and len(compiled) == expected, (kind, expected, compiled)
+        refusals = [str(w.message) for w in caught if str(path) in str(w.message)]
+        assert len(refusals) == expected, (kind, refusals)
+        if expected:
+            driver = "refused by the driver" in refusals[0]
+            assert driver == (kind == "renamed kernel"), refusals
+        compiled.clear()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, gpu_unavailable_reason, reference
+from nvfp4_mla import abi, gpu_unavailable_reason, kernel_file, reference
 from nvfp4_mla.cli import SIGPIPE_EXIT, format_record, main
 from nvfp4_mla.testing import CANARY, make_cache, random_rows, rope_table
 
@@ -55,18 +55,26 @@ def test_info(capsys):
     assert (f"GPU entries unavailable: {why_not}." in out) if why_not else ("unavailable" not in out)
 
 
-def test_info_lists_cache_layers(tmp_path):
-    (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / "sm_90-abc.cubin").write_bytes(b"x" * 100)
-    done = run_module("info", env=cache_env(tmp_path), capture_output=True)
+def test_info_lists_cache_layers_and_why_each_is_used_or_not(tmp_path):
+    (tmp_path / "kernels").mkdir(mode=0o700)
+    (tmp_path / "kernels" / f"sm_90-abc.v{kernel_file.FORMAT_VERSION}.cubin").write_bytes(b"x" * 100)
+    (tmp_path / "kernels" / "sm_90-old.cubin").write_bytes(b"x" * 50)
+    refused = tmp_path / "everyone"
+    refused.mkdir()
+    refused.chmod(0o777)
+    env = {**cache_env(tmp_path), "NVFP4_MLA_CACHE_DIR": f"{refused}:{tmp_path / 'kernels'}"}
+    done = run_module("info", env=env, capture_output=True)
     assert done.returncode == 0, done.stderr
     layers = done.stdout.split("kernel cache")[1].splitlines()[1:]
     assert layers == [
+        f"  {refused}",
+        "    refused: it is writable by others: not used",
         f"  {tmp_path / 'kernels'}",
+        "    trusted; 1 kernel of an older format, never used (delete them)",
         "    1 kernel, 100 B",
         "    sm_90: 1 kernel, 100 B",
         f"  {tmp_path / 'xdg' / 'nvfp4_mla'}",
-        "    empty (not created yet)",
+        "    not created yet",
     ]
 
 
@@ -214,7 +222,7 @@ def test_precompile(capsys, tmp_path):
     assert main(argv) == 0  # already there: same files, nothing new
     assert sorted(target.glob("*.cubin")) == cubins
     info = run_module("info", env={"NVFP4_MLA_CACHE_DIR": str(target)}, capture_output=True)
-    assert "sm_80: 4 kernels" in info.stdout
+    assert "sm_80: 4 kernels" in info.stdout and "    trusted" in info.stdout
 
 
 def test_precompile_counts_unique_kernels(tmp_path):
@@ -233,12 +241,13 @@ def test_precompile_counts_unique_kernels(tmp_path):
 
 def test_precompile_reader_and_decode_kernels(tmp_path):
     """--read builds the reader for both output dtypes, --decode every kernel of sparse_mla_decode
-    (three head tiles and the split combine)."""
+    for the arch (three mma.sync head tiles, the wgmma kernel built for sm_90a, the split combine)."""
     argv = ["precompile", "--page-size", "16", "--read", "--decode", "--arch", "sm_90", "--cache-dir", str(tmp_path)]
     done = run_module(*argv, env=cache_env(tmp_path / "unused"), capture_output=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == f"6 kernels ready in {tmp_path}"
-    assert len(list(tmp_path.glob("*.cubin"))) == 6
+    assert done.stdout.splitlines()[-1] == f"7 kernels ready in {tmp_path}"
+    assert len(list(tmp_path.glob("*.cubin"))) == 7 and len(list(tmp_path.glob("sm_90a-*.cubin"))) == 1
+    assert list(tmp_path.glob("*.lock")) == []  # an image directory holds kernels only
 
 
 def test_precompile_cache_dir_unusable(capsys, tmp_path):

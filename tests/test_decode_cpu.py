@@ -8,7 +8,7 @@ import torch
 import nvfp4_mla
 from nvfp4_mla import abi, jit, launch, reference
 from nvfp4_mla.device import Device
-from nvfp4_mla.ops import decode, decode_mma
+from nvfp4_mla.ops import decode, decode_mma, decode_sm90
 from nvfp4_mla.testing import make_cache
 
 BF16 = torch.bfloat16
@@ -21,9 +21,11 @@ SM80_SHARED_OPTIN = 166_912
 
 
 def test_specs_and_names():
-    specs = decode.specs("sm_90")
+    specs = decode.specs("sm_80")
     assert {s.head_tile for s in specs if isinstance(s, decode_mma.MmaAttentionSpec)} == set(decode_mma.HEAD_TILES)
     assert specs[-1] == decode.CombineSpec.of() and len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 1
+    assert set(decode.specs("sm_90")) == {*specs, decode_sm90.WgmmaAttentionSpec.of()}  # the Hopper kernel too
+    assert decode_sm90.WgmmaAttentionSpec.of().template.arch == "sm_90a"
     assert decode_mma.MmaAttentionSpec.of(32) is decode_mma.MmaAttentionSpec.of(32)  # memoized: the plans' keys
     assert decode_mma.MmaAttentionSpec.of(32).describe() == "decode attention (mma.sync), 32 heads a block"
     assert decode.CombineSpec.of().template.function == "nvfp4_mla_decode_combine"
@@ -42,20 +44,31 @@ FAKE_GPUS = {  # capability -> a Device as the planners see it (SMs, shared-memo
 
 
 @pytest.mark.parametrize("capability", FAKE_GPUS)
-@pytest.mark.parametrize("heads", [16, 64, 128])
-def test_selection_rule(capability, heads):
-    """The backend of every GPU and head count (today the mma.sync kernel everywhere), and only
-    backends that support the GPU are chosen or compiled for it."""
+@pytest.mark.parametrize("heads", [16, 32, 33, 64, 128])
+@pytest.mark.parametrize("rows", [1, 7, 8, 256])
+def test_selection_rule(capability, heads, rows):
+    """By architecture, then shape: the wgmma kernel on sm_90 from 33 heads and 8 query rows, the
+    mma.sync kernel everywhere else; only backends that support the GPU are compiled for it."""
     gpu = FAKE_GPUS[capability]
-    assert decode.select_backend(gpu, heads).name == "mma_sync"
+    wgmma = capability == 90 and heads >= 33 and rows >= 8
+    assert decode.select_backend(gpu, heads, rows).name == ("wgmma_sm90" if wgmma else "mma_sync")
+    assert decode.BACKENDS["wgmma_sm90"].supports(gpu.capability) == (capability == 90)
     for spec in decode.specs(gpu.arch):
         assert jit.target_arch(spec, gpu.arch).startswith(gpu.arch)
 
 
-def test_a_forced_backend_must_exist_and_support_the_gpu():
+def test_a_forced_backend_must_exist_and_support_the_gpu(monkeypatch):
     library = nvfp4_mla.KernelLibrary(decode_backend="no_such_backend")
     with pytest.raises(ValueError, match="decode backend 'no_such_backend' is not one of"):
         decode.plan(library, 0, 16, 1, 32, 0)
+    monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[80])
+    with pytest.raises(ValueError, match="decode backend 'wgmma_sm90' does not run on sm_80"):
+        decode.plan(nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90"), 0, 64, 1, 32, 0)
+
+
+def test_the_wgmma_kernel_fits_the_hopper_block():
+    assert decode_sm90.shared_bytes() == 232_032 <= FAKE_GPUS[90].shared_optin
+    assert decode_sm90.WgmmaAttentionSpec.of().template.threads == 384
 
 
 def test_shared_memory_fits_every_gpu_it_is_chosen_for():
@@ -171,6 +184,45 @@ def test_out_is_validated(seed):
     for out, match in cases:
         with pytest.raises(ValueError, match=match):
             nvfp4_mla.sparse_mla_decode(q, swa_cache, swa_slots, out=out, **args)
+
+
+def test_out_shares_no_memory_with_any_input(seed):
+    """An out that overlaps a slot table, the lengths or the sinks is refused before anything is
+    written (on the CPU it would overwrite them; on a GPU it would race)."""
+    args = inputs(torch.Generator().manual_seed(seed))
+    q, swa_cache = args.pop("q"), args.pop("swa_cache")
+    size = q.numel() * 2
+    for name in ("swa_slots", "swa_lens", "extra_slots", "sinks"):
+        pool = torch.zeros(size + 4096, dtype=torch.uint8)  # out and the input, one storage
+        given = args[name]
+        inside = pool[: given.nbytes].view(given.dtype).view(given.shape)
+        inside.copy_(given)
+        before = inside.clone()
+        out = pool[:size].view(BF16).view(q.shape)
+        call = {**args, name: inside}
+        swa_slots = call.pop("swa_slots")
+        with pytest.raises(ValueError, match=f"{name} overlaps out"):
+            nvfp4_mla.sparse_mla_decode(q, swa_cache, swa_slots, out=out, **call)
+        assert torch.equal(inside, before)
+
+
+@pytest.mark.parametrize("sm_scale", [10**400, float("inf"), True, "0.04", None])
+def test_sm_scale_must_be_a_finite_real(seed, sm_scale):
+    args = inputs(torch.Generator().manual_seed(seed))
+    q, swa_cache, swa_slots = args.pop("q"), args.pop("swa_cache"), args.pop("swa_slots")
+    args["sm_scale"] = sm_scale
+    with pytest.raises(ValueError, match="sm_scale must be a finite real number"):
+        nvfp4_mla.sparse_mla_decode(q, swa_cache, swa_slots, **args)
+
+
+def test_sm_scale_takes_numpy_floats(seed):
+    np = pytest.importorskip("numpy")
+    args = inputs(torch.Generator().manual_seed(seed))
+    q, swa_cache, swa_slots = args.pop("q"), args.pop("swa_cache"), args.pop("swa_slots")
+    want = nvfp4_mla.sparse_mla_decode(q, swa_cache, swa_slots, **{**args, "sm_scale": 0.25})
+    for scale in (np.float32(0.25), np.float64(0.25), 1 / 4):
+        got = nvfp4_mla.sparse_mla_decode(q, swa_cache, swa_slots, **{**args, "sm_scale": scale})
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
 
 
 # ---------------------------------------------------------------- custom op

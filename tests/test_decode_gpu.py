@@ -6,7 +6,9 @@ exactly 0 and +inf. Every check prints its measured maxima (``pytest -s`` shows 
 names the worst element. Cases: every mask kind, one and two pools, sinks, lonely rows, every
 head count, q_len 1 and > 1, int32/int64 slots, page sizes and layouts, NaN records at masked
 positions, every head tile and split (both epilogues), determinism, CUDA graphs, ``out=``,
-torch.compile.
+torch.compile. The semantic and execution tests run on every backend of this GPU (``backend``:
+the default library, whose rule picks by architecture and shape, and a library that forces each
+backend of this GPU: the mma.sync kernel, and on sm_90 the Hopper wgmma kernel).
 """
 
 from __future__ import annotations
@@ -61,6 +63,21 @@ class Pool:
         page, entry = divmod(slot, data.shape[1])
         scales[page, entry, : abi.NUM_GROUPS] = 0x7F
         data[page, entry, abi.NOPE_BYTES :] = 0xFF
+
+
+def _backends_here() -> list[str]:
+    """The backends of this GPU (none without a GPU)."""
+    if nvfp4_mla.gpu_unavailable_reason() is not None:
+        return []
+    capability = device_info(torch.cuda.current_device()).capability
+    return [name for name, b in decode.BACKENDS.items() if b.supports(capability)]
+
+
+@pytest.fixture(params=["default", *_backends_here()])
+def backend(request) -> nvfp4_mla.KernelLibrary | None:
+    """The library of a decode call: the default one (the selection rule's choice), or one
+    forcing each backend of this GPU."""
+    return None if request.param == "default" else nvfp4_mla.KernelLibrary(decode_backend=request.param)
 
 
 def queries(batch, q_len, heads, g):
@@ -151,12 +168,12 @@ def head_tile_fits(head_tile: int) -> bool:
 
 @pytest.mark.parametrize("q_len", [1, 3])
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
-def test_every_head_count_one_pool(seed, heads, q_len):
+def test_every_head_count_one_pool(backend, seed, heads, q_len):
     g = torch.Generator().manual_seed(seed)
     pool = Pool(32, 64, g)
     q = queries(2, q_len, heads, g)
     pools = [(pool, pool.slots((2, q_len, 100), g), None)]  # 100: a partial last tile
-    check(run(q, pools), exact(q, pools), f"heads {heads} q_len {q_len}")
+    check(run(q, pools, library=backend), exact(q, pools), f"heads {heads} q_len {q_len}")
 
 
 @pytest.mark.parametrize("heads", [16, 64])
@@ -169,7 +186,7 @@ def test_every_head_count_one_pool(seed, heads, q_len):
     ],
     ids=["64+2", "256+16", "1+64"],
 )
-def test_two_pools_every_mask_kind_and_sinks(seed, heads, swa_geometry, extra_geometry):
+def test_two_pools_every_mask_kind_and_sinks(backend, seed, heads, swa_geometry, extra_geometry):
     """Invalid slots (-1, negative, at and past the capacity, int32 extremes), lengths below 0, 0,
     inside and above k, two pools of different page sizes, layouts and slot dtypes, sinks."""
     g = torch.Generator().manual_seed(seed)
@@ -180,21 +197,25 @@ def test_two_pools_every_mask_kind_and_sinks(seed, heads, swa_geometry, extra_ge
         pools.append((pool, pool.slots((batch, q_len, k), g, dtype, invalid=0.2), lengths(batch, q_len, k, g)))
     q = queries(batch, q_len, heads, g)
     sinks = (torch.randn(heads, generator=g) * 3).to(DEVICE)
-    check(run(q, pools, sinks=sinks), exact(q, pools, sinks=sinks), f"two pools heads {heads}, sinks")
-    check(run(q, pools), exact(q, pools), f"two pools heads {heads}")
-    check(run(q, pools[:1], sinks=sinks), exact(q, pools[:1], sinks=sinks), f"swa only heads {heads}, sinks")
+    check(run(q, pools, sinks=sinks, library=backend), exact(q, pools, sinks=sinks), f"two pools heads {heads}, sinks")
+    check(run(q, pools, library=backend), exact(q, pools), f"two pools heads {heads}")
+    check(
+        run(q, pools[:1], sinks=sinks, library=backend),
+        exact(q, pools[:1], sinks=sinks),
+        f"swa only heads {heads}, sinks",
+    )
 
 
 @pytest.mark.parametrize("sm_scale", [SM_SCALE, 0.5, 2e-3])
-def test_peaked_and_flat_softmax(seed, sm_scale):
+def test_peaked_and_flat_softmax(backend, seed, sm_scale):
     g = torch.Generator().manual_seed(seed)
     pool = Pool(16, 64, g)
     q = queries(2, 2, 32, g)
     pools = [(pool, pool.slots((2, 2, 512), g, invalid=0.1), None)]
-    check(run(q, pools, sm_scale), exact(q, pools, sm_scale), f"sm_scale {sm_scale}")
+    check(run(q, pools, sm_scale, library=backend), exact(q, pools, sm_scale), f"sm_scale {sm_scale}")
 
 
-def test_lonely_rows(seed):
+def test_lonely_rows(backend, seed):
     """Rows with nothing live: lengths 0 in both pools, every slot invalid, an empty window with
     a live extra pool (not lonely), with and without sinks."""
     g = torch.Generator().manual_seed(seed)
@@ -212,7 +233,7 @@ def test_lonely_rows(seed):
     q = queries(batch, q_len, heads, g)
     sinks = torch.randn(heads, generator=g).to(DEVICE)
     for s in (None, sinks):
-        got = run(q, pools, sinks=s)
+        got = run(q, pools, sinks=s, library=backend)
         check(got, exact(q, pools, sinks=s), f"lonely rows, sinks {s is not None}")
         for b, i in ((0, 0), (1, 1)):
             assert torch.equal(got[0][b, i], torch.zeros_like(got[0][b, i])), f"row {(b, i)} must be exactly 0"
@@ -220,16 +241,16 @@ def test_lonely_rows(seed):
         assert torch.isfinite(got[1][2:]).all()
 
 
-def test_a_table_of_nothing_but_invalid_slots(seed):
+def test_a_table_of_nothing_but_invalid_slots(backend, seed):
     g = torch.Generator().manual_seed(seed)
     pool = Pool(4, 64, g)
     q = queries(2, 3, 64, g)
     for slots in (torch.full((2, 3, 200), -1), torch.randint(pool.capacity, 2**62, (2, 3, 200), generator=g)):
-        out, lse = run(q, [(pool, slots.to(DEVICE), None)])
+        out, lse = run(q, [(pool, slots.to(DEVICE), None)], library=backend)
         assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, torch.full_like(lse, math.inf))
 
 
-def test_nan_records_in_masked_positions_do_not_leak(seed):
+def test_nan_records_in_masked_positions_do_not_leak(backend, seed):
     """Entries past lens point at records whose scales and RoPE values are NaN: never read."""
     g = torch.Generator().manual_seed(seed)
     poisoned = 64
@@ -247,16 +268,16 @@ def test_nan_records_in_masked_positions_do_not_leak(seed):
         pools.append((pool, slots, lens.to(DEVICE)))
     q = queries(batch, q_len, heads, g)
     sinks = torch.randn(heads, generator=g).to(DEVICE)
-    out, lse = got = run(q, pools, sinks=sinks)
+    out, lse = got = run(q, pools, sinks=sinks, library=backend)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     check(got, exact(q, pools, sinks=sinks), "NaN records past lens")
     # the same records at live positions do reach the output (so the records really are NaN)
     (pool, slots, lens), _ = pools
-    out, _ = run(q, [(pool, slots, None)])
+    out, _ = run(q, [(pool, slots, None)], library=backend)
     assert torch.isnan(out).any()
 
 
-def test_decode_shapes_of_the_benchmark(seed):
+def test_decode_shapes_of_the_benchmark(backend, seed):
     """128 window + 1024 compressed selections, 128 heads, q_len 2, with lengths."""
     g = torch.Generator().manual_seed(seed)
     swa, extra = Pool(64, 64, g), Pool(256, 64, g)
@@ -267,7 +288,7 @@ def test_decode_shapes_of_the_benchmark(seed):
     ]
     q = queries(batch, q_len, heads, g)
     sinks = torch.randn(heads, generator=g).to(DEVICE)
-    check(run(q, pools, sinks=sinks), exact(q, pools, sinks=sinks), "benchmark shape")
+    check(run(q, pools, sinks=sinks, library=backend), exact(q, pools, sinks=sinks), "benchmark shape")
 
 
 # ---------------------------------------------------------------- head tiles and splits
@@ -317,39 +338,63 @@ def test_the_most_splits_the_combine_takes(seed):
         check(got, want, f"{forced} splits asked")
 
 
-def test_split_runs_are_bitwise_reproducible(seed):
+def test_split_runs_are_bitwise_reproducible(backend, seed):
     g = torch.Generator().manual_seed(seed)
     swa, extra = Pool(16, 64, g), Pool(64, 64, g)
     pools = [(swa, swa.slots((1, 1, 128), g), None), (extra, extra.slots((1, 1, 1024), g, invalid=0.05), None)]
     q = queries(1, 1, 128, g)
     sinks = torch.randn(128, generator=g).to(DEVICE)
-    first = run(q, pools, sinks=sinks)
-    assert decode.plan(nvfp4_mla.ops.DEFAULT, q.get_device(), 128, 1, 128, 1024).num_splits > 1, "batch 1 is split"
+    first = run(q, pools, sinks=sinks, library=backend)
+    library = nvfp4_mla.ops.DEFAULT if backend is None else backend
+    assert decode.plan(library, q.get_device(), 128, 1, 128, 1024).num_splits > 1, "batch 1 is split"
     for _ in range(3):
-        again = run(q, pools, sinks=sinks)
+        again = run(q, pools, sinks=sinks, library=backend)
         assert bits_equal(again[0], first[0]) and bits_equal(again[1], first[1])
     check(first, exact(q, pools, sinks=sinks), "batch 1 split")
+
+
+@pytest.mark.parametrize("heads", [16, 64, 100, 128])
+def test_every_backend_with_every_split(seed, heads):
+    """Each backend of this GPU, forced, over 1 to many splits (both epilogues), heads that do not
+    fill its head tile, both pools with lengths and invalid slots."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(16, 64, g), Pool(16, 16, g)
+    batch, q_len = 2, 2
+    pools = [
+        (swa, swa.slots((batch, q_len, 128), g, invalid=0.1), lengths(batch, q_len, 128, g)),
+        (extra, extra.slots((batch, q_len, 300), g, torch.int32, invalid=0.1), None),
+    ]
+    q = queries(batch, q_len, heads, g)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    want = exact(q, pools, sinks=sinks)
+    gpu = device_info(q.get_device())
+    for name in [n for n, b in decode.BACKENDS.items() if b.supports(gpu.capability)]:
+        for num_splits in (1, 2, 3, 7):
+            library = nvfp4_mla.KernelLibrary(decode_backend=name, decode_splits=num_splits)
+            plan = decode.plan(library, q.get_device(), heads, batch * q_len, 128, 300)
+            assert plan.backend == name and (plan.combine is None) == (plan.num_splits == 1)
+            check(run(q, pools, sinks=sinks, library=library), want, f"{name}, heads {heads}, {num_splits} splits")
 
 
 # ---------------------------------------------------------------- execution contract
 
 
-def test_out_argument(seed):
+def test_out_argument(backend, seed):
     g = torch.Generator().manual_seed(seed)
     pool = Pool(8, 64, g)
     q = queries(2, 2, 16, g)
     pools = [(pool, pool.slots((2, 2, 70), g, invalid=0.2), lengths(2, 2, 70, g))]
-    want = run(q, pools)
+    want = run(q, pools, library=backend)
     out = torch.full_like(q, math.nan)
-    got = run(q, pools, out=out)
+    got = run(q, pools, out=out, library=backend)
     assert got[0] is out and bits_equal(out, want[0]) and bits_equal(got[1], want[1])
     with pytest.raises(ValueError, match="q overlaps out"):
-        run(q, pools, out=q)
+        run(q, pools, out=q, library=backend)
     with pytest.raises(ValueError, match=r"out must have dtype torch\.bfloat16"):
-        run(q, pools, out=out.float())
+        run(q, pools, out=out.float(), library=backend)
 
 
-def test_graph_replay(seed):
+def test_graph_replay(backend, seed):
     """Captured once, replayed on new contents of the same tensors: the eager call's bits."""
     g = torch.Generator().manual_seed(seed)
     swa, extra = Pool(16, 64, g), Pool(16, 16, g)
@@ -359,19 +404,19 @@ def test_graph_replay(seed):
     swa_lens = lengths(batch, q_len, 128, g)
     sinks = torch.randn(heads, generator=g).to(DEVICE)
     pools = [(swa, swa_slots, swa_lens), (extra, extra_slots, None)]
-    run(q, pools, sinks=sinks)  # compile and plan outside the capture
+    run(q, pools, sinks=sinks, library=backend)  # compile and plan outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        captured = run(q, pools, sinks=sinks)
+        captured = run(q, pools, sinks=sinks, library=backend)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(2):
         q.copy_(queries(batch, q_len, heads, g))
         swa_slots.copy_(swa.slots((batch, q_len, 128), g, invalid=0.2))
         swa_lens.copy_(lengths(batch, q_len, 128, g))
         graph.replay()
-        want = run(q, pools, sinks=sinks)
+        want = run(q, pools, sinks=sinks, library=backend)
         torch.cuda.synchronize()
         assert bits_equal(captured[0], want[0]) and bits_equal(captured[1], want[1])
         check(captured, exact(q, pools, sinks=sinks), "graph replay")

@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import torch
 
-from . import __version__, abi, jit, kernel_cache, reference, validation
+from . import __version__, abi, jit, kernel_cache, kernel_file, reference, validation
 from .device import device_info, gpu_unavailable_reason
 from .ops import decode, nvfp4_dequantize_sparse_mla_cache, registry
 from .records import format_record
@@ -69,27 +69,34 @@ def _kernels(n: int) -> str:
     return f"{n} kernel" + ("s" if n != 1 else "")
 
 
-def cache_summary(directory: Path) -> list[str]:
-    """Lines describing the cubins in ``directory`` (named ``<arch>-<key>-<hash>.cubin``), by arch.
+def cache_summary(directory: Path, status: str) -> list[str]:
+    """Lines describing a kernel cache layer: whether it is used (``status``, from
+    ``KernelCache.layer_status``) and, when trusted, its kernels by architecture.
 
     Parameters
     ----------
     directory : Path
         A kernel cache directory; it need not exist.
+    status : str
+        "trusted", "not created yet" or "refused: <reason>".
 
     Returns
     -------
     list of str
-        Lines indented by 4: the total, then one line per architecture.
+        Lines indented by 4: the status, the total, then one line per architecture.
     """
-    files = sorted(directory.glob("*.cubin")) if directory.is_dir() else []
+    if status != "trusted":
+        return [f"    {status}" + (": not used" if status.startswith("refused") else "")]
+    files = sorted(directory.glob(f"*.v{kernel_file.FORMAT_VERSION}.cubin"))
+    stale = len(list(directory.glob("*.cubin"))) - len(files)
+    lines = ["    trusted" + (f"; {_kernels(stale)} of an older format, never used (delete them)" if stale else "")]
     if not files:
-        return ["    empty" + ("" if directory.is_dir() else " (not created yet)")]
+        return [*lines, "    empty"]
     by_arch: dict[str, list[int]] = {}
     for f in files:
         by_arch.setdefault(f.name.split("-", 1)[0], []).append(f.stat().st_size)
     total = sum(sum(sizes) for sizes in by_arch.values())
-    lines = [f"    {_kernels(len(files))}, {_size(total)}"]
+    lines.append(f"    {_kernels(len(files))}, {_size(total)}")
     lines += [f"    {arch}: {_kernels(len(sizes))}, {_size(sum(sizes))}" for arch, sizes in sorted(by_arch.items())]
     return lines
 
@@ -113,9 +120,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         )
         print(f"          backend {backend.name}: sm_{backend.min_capability}{top or '+'}{here}")
     print("kernel cache, searched in order (NVFP4_MLA_CACHE_DIR, then the per-user default):")
-    for directory in kernel_cache.default().layers:
+    cache = kernel_cache.default()
+    for directory in cache.layers:
         print(f"  {directory}")
-        print("\n".join(cache_summary(directory)))
+        print("\n".join(cache_summary(directory, cache.layer_status(directory))))
     return 0
 
 
@@ -191,7 +199,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     # Different requests can share a kernel (the main entry without q_out is the KV entry with
     # ratio 1): each kernel is built and counted once per architecture.
     try:  # argument errors before any compile
-        jobs = list({(a, g.specs(a)): (a, g) for a in archs for g in geometries}.values())
+        jobs = list({(a, *((type(s), s) for s in g.specs(a))): (a, g) for a in archs for g in geometries}.values())
     except ValueError as exc:
         parser.error(str(exc))
     labels = [f"{arch}: {', '.join(s.describe() for s in g.specs(arch))}" for arch, g in jobs]

@@ -60,6 +60,8 @@ def install_hint(extra: str = "cu12") -> str:
     return f"pip install -e '.[{extra}]'" if _from_checkout() else f"pip install 'nvfp4-mla[{extra}]'"
 
 
-def cupy_fix() -> str:
-    """How to get CuPy and NVRTC, for error messages."""
+def cupy_fix(exc: BaseException | None = None) -> str:
+    """What to do when CuPy or NVRTC cannot be used (``exc``: what importing or calling it raised)."""
+    if isinstance(exc, OSError):  # CuPy is there but cannot create its cache directory (~/.cupy)
+        return "CuPy cannot create its cache directory: set CUPY_CACHE_DIR to a directory you can write, or HOME"
     return f"install CuPy and NVRTC for your CUDA: {install_hint('cu12')} (or [cu13] for a CUDA 13 driver)"

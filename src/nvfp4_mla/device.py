@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from . import config
+
 MIN_CAPABILITY = 80  # sm_80 (Ampere): the oldest GPU the kernels support
 
 
@@ -74,6 +76,6 @@ def gpu_unavailable_reason(device_index: int | None = None) -> str | None:
         import cupy
 
         cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # CuPy missing, or its CUDA runtime unusable
-        return f"CuPy cannot reach the GPU: {exc}"
+    except Exception as exc:  # CuPy missing, unable to start, or its CUDA runtime unusable
+        return f"CuPy cannot reach the GPU: {exc} ({config.cupy_fix(exc)})"
     return None

@@ -101,7 +101,7 @@ def precompile(
         gpu_arch = device_info(index).arch
     else:
         gpu_arch = jit.check_arch(arch)
-    specs = list(dict.fromkeys(s for g in requests for s in g.specs(gpu_arch)))
+    specs = jit.unique(s for g in requests for s in g.specs(gpu_arch))
     built = []
     for spec in specs:
         build_arch = jit.target_arch(spec, gpu_arch)

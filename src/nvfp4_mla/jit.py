@@ -1,28 +1,30 @@
 """Run-time compilation of the kernel templates in ``kernels/`` with NVRTC (no GPU needed).
 
 A *spec* (:class:`KernelSpec`: the writer's ``WriterSpec``, say) names a :class:`Template` and its
-``-D`` constants. :func:`compile_kernel` builds it for one architecture into a cubin that carries
-its own full key (:func:`kernel_key`) as a string constant: the proof that
-:mod:`nvfp4_mla.kernel_cache` checks before it runs a file. :mod:`nvfp4_mla.launch` loads and
+``-D`` constants. :func:`compile_kernel` builds it for one architecture into a whole cubin that carries its own full
+key (:func:`kernel_key`) as a string constant, the proof that :mod:`nvfp4_mla.kernel_file` checks
+before the cache runs a file. :mod:`nvfp4_mla.launch` loads and
 launches it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import os
 import re
 import struct
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from . import abi, config
+from . import abi, config, kernel_file
 from .device import MIN_CAPABILITY
 
 NUMERICS_HEADER = "nvfp4_numerics.cuh"
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")  # the architectures CI compiles for
-_KEY_PREFIX = "nvfp4_mla-key:"  # followed by the 64 hex digits of the key, inside the cubin
 
 
 class Template(NamedTuple):
@@ -54,6 +56,12 @@ class KernelSpec(Protocol):
 def target_arch(spec: KernelSpec, arch: str) -> str:
     """The architecture ``spec`` compiles for on a GPU (or a precompile request) of ``arch``."""
     return spec.template.arch or arch
+
+
+def unique(specs: Iterable[KernelSpec]) -> list[KernelSpec]:
+    """``specs`` in order, each once, told apart by type as well as fields (NamedTuple specs of two
+    kernel families compare equal when their fields do)."""
+    return [spec for _, spec in dict.fromkeys((type(spec), spec) for spec in specs)]
 
 
 class CompileResult(NamedTuple):
@@ -89,30 +97,72 @@ def _nvrtc() -> Any:
 
         nvrtc.getVersion()
     except Exception as exc:  # CuPy missing, or libnvrtc not found
-        raise RuntimeError(f"NVRTC is not available: {config.cupy_fix()} ({exc})") from exc
+        raise RuntimeError(f"NVRTC is not available: {config.cupy_fix(exc)} ({exc})") from exc
     return nvrtc
 
 
-_nvrtc_identity: str | None = None
+_LIBNVRTC = re.compile(r"/libnvrtc(\.alt)?\.so[.\d]*$")  # not libnvrtc-builtins
 
 
+@functools.cache
+def _libnvrtc() -> tuple[ctypes.CDLL, str]:
+    """The libnvrtc CuPy's binding uses, and its path: the mapped one of CuPy's NVRTC version,
+    opened with RTLD_NOLOAD so that it is the very library already loaded, never a second copy."""
+    version = tuple(_nvrtc().getVersion())  # makes CuPy load its libnvrtc if it has not yet
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split(maxsplit=5)[-1].strip() for line in maps if _LIBNVRTC.search(line.strip())})
+    except OSError:  # not Linux
+        paths = []
+    found: dict[str, ctypes.CDLL] = {}
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+        except OSError:  # unmapped since
+            continue
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        if lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0 and (major.value, minor.value) == version:
+            found[os.path.realpath(path)] = lib
+    pathfinder = sys.modules.get("cuda.pathfinder")  # CuPy 14 loads libnvrtc through its cached call
+    if len(found) > 1 and pathfinder is not None:
+        try:
+            chosen = os.path.realpath(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path or "")
+        except Exception:  # not how this CuPy found it: the ambiguity stands
+            chosen = ""
+        found = {p: lib for p, lib in found.items() if p == chosen}
+    if len(found) != 1:
+        raise RuntimeError(
+            f"cannot tell which libnvrtc CuPy's NVRTC {version[0]}.{version[1]} uses "
+            f"(loaded libnvrtc files: {', '.join(paths) or 'none found in /proc/self/maps'})"
+        )
+    path, lib = next(iter(found.items()))
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib, path
+
+
+@functools.cache
 def nvrtc_identity() -> str:
     """NVRTC's version with its patch level: major.minor, plus the loaded library file's path,
-    size and modification time (a patch upgrade replaces the file), where the OS shows it."""
-    global _nvrtc_identity
-    if _nvrtc_identity is None:
-        major, minor = _nvrtc().getVersion()
-        files = []
-        try:
-            with open("/proc/self/maps") as maps:
-                paths = {line.split()[-1] for line in maps if "libnvrtc" in line and "/" in line}
-            for path in sorted(paths):
-                st = os.stat(path)
-                files.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
-        except OSError:  # no /proc (not Linux): the version alone
-            pass
-        _nvrtc_identity = " ".join([f"{major}.{minor}", *files])
-    return _nvrtc_identity
+    size and modification time (a patch upgrade replaces the file)."""
+    major, minor = _nvrtc().getVersion()
+    path = _libnvrtc()[1]
+    st = os.stat(path)
+    return f"{major}.{minor} {path}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def whole_cubin(program: int) -> bytes:
+    """NVRTC's complete cubin of a compiled program: ``nvrtcGetCUBINSize`` bytes, copied on CuPy's
+    program handle through CuPy's own libnvrtc (CuPy's ``getCUBIN`` drops the last byte)."""
+    lib = _libnvrtc()[0]
+    handle, size = ctypes.c_void_p(program), ctypes.c_size_t()
+    if rc := lib.nvrtcGetCUBINSize(handle, ctypes.byref(size)):
+        raise RuntimeError(f"nvrtcGetCUBINSize failed: {lib.nvrtcGetErrorString(rc).decode()}")
+    if size.value == 0:
+        raise RuntimeError("NVRTC holds no cubin for this program (compiled for a virtual architecture?)")
+    buffer = ctypes.create_string_buffer(size.value)
+    if rc := lib.nvrtcGetCUBIN(handle, buffer):
+        raise RuntimeError(f"nvrtcGetCUBIN failed: {lib.nvrtcGetErrorString(rc).decode()}")
+    return buffer.raw
 
 
 # The record ABI, defined in Python once and handed to every kernel.
@@ -169,18 +219,13 @@ def kernel_key(spec: KernelSpec, arch: str, sources: Mapping[str, str] | None = 
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def proof(key: str) -> bytes:
-    """What a cubin of ``key`` carries."""
-    return (_KEY_PREFIX + key).encode()
-
-
 def _run_nvrtc(
     spec: KernelSpec, gpu_architecture: str, key: str, sources: Mapping[str, str] | None, ptx: bool
 ) -> tuple[bytes, str]:
     """NVRTC's output (a cubin, or PTX when ``ptx``) and log for one spec."""
     nvrtc = _nvrtc()
     (name, text), *headers = _texts(spec, sources)
-    options = [*_options(spec, gpu_architecture), f'-DNVFP4_MLA_KEY="{_KEY_PREFIX}{key}"']
+    options = [*_options(spec, gpu_architecture), f'-DNVFP4_MLA_KEY="{kernel_file.KEY_PREFIX}{key}"']
     program = nvrtc.createProgram(text, name, [h.encode() for _, h in headers], [n.encode() for n, _ in headers])
     try:
         try:
@@ -188,8 +233,10 @@ def _run_nvrtc(
         except nvrtc.NVRTCError as exc:
             log_text = nvrtc.getProgramLog(program)
             raise RuntimeError(f"NVRTC failed for {spec.describe()} on {gpu_architecture}:\n{log_text}") from exc
-        output = nvrtc.getPTX(program) if ptx else nvrtc.getCUBIN(program)
-        return (output.encode() if isinstance(output, str) else output), nvrtc.getProgramLog(program)
+        if not ptx:
+            return whole_cubin(program), nvrtc.getProgramLog(program)
+        text = nvrtc.getPTX(program)
+        return (text.encode() if isinstance(text, str) else text), nvrtc.getProgramLog(program)
     finally:
         nvrtc.destroyProgram(program)
 
@@ -217,6 +264,7 @@ def compile_kernel(
     check_arch(arch)
     key = kernel_key(spec, arch, sources) if key is None else key
     cubin, report = _run_nvrtc(spec, arch, key, sources, ptx=False)
+    kernel_file.check_cubin(cubin, key, arch)  # what the cache will demand of the file: fail here, loudly
 
     def number(pattern: str) -> int:
         return sum(int(x) for x in re.findall(pattern, report))

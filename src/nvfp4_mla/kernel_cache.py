@@ -1,42 +1,179 @@
 """The cache of compiled kernels: trusted layers on disk, one compile per key, loaded kernels.
 
-It only runs what it built for that key (docs/format.md section 11): the directory and the file
-must be owned by this user or root and writable by nobody else, and the cubin must carry its own
-full key, compiled into it as a string constant. Anything else is a miss with a warning, never a
-crash. Calls after the first do one dict lookup.
+It runs only what it built for that key (docs/format.md section 11, which states the threat
+model): a file is used when its directory and itself pass the ownership rules (:func:`distrust`)
+and its bytes pass :func:`nvfp4_mla.kernel_file.unpack` (a whole cubin for this architecture, this
+key's proof inside its loaded image, a digest over every byte). Every operation on a directory goes
+through one opened descriptor, so a swap of the path after the check changes nothing. Anything
+else, the driver's refusal of an image included, is a miss with one warning that names the file
+and the reason, and the kernel is compiled afresh: never a crash. Calls after the first do one dict
+lookup.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
+import secrets
 import stat
-import tempfile
 import threading
 import time
 import warnings
 from pathlib import Path
 
-from . import config, jit
+from . import config, jit, kernel_file
 from .device import device_info
-from .launch import Launcher
+from .launch import Launcher, LoadError
 
-STALE_TEMP_SECONDS = 3600  # a temp file this old was left by a killed process
+STALE_TEMP_SECONDS = 3600  # a temp file of ours this old was left by a killed process
+TEMP_PREFIX = ".nvfp4_mla-"  # the library's temp files: .nvfp4_mla-<random>.tmp; cleanup touches no other
+LOCK_SUFFIX = ".lock"
+PRIVATE_MODE = 0o700  # the per-user cache: nobody else reads it
+IMAGE_MODE = 0o755  # precompile's directory: other users of the image read it, only its owner writes
 
 
 class CacheError(RuntimeError):
     """A directory asked for explicitly cannot hold kernels (unwritable or untrusted)."""
 
 
-def distrust(st: os.stat_result, what: str) -> str | None:
-    """Why a file or directory with status ``st`` may not be trusted, or None (ssh StrictModes:
-    owned by this user or root, writable by nobody else; group opt-in widens that)."""
-    trust_group = config.trust_group()
-    writable_by_others = stat.S_IWOTH | (0 if trust_group else stat.S_IWGRP)
-    if st.st_mode & writable_by_others:
-        return f"{what} is writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'}"
-    if not trust_group and st.st_uid not in (os.geteuid(), 0):
+class Refused(Exception):
+    """A directory or file that must not be used; ``str(error)`` is the reason."""
+
+
+def _my_groups() -> set[int]:
+    return {os.getegid(), *os.getgroups()}
+
+
+def distrust(st: os.stat_result, what: str, shared: bool = False) -> str | None:
+    """Why a file or directory with status ``st`` may not be trusted, or None.
+
+    Owned by this user or root and writable by neither group nor others (ssh's StrictModes). With
+    ``NVFP4_MLA_CACHE_TRUST_GROUP`` also: group-writable when its group is one of this user's
+    groups, and owned by another user when ``shared`` (a directory, or a file in a directory trusted
+    through its group) and its group is one of this user's groups."""
+    if st.st_mode & stat.S_IWOTH:
+        return f"{what} is writable by others"
+    in_my_group = config.trust_group() and st.st_gid in _my_groups()
+    if st.st_mode & stat.S_IWGRP and not in_my_group:
+        mine = " (not one of this user's groups)" if config.trust_group() else ""
+        return f"{what} is writable by its group, gid {st.st_gid}{mine}"
+    if st.st_uid not in (os.geteuid(), 0) and not (shared and in_my_group):
         return f"{what} is owned by uid {st.st_uid}, not by this user or root"
     return None
+
+
+def _shared_through_group(st: os.stat_result) -> bool:
+    """A directory trusted through the group opt-in: group-writable, of one of this user's groups."""
+    return bool(st.st_mode & stat.S_IWGRP) and config.trust_group() and st.st_gid in _my_groups()
+
+
+def open_dir(path: Path) -> tuple[int, os.stat_result]:
+    """A trusted directory's descriptor and status; FileNotFoundError when it is absent, else
+    :class:`Refused` with the reason. A symbolic link is followed only when this user or root owns it."""
+    link = os.lstat(path)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.geteuid(), 0):
+        raise Refused(f"it is a symbolic link owned by uid {link.st_uid}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise Refused(f"it cannot be opened ({exc.strerror or exc})") from None
+    st = os.fstat(fd)
+    reason = distrust(st, "it", shared=True)
+    if reason is not None:
+        os.close(fd)
+        raise Refused(reason)
+    return fd, st
+
+
+def read_kernel(dir_fd: int, dir_st: os.stat_result, name: str, key: str, arch: str) -> bytes | None:
+    """The cubin of file ``name`` of an opened directory, None when there is none; :class:`Refused`
+    when a file is there but must not run (opened without following links or blocking, its size
+    capped before it is read, then :func:`nvfp4_mla.kernel_file.unpack`)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise Refused("a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)) from None
+    try:
+        st = os.fstat(fd)
+        reason = "not a regular file" if not stat.S_ISREG(st.st_mode) else kernel_file.check_size(st.st_size)
+        reason = reason or distrust(st, "the file", shared=_shared_through_group(dir_st))
+        if reason is not None:
+            raise Refused(reason)
+        chunks, left = [], st.st_size
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return kernel_file.unpack(b"".join(chunks), key, arch)
+    except kernel_file.KernelFileError as exc:
+        raise Refused(str(exc)) from None
+    except OSError as exc:
+        raise Refused(exc.strerror or str(exc)) from None
+    finally:
+        os.close(fd)
+
+
+class _FileLock:
+    """An exclusive lock on ``name`` of an opened directory (one compile per key across processes).
+    The lock file is opened relative to the directory, never through a symbolic link; ``remove``
+    deletes it on release (precompile into an image directory, as its only writer)."""
+
+    def __init__(self, dir_fd: int, name: str, remove: bool):
+        self.dir_fd, self.name, self.remove = dir_fd, name, remove
+
+    def __enter__(self) -> None:
+        flags = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        self.fd = os.open(self.name, flags, 0o644, dir_fd=self.dir_fd)
+        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+            os.close(self.fd)
+            raise OSError(f"{self.name} is not a regular file")
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if (
+                self.remove
+                and os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False).st_ino == os.fstat(self.fd).st_ino
+            ):
+                os.unlink(self.name, dir_fd=self.dir_fd)
+        except OSError:
+            pass
+        finally:
+            os.close(self.fd)  # releases the lock
+
+
+def publish(dir_fd: int, name: str, data: bytes) -> None:
+    """Writes ``data`` as ``name`` of an opened directory atomically (a temp file of ours, fsync,
+    mode 0644, rename), after removing this user's temp files that killed processes left."""
+    now = time.time()
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if not (entry.name.startswith(TEMP_PREFIX) and entry.name.endswith(".tmp")):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > STALE_TEMP_SECONDS:
+                    os.unlink(entry.name, dir_fd=dir_fd)
+            except OSError:
+                pass
+    tmp = f"{TEMP_PREFIX}{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+            os.fchmod(f.fileno(), 0o644)  # readable by the users a shared precompiled set serves
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
 
 
 class KernelCache:
@@ -54,39 +191,40 @@ class KernelCache:
         self._warned: set[str] = set()
         self._writable: Path | bool | None = False  # False: not looked for yet
 
-    # ------------------------------------------------------------ layers
-
     def _warn(self, message: str) -> None:
         config.log.warning(message)
         if message not in self._warned:
             self._warned.add(message)
             warnings.warn(f"nvfp4_mla: {message}", RuntimeWarning, stacklevel=4)
 
-    def _trusted_dir(self, directory: Path) -> bool:
-        try:
-            st = os.stat(directory)
-        except OSError:
-            return False
-        reason = "not a directory" if not stat.S_ISDIR(st.st_mode) else distrust(st, f"directory {directory}")
-        if reason:
-            self._warn(f"kernel cache {directory} ignored: {reason}")
-        return reason is None
+    # ------------------------------------------------------------ layers
 
-    def prepare(self, directory: Path) -> str | None:
-        """Makes ``directory`` ready to receive kernels; returns why it cannot, or None.
-
-        A directory this creates is private (0700)."""
+    def layer_status(self, directory: Path) -> str:
+        """How ``directory`` serves: "trusted", "not created yet" or "refused: <reason>"."""
         try:
-            if not directory.exists():
-                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            st = os.stat(directory)
+            fd, _ = open_dir(directory)
+        except FileNotFoundError:
+            return "not created yet"
+        except (Refused, OSError) as exc:
+            return f"refused: {exc}"
+        os.close(fd)
+        return "trusted"
+
+    def prepare(self, directory: Path, mode: int = PRIVATE_MODE) -> str | None:
+        """Makes ``directory`` ready to receive kernels; returns why it cannot, or None. A
+        directory this creates gets ``mode`` (whatever the umask)."""
+        try:
+            directory.mkdir(parents=True)
+            os.chmod(directory, mode)
+        except FileExistsError:
+            pass
         except OSError as exc:
             return f"cannot create {directory}: {exc.strerror or exc}"
-        if not stat.S_ISDIR(st.st_mode):
-            return f"{directory} is not a directory"
-        reason = distrust(st, f"directory {directory}")
-        if reason:
-            return reason
+        try:
+            fd, _ = open_dir(directory)
+        except (Refused, OSError) as exc:
+            return f"{directory}: {exc}"
+        os.close(fd)
         if not os.access(directory, os.W_OK | os.X_OK):
             return f"{directory} is not writable by this user"
         return None
@@ -110,102 +248,77 @@ class KernelCache:
 
     @staticmethod
     def file_name(key: str, arch: str) -> str:
-        return f"{arch}-{key[:32]}.cubin"
+        """``<arch>-<key prefix>.v<format>.cubin``: files of another format are never looked up."""
+        return f"{arch}-{key[:32]}.v{kernel_file.FORMAT_VERSION}.cubin"
 
-    def read_verified(self, path: Path, key: str) -> bytes | None:
-        """The cubin at ``path`` if it is trusted and proves it is ``key``'s kernel, else None
-        (with a warning when a file is there but refused). Any fault is a miss."""
+    def _read(
+        self, dir_fd: int, dir_st: os.stat_result, directory: Path, name: str, key: str, arch: str
+    ) -> bytes | None:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
-        except FileNotFoundError:
+            return read_kernel(dir_fd, dir_st, name, key, arch)
+        except Refused as exc:
+            self._warn(f"kernel cache file {directory / name} refused: {exc}; compiling it afresh")
             return None
-        except OSError as exc:
-            self._warn(f"kernel cache file {path} refused: {exc.strerror or exc}")
-            return None
-        try:
-            st = os.fstat(fd)
-            reason = "not a regular file" if not stat.S_ISREG(st.st_mode) else distrust(st, "the file")
-            if reason is None:
-                with os.fdopen(os.dup(fd), "rb") as f:
-                    data = f.read()
-                if jit.proof(key) not in data:
-                    reason = "it is not this key's kernel (truncated, corrupted or another kernel)"
-        except OSError as exc:
-            reason = str(exc.strerror or exc)
-        finally:
-            os.close(fd)
-        if reason is not None:
-            self._warn(f"kernel cache file {path} refused: {reason}; compiling")
-            return None
-        return data
 
     def lookup(self, key: str, arch: str) -> tuple[bytes, Path] | None:
+        """The first trusted layer's kernel of ``key``, with its path; None on a miss. A refused or
+        unreadable layer is skipped with a warning."""
         name = self.file_name(key, arch)
         for directory in self.layers:
-            if (directory / name).exists() or (directory / name).is_symlink():
-                if not self._trusted_dir(directory):
-                    continue
-                data = self.read_verified(directory / name, key)
-                if data is not None:
-                    config.log.debug("kernel %s found in %s", name, directory)
-                    return data, directory / name
+            try:
+                fd, st = open_dir(directory)
+            except FileNotFoundError:
+                continue
+            except (Refused, OSError) as exc:
+                self._warn(f"kernel cache {directory} ignored: {exc}")
+                continue
+            try:
+                data = self._read(fd, st, directory, name, key, arch)
+            finally:
+                os.close(fd)
+            if data is not None:
+                config.log.debug("kernel %s found in %s", name, directory)
+                return data, directory / name
         return None
 
-    @staticmethod
-    def publish(directory: Path, name: str, data: bytes) -> Path:
-        """Writes ``data`` as ``directory/name`` atomically (temp file, fsync, rename) and removes
-        temp files that killed processes left behind."""
-        now = time.time()
-        for stale in directory.glob("*.tmp"):
-            try:
-                if now - stale.lstat().st_mtime > STALE_TEMP_SECONDS:
-                    stale.unlink()
-            except OSError:
-                pass
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)  # readable by the users a shared precompiled set serves
-            os.replace(tmp, directory / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return directory / name
-
-    def build(self, spec: jit.KernelSpec, arch: str, directory: Path | None = None) -> tuple[bytes, Path | None]:
+    def build(
+        self, spec: jit.KernelSpec, arch: str, directory: Path | None = None, fresh: bool = False
+    ) -> tuple[bytes, Path | None]:
         """The verified cubin of ``spec`` for a GPU of ``arch`` (built for
         :func:`jit.target_arch`, e.g. sm_90a) and where it lies (None: memory only), compiling on a
         miss. With ``directory``, it compiles into exactly that directory (or raises
-        :class:`CacheError`). One compile per key across threads and processes."""
+        :class:`CacheError`), which it creates readable by others and leaves no lock file in.
+        ``fresh`` compiles even when a file is there (the driver refused it). One compile per key
+        across threads and processes."""
         arch = jit.target_arch(spec, jit.check_arch(arch))
         key = jit.kernel_key(spec, arch)
         name = self.file_name(key, arch)
         with self._lock:
             if directory is None:
-                found = self.lookup(key, arch)
+                found = None if fresh else self.lookup(key, arch)
                 if found is not None:
                     return found
                 target = self.writable_dir()
             else:
-                reason = self.prepare(directory)
+                reason = self.prepare(directory, IMAGE_MODE)
                 if reason is not None:
                     raise CacheError(f"cannot write kernels into {directory}: {reason}")
                 target = directory
             if target is None:
                 return self._compile(spec, arch, key), None
-            from filelock import FileLock
-
             data = None
             try:
-                with FileLock(str(target / f"{name}.lock")):
-                    data = self.read_verified(target / name, key)  # another process may have built it
-                    if data is None:
-                        data = self._compile(spec, arch, key)
-                        self.publish(target, name, data)
-            except OSError as exc:  # the directory changed under us (removed, made read-only, ...)
+                fd, st = open_dir(target)
+                try:
+                    with _FileLock(fd, name + LOCK_SUFFIX, remove=directory is not None):
+                        if not fresh:  # another process may have built it
+                            data = self._read(fd, st, target, name, key, arch)
+                        if data is None:
+                            data = self._compile(spec, arch, key)
+                            publish(fd, name, kernel_file.pack(data, key, arch))
+                finally:
+                    os.close(fd)
+            except (OSError, Refused) as exc:  # the directory changed under us (removed, made read-only, ...)
                 if directory is not None:
                     raise CacheError(f"cannot write kernels into {directory}: {exc}") from exc
                 self._warn(f"kernel cache {target} failed ({exc}); this kernel is kept in memory")
@@ -225,8 +338,9 @@ class KernelCache:
         """The loaded kernel of ``spec`` on device ``device_index``; built on first use.
 
         Keyed by the spec's type as well as its fields: specs of two kernel families never share
-        a kernel, even with equal fields. The hot path is one dict lookup. Safe under concurrent
-        first calls: one thread builds, the others wait and share it.
+        a kernel, even with equal fields. A cached file the driver refuses is compiled afresh
+        (with a warning). The hot path is one dict lookup. Safe under concurrent first calls: one
+        thread builds, the others wait and share it.
         """
         key = (device_index, type(spec), spec)
         found = self._launchers.get(key)
@@ -235,8 +349,15 @@ class KernelCache:
                 found = self._launchers.get(key)
                 if found is None:
                     gpu = device_info(device_index)
-                    data, _ = self.build(spec, gpu.arch)
-                    found = self._launchers[key] = Launcher(data, spec.template, gpu)
+                    data, path = self.build(spec, gpu.arch)
+                    try:
+                        found = Launcher(data, spec.template, gpu)
+                    except LoadError as exc:
+                        if path is None:
+                            raise
+                        self._warn(f"kernel cache file {path} refused by the driver ({exc}); compiling it afresh")
+                        found = Launcher(self.build(spec, gpu.arch, fresh=True)[0], spec.template, gpu)
+                    self._launchers[key] = found
         return found
 
 

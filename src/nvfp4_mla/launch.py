@@ -16,11 +16,15 @@ from .jit import Template
 PARAMS_CAPACITY = 256  # bytes of the per-thread launch buffer; every template's Params fits
 
 
+class LoadError(RuntimeError):
+    """The driver refused a kernel image (an invalid image, no code for this GPU, ...)."""
+
+
 def _cupy_driver() -> Any:
     try:
         from cupy.cuda import driver
-    except ImportError as exc:
-        raise RuntimeError(f"nvfp4_mla's GPU entries need CuPy: {config.cupy_fix()} ({exc})") from exc
+    except Exception as exc:  # not installed, or it cannot start (its cache directory, its libraries)
+        raise RuntimeError(f"nvfp4_mla's GPU entries need CuPy: {config.cupy_fix(exc)} ({exc})") from exc
     return driver
 
 
@@ -134,8 +138,11 @@ class Launcher:
         cupy.cuda.runtime.setDevice(device.index)
         try:
             self._module = cupy.cuda.function.Module()
-            self._module.load(cubin)  # the bytes that were verified: no second read of the file
-            self.function = self._module.get_function(template.function).ptr
+            try:  # the bytes that were verified: no second read of the file
+                self._module.load(cubin)
+                self.function = self._module.get_function(template.function).ptr
+            except driver.CUDADriverError as exc:  # an image the driver refuses, or without this kernel
+                raise LoadError(str(exc)) from exc
             self.context = driver.ctxGetCurrent()
             if template.max_shared_bytes > 48 * 1024:
                 attribute = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

@@ -1,6 +1,7 @@
 """Benchmark of the fused sparse decode, ``nvfp4_mla.sparse_mla_decode`` on CUDA tensors, against the
 paths a user writes without it and the same run's ceilings:
-``nvfp4-mla bench decode [--out DIR] [--quick] [--head-tiles]`` (also ``python -m nvfp4_mla.bench decode``).
+``nvfp4-mla bench decode [--out DIR] [--quick] [--head-tiles] [--backends]`` (also
+``python -m nvfp4_mla.bench decode``).
 
 It prints a table and writes ``decode_bench.csv`` and ``decode_bench.md`` into DIR (default
 ``bench-results/<GPU name>/``).
@@ -217,15 +218,15 @@ def measure(
     ceilings: dict[str, float],
     g: torch.Generator,
     timer: Timer,
-    head_tile: int | None = None,
+    forced: nvfp4_mla.KernelLibrary | None = None,
 ) -> dict[str, Any]:
-    """One shape's row: every arm (``head_tile``: the fused arm alone with that head tile)."""
+    """One shape's row: every arm (``forced``: the fused arm alone, on that library's choices)."""
     batch, q_len, heads, extra_k = shape
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", DEFAULT_L2_BYTES)
     sets = [Inputs(*shape, g, pools) for _ in range(set_count(shape, l2))]
     arms = dict(ARMS)
-    if head_tile is not None:
-        arms = {"fused": lambda p, x: forced(p, x, head_tile)}
+    if forced is not None:
+        arms = {"fused": lambda p, x: fused(p, x, forced)}
     row: dict[str, Any] = {"batch": batch, "q_len": q_len, "heads": heads, "tokens": SWA_K + extra_k, "sets": len(sets)}
     for name, arm in arms.items():
         call = lambda x, arm=arm: arm(pools, x)  # noqa: E731
@@ -233,27 +234,14 @@ def measure(
         row[f"{name}_eager_us"] = timer.eager(call, sets)[0] * 1e6
         torch.cuda.empty_cache()
     add_rooflines(row, shape, ceilings)
-    if head_tile is None:
-        plan = decode_op.plan(nvfp4_mla.ops.DEFAULT, 0, heads, batch * q_len, SWA_K, extra_k)
-        row["head_tile"], row["splits"] = plan.head_tile, plan.num_splits
+    plan = decode_op.plan(forced or nvfp4_mla.ops.DEFAULT, 0, heads, batch * q_len, SWA_K, extra_k)
+    row["backend"], row["head_tile"], row["splits"] = plan.backend, plan.head_tile, plan.num_splits
+    if forced is None:
         row["vs_torch_bf16"] = row["torch_bf16_graph_us"] / row["fused_graph_us"]
         row["vs_torch_reader"] = row["torch_reader_graph_us"] / row["fused_graph_us"]
         got, want = fused(pools, sets[0])[0].float(), torch_reader(pools, sets[0])[0].float()
         row["diff"] = float((got - want).abs().max() / want.abs().max())
-    else:
-        row["head_tile"] = head_tile
     return row
-
-
-def forced(pools: Pools, x: Inputs, head_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused decode with a forced head tile (its own split choice)."""
-    library = _forced.get(head_tile)
-    if library is None:
-        library = _forced[head_tile] = nvfp4_mla.KernelLibrary(decode_head_tile=head_tile)
-    return fused(pools, x, library)
-
-
-_forced: dict[int, nvfp4_mla.KernelLibrary] = {}
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -284,7 +272,7 @@ def verdicts(rows: list[dict]) -> list[str]:
 
 
 COLUMNS = [
-    "batch", "q_len", "heads", "tokens", "head_tile", "splits", "sets",
+    "batch", "q_len", "heads", "tokens", "backend", "head_tile", "splits", "sets",
     "fused_graph_us", "fused_eager_us", "torch_bf16_graph_us", "torch_bf16_eager_us",
     "torch_reader_graph_us", "torch_reader_eager_us", "vs_torch_bf16", "vs_torch_reader",
     "fused_tflops", "bytes_pct", "flops_pct", "binding", "roofline_pct", "diff",
@@ -326,6 +314,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--head-tiles", action="store_true", help="also every head tile at 64 and 128 heads, fused only"
     )
+    parser.add_argument(
+        "--backends", action="store_true", help="also every other backend of this GPU on every shape, fused only"
+    )
     return parser.parse_args(argv)
 
 
@@ -362,9 +353,23 @@ def main(argv: list[str] | None = None) -> int:
         tiles = [t for t in decode_mma.HEAD_TILES[1:] if decode_mma.shared_bytes(t) <= optin]
         for shape in [s for s in shapes(args.quick) if s[2] >= 64 and s[1] == 2]:
             for tile in tiles:
-                r = measure(pools, shape, ceilings, g, timer, head_tile=tile)
+                r = measure(pools, shape, ceilings, g, timer, nvfp4_mla.KernelLibrary(decode_head_tile=tile))
                 rows.append(r)
                 print(f"head tile {tile}: {shape} fused {r['fused_graph_us']:.1f} us, {r['fused_tflops']:.1f} TFLOP/s")
+    if args.backends:
+        gpu = device_info(0)
+        chosen = {r["backend"] for r in rows}
+        others = [n for n, b in decode_op.BACKENDS.items() if b.supports(gpu.capability) and n not in chosen]
+        for backend in others:
+            library = nvfp4_mla.KernelLibrary(decode_backend=backend)
+            for shape, default in zip(shapes(args.quick), rows):
+                r = measure(pools, shape, ceilings, g, timer, library)
+                rows.append(r)
+                speedup = default["fused_graph_us"] / r["fused_graph_us"]
+                print(
+                    f"{backend}: {shape} fused {r['fused_graph_us']:.1f} us ({r['splits']} splits), "
+                    f"{r['fused_tflops']:.1f} TFLOP/s, {speedup:.2f}x the default"
+                )
     lines = verdicts(rows)
     print("\n".join(lines))
     write(rows, ceilings, lines, out, name)

@@ -31,13 +31,13 @@ from torch.autograd.graph import increment_version
 
 from .. import abi, reference, validation
 from ..device import Device, device_info
-from ..jit import Template
+from ..jit import NUMERICS_HEADER, Template
 from ..launch import Launcher, contiguous_strides, current_raw_stream, new_output
-from . import decode_mma
-from .attention import DecodeBackend, arch_capability
+from . import decode_mma, decode_sm90
+from .attention import DECODE_HEADER, DecodeBackend, arch_capability
 from .library import DEFAULT, KernelLibrary, check_traceable
 
-BACKENDS: dict[str, DecodeBackend] = {b.name: b for b in (decode_mma.BACKEND,)}
+BACKENDS: dict[str, DecodeBackend] = {b.name: b for b in (decode_mma.BACKEND, decode_sm90.BACKEND)}
 
 COMBINE_THREADS = abi.HEAD_DIM // 4
 MAX_SPLITS = COMBINE_THREADS  # the combine kernel takes a split a thread
@@ -63,7 +63,8 @@ class CombineSpec(NamedTuple):
 
     @property
     def template(self) -> Template:
-        return Template(decode_mma.SOURCE, "nvfp4_mla_decode_combine", COMBINE_PARAMS, COMBINE_THREADS)
+        headers = (NUMERICS_HEADER, DECODE_HEADER)
+        return Template(decode_mma.SOURCE, "nvfp4_mla_decode_combine", COMBINE_PARAMS, COMBINE_THREADS, 0, headers)
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""
@@ -73,11 +74,24 @@ class CombineSpec(NamedTuple):
         return "decode split combine"
 
 
-def select_backend(gpu: Device, num_heads: int) -> DecodeBackend:
-    """The backend a call uses: by architecture first (the first of :data:`BACKENDS` that supports
-    the GPU), then by shape where measurements show another backend wins (none yet: the
-    ``mma.sync`` kernel is the only backend of every GPU)."""
-    return next(b for b in BACKENDS.values() if b.supports(gpu.capability))
+# The shape rule's thresholds: on sm_90 the wgmma kernel (64 heads a block) wins from 33 heads and
+# 8 query rows up (H200, `nvfp4-mla bench decode --backends`: 1.15-1.71x over the mma.sync kernel
+# at 64 and 128 heads, 8-256 rows); below, the mma.sync kernel's smaller head tiles and cheaper
+# blocks win or tie (16 heads: wgmma 0.82-1.07x; 1-2 rows: 0.96-1.21x).
+WGMMA_MIN_HEADS = 33
+WGMMA_MIN_ROWS = 8
+
+
+def select_backend(gpu: Device, num_heads: int, rows: int) -> DecodeBackend:
+    """The backend of a call of ``rows`` query rows of ``num_heads`` heads: by architecture first
+    (the backends that support the GPU), then by shape where measurements show one wins: the
+    Hopper ``wgmma`` kernel from :data:`WGMMA_MIN_HEADS` heads and :data:`WGMMA_MIN_ROWS` rows,
+    else the ``mma.sync`` kernel (every GPU). docs/format.md section 12 and docs/performance.md
+    give the numbers."""
+    wgmma = BACKENDS["wgmma_sm90"]
+    if wgmma.supports(gpu.capability) and num_heads >= WGMMA_MIN_HEADS and rows >= WGMMA_MIN_ROWS:
+        return wgmma
+    return BACKENDS["mma_sync"]
 
 
 def specs(arch: str) -> tuple:
@@ -130,7 +144,7 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
     if forced is not None and forced not in BACKENDS:
         raise ValueError(f"decode backend {forced!r} is not one of {sorted(BACKENDS)}")
     gpu = device_info(device_index)
-    backend = select_backend(gpu, num_heads) if forced is None else BACKENDS[forced]
+    backend = select_backend(gpu, num_heads, rows) if forced is None else BACKENDS[forced]
     if not backend.supports(gpu.capability):
         raise ValueError(f"decode backend {backend.name!r} does not run on {gpu.arch}")
     attention = backend.attention(lib, gpu, num_heads)
@@ -173,12 +187,11 @@ def _pool_params(cache, slots, lens, layout) -> tuple[int, ...]:
 
 def _decode_cuda(lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out):
     swa, extra = validation.check_decode(
-        q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, need_cuda=True
+        q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, True, out
     )
     device = q.get_device()
     batch, q_len, num_heads = q.shape[0], q.shape[1], q.shape[2]
     if out is not None:
-        validation.check_decode_out(out, q, swa_cache, swa, extra_cache, extra)
         increment_version(out)  # written in place: autograd and views must see a new version
     else:  # the kernels write every element of out and lse
         out_shape = tuple(q.shape)
@@ -271,10 +284,9 @@ def _decode(lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, ex
     )
     if out is None:
         return result, lse
-    swa, extra = validation.check_decode(
-        q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, need_cuda=False
+    validation.check_decode(
+        q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, False, out
     )
-    validation.check_decode_out(out, q, swa_cache, swa, extra_cache, extra)
     out.copy_(result)
     return out, lse
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from .. import abi
 from ..device import Device
-from ..jit import Template
-from .attention import ATTEND_PARAMS, Attention, DecodeBackend
+from ..jit import NUMERICS_HEADER, Template
+from .attention import ATTEND_PARAMS, DECODE_HEADER, Attention, DecodeBackend
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
@@ -71,7 +71,8 @@ class MmaAttentionSpec(NamedTuple):
 
     @property
     def template(self) -> Template:
-        return Template(SOURCE, "nvfp4_mla_decode", ATTEND_PARAMS, self.threads, self.shared_bytes)
+        headers = (NUMERICS_HEADER, DECODE_HEADER)
+        return Template(SOURCE, "nvfp4_mla_decode", ATTEND_PARAMS, self.threads, self.shared_bytes, headers)
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""

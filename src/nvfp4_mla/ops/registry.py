@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .. import abi, validation
+from .. import abi, jit, validation
 from ..jit import KernelSpec
 from . import decode
 from .reader import ReaderSpec
@@ -117,4 +117,4 @@ def specs(geometry: Geometry, arch: str) -> tuple[KernelSpec, ...]:
 def catalogue(arch: str) -> list[KernelSpec]:
     """Every build CI compiles for ``arch``, each once (ops share builds: the writers' catalogue
     is theirs together)."""
-    return list(dict.fromkeys(spec for op in OPS.values() for spec in op.catalogue(arch)))
+    return jit.unique(spec for op in OPS.values() for spec in op.catalogue(arch))

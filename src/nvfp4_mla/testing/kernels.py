@@ -23,7 +23,9 @@ class MemoryKernels(kernel_cache.KernelCache):
     def compile(self, spec: jit.KernelSpec, arch: str) -> bytes:
         raise NotImplementedError
 
-    def build(self, spec: jit.KernelSpec, arch: str, directory: Path | None = None) -> tuple[bytes, Path | None]:
+    def build(
+        self, spec: jit.KernelSpec, arch: str, directory: Path | None = None, fresh: bool = False
+    ) -> tuple[bytes, Path | None]:
         if directory is not None:
             raise kernel_cache.CacheError(f"{self.what} are kept in memory, never in a kernel cache directory")
         return self.compile(spec, jit.target_arch(spec, jit.check_arch(arch))), None

@@ -16,7 +16,7 @@ from .common import (
     check_tensors,
     signature,
 )
-from .decode import check_decode, check_decode_out
+from .decode import check_decode
 from .reader import READ_DTYPES, check_dequantize, check_read_dtype
 from .writers import (
     PACK_POINTER_CHECKS,
@@ -45,7 +45,6 @@ __all__ = [
     "check_cache",
     "check_compress_ratio",
     "check_decode",
-    "check_decode_out",
     "check_dequantize",
     "check_flag",
     "check_kv",

@@ -136,6 +136,18 @@ def check_pointers(tensors: tuple, checks: PointerChecks) -> list[int]:
     return pointers
 
 
+def check_out_disjoint(out: torch.Tensor, inputs: tuple, names: tuple, caches: tuple) -> None:
+    """The ``out`` a call writes shares no byte with an input tensor (``inputs``, named ``names``)
+    or with a cache's pages (``caches``: ``(cache, layout, name)`` triples): on the GPU that would
+    be a race, on the CPU a corrupted input."""
+    written = extent(out)
+    check_disjoint(written, "out", inputs, names)
+    for cache, layout, name in caches:
+        lo, hi = cache_extent(cache, layout)
+        if written[0] < written[1] and lo < written[1] and written[0] < hi:
+            _fail_overlap(name, "out")
+
+
 def cache_extent(cache: torch.Tensor, layout: CacheLayout) -> tuple[int, int]:
     """First and one-past-last byte of a checked cache view."""
     num_pages, page_size, page_stride = layout

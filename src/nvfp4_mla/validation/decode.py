@@ -4,6 +4,7 @@ with their slot tables and lengths, ``sm_scale``, ``sinks`` and an optional ``ou
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -11,15 +12,13 @@ from .common import (
     BF16,
     SLOT_DTYPES,
     CacheLayout,
-    cache_extent,
     check_aligned,
     check_bf16_rows,
     check_cache,
     check_device,
-    check_disjoint,
     check_mutable,
+    check_out_disjoint,
     check_tensors,
-    extent,
     fail,
 )
 
@@ -70,9 +69,10 @@ def check_decode(
     sm_scale: object,
     sinks: torch.Tensor | None,
     need_cuda: bool,
+    out: torch.Tensor | None = None,
 ) -> tuple[CacheLayout, CacheLayout | None]:
-    """``sparse_mla_decode``: returns the layout of the sliding-window pool and of the extra
-    pool (None without one)."""
+    """``sparse_mla_decode`` (with its optional ``out``): returns the layout of the sliding-window
+    pool and of the extra pool (None without one)."""
     check_tensors((q,), ("q",))
     check_bf16_rows(q, "q", "batch, q_len, num_heads, 512", 4)
     batch, q_len, num_heads = q.shape[0], q.shape[1], q.shape[2]
@@ -96,8 +96,8 @@ def check_decode(
         if extra_lens is not None:
             tensors.append(extra_lens)
             names.append("extra_lens")
-    if not isinstance(sm_scale, (float, int)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
-        fail(f"sm_scale must be a finite Python float, got {sm_scale!r}")
+    if not _finite_real(sm_scale):
+        fail(f"sm_scale must be a finite real number (a Python or numpy float), got {sm_scale!r}")
     if sinks is not None:
         check_tensors((sinks,), ("sinks",))
         if sinks.dtype is not torch.float32:
@@ -109,19 +109,25 @@ def check_decode(
     check_device(tuple(tensors), tuple(names), need_cuda)
     caches = (q, swa_cache) if extra_cache is None else (q, swa_cache, extra_cache)
     check_aligned(caches, ("q", "swa_cache", "extra_cache"))
+    if out is not None:
+        pools = ((swa_cache, swa, "swa_cache"),) + (() if extra is None else ((extra_cache, extra, "extra_cache"),))
+        _check_out(out, q, tensors, names, pools)
     return swa, extra
 
 
-def check_decode_out(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    swa_cache: torch.Tensor,
-    swa: CacheLayout,
-    extra_cache: torch.Tensor | None,
-    extra: CacheLayout | None,
-) -> None:
-    """The optional ``out`` of ``sparse_mla_decode`` (after :func:`check_decode`): BF16 with q's
-    shape, contiguous, on q's device, 16-byte aligned, writable, sharing no memory with q or a cache."""
+def _finite_real(x: object) -> bool:
+    """A real number (not a bool) with a finite float value; an int too large for a float is not."""
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def _check_out(out: torch.Tensor, q: torch.Tensor, inputs: list, names: list, caches: tuple) -> None:
+    """The optional ``out``: BF16 with q's shape, contiguous, on q's device, 16-byte aligned,
+    writable, sharing no memory with any input (q, a cache's pages, a slot table, lengths, sinks)."""
     check_tensors((out,), ("out",))
     if out.dtype is not BF16:
         fail(f"out must have dtype torch.bfloat16, got {out.dtype}")
@@ -132,12 +138,5 @@ def check_decode_out(
     check_mutable(out, "out")
     check_device((q, out), ("q", "out"), need_cuda=False)  # q's device was checked with the rest
     check_aligned((out,), ("out",))
-    written = extent(out)
-    check_disjoint(written, "out", (q,), ("q",))
-    pools = [(swa_cache, swa, "swa_cache")] + (
-        [] if extra_cache is None or extra is None else [(extra_cache, extra, "extra_cache")]
-    )
-    for cache, layout, name in pools:
-        lo, hi = cache_extent(cache, layout)
-        if written[0] < written[1] and lo < written[1] and written[0] < hi:
-            fail(f"{name} overlaps out in memory: the call writes out; pass separate tensors")
+    uncached = [(t, n) for t, n in zip(inputs, names) if not n.endswith("_cache")]
+    check_out_disjoint(out, tuple(t for t, _ in uncached), tuple(n for _, n in uncached), caches)

@@ -8,14 +8,12 @@ from .. import abi
 from .common import (
     SLOT_DTYPES,
     CacheLayout,
-    cache_extent,
     check_aligned,
     check_cache,
     check_device,
-    check_disjoint,
     check_mutable,
+    check_out_disjoint,
     check_tensors,
-    extent,
     fail,
 )
 
@@ -70,9 +68,5 @@ def check_dequantize(
     check_device(tuple(tensors), tuple(names), need_cuda)
     check_aligned((cache,) if out is None else (cache, out), ("cache", "out"))
     if out is not None:
-        written = extent(out)
-        check_disjoint(written, "out", tuple(tensors[1:-1]), tuple(names[1:-1]))
-        cache_lo, cache_hi = cache_extent(cache, layout)
-        if written[0] < written[1] and cache_lo < written[1] and written[0] < cache_hi:
-            fail("cache overlaps out in memory: the call writes out; pass separate tensors")
+        check_out_disjoint(out, tuple(tensors[1:-1]), tuple(names[1:-1]), ((cache, layout, "cache"),))
     return layout

@@ -1,0 +1,70 @@
+// What every sparse-decode attention kernel shares (docs/format.md sections 9 and 12): the
+// attention Params (one host struct format, decode.ATTEND_PARAMS / attention.ATTEND_PARAMS), the
+// live count of a table row, and the softmax's base-2 helpers and row finish, so every backend
+// computes a row's lse and output factor the same way and the split combine merges any of them.
+#pragma once
+
+#include "nvfp4_numerics.cuh"
+
+#define LN2 0.693147180559945309f
+
+// The online softmax moves a row's base only when its max grew by more than this (log2 units), so
+// the output is rescaled a few times a row instead of at most tiles: p stays below 2^8, far from
+// fp32 or BF16 overflow.
+constexpr float RESCALE_SLACK = 8.0f;
+
+struct Pool {             // one cache and its slot table; k == 0: no such pool
+    const u8* cache;      // page 0
+    const void* slots;    // [rows, k] int32 or int64
+    const int* lens;      // [rows] or null (every entry counts)
+    i64 page_stride;      // bytes
+    i64 page_size;
+    i64 capacity;         // num_pages * page_size: valid slots are [0, capacity)
+    i64 k;
+    i64 slot_int64;
+};
+
+struct AttendParams {     // 8-byte fields only: packed on the host with one struct format
+    const u16* q;         // BF16 [rows, num_heads, 512]
+    u32* out;             // BF16 [rows, num_heads, 512] (no splits)
+    float* lse;           // [rows, num_heads] (no splits)
+    float* partial_o;     // [rows, num_heads, num_splits, 512] (splits)
+    float* partial_ml;    // [rows, num_heads, num_splits, 2]: m, l (splits)
+    const float* sinks;   // [num_heads] or null
+    Pool swa, extra;
+    i64 num_heads;
+    i64 num_splits;
+    i64 tiles_per_split;  // tiles of the kernel's own tile size
+    double score_scale;   // sm_scale * log2(e)
+};
+
+// 2^x, fp32 (ex2.approx: about 2 ulp; 2^-inf = +0).
+__device__ __forceinline__ float exp2_approx(float x) {
+    float r;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
+__device__ __forceinline__ float pos_inf() { return __uint_as_float(0x7f800000u); }
+
+// The natural-log LSE of a row from its running max m (log2 units) and sum l of 2^(s - m): +inf
+// for a lonely row (l == 0: the row's max token alone adds 1 to l).
+__device__ __forceinline__ float row_lse(float m, float l) { return l == 0.0f ? pos_inf() : (m + log2f(l)) * LN2; }
+
+// The factor of a row's unnormalized output: 1 / l times the sink factor 1 / (1 + e^(sink - lse));
+// 0 for a lonely row.
+__device__ __forceinline__ float output_factor(float l, float lse, const float* sinks, i64 head) {
+    if (l == 0.0f) return 0.0f;
+    const float inv_l = 1.0f / l;
+    return sinks ? inv_l / (1.0f + expf(sinks[head] - lse)) : inv_l;
+}
+
+// Live entries of a row of a pool's table: lens clamped to [0, k], or k without lens.
+__device__ __forceinline__ i64 live_count(const int* lens, i64 k, i64 row) {
+    if (k == 0 || lens == nullptr) return k;
+    const i64 n = lens[row];
+    return n < 0 ? 0 : (n > k ? k : n);
+}
+
+__device__ __forceinline__ u32 shared_address(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }

@@ -1,0 +1,697 @@
+// Sparse MLA decode attention on Hopper (sm_90a) through wgmma, read straight from the NVFP4 records.
+// The semantics, Params, grid and outputs of kernels/nvfp4_mla_decode.cu (whose split combine
+// kernel merges this kernel's partial outputs unchanged); only the inside of a block differs.
+//
+// One block per (query row, head tile of 64 heads, split): blockIdx.x -> head tile
+// blockIdx.x % head_tiles, then split, then row. Heads past num_heads are zero rows of Q whose
+// outputs are never written. The block walks its split's tiles of BLOCK_N = 64 selected tokens
+// (the sliding-window table's entries, then the extra pool's; tiles_per_split counts these
+// 64-token tiles), 384 threads in three warpgroups, split by setmaxnreg (168 registers a thread
+// at launch; 232 for consumer 0, 160 for consumer 1, 112 for the producer):
+//
+//   warpgroup 2, the producer: gathers and dequantizes the tiles. A tile is two units of 32
+//     tokens, 4 threads a token. Every thread reads its token's slot two units ahead, turns it
+//     into the record's addresses (masked: an invalid slot or an entry past lens, whose record
+//     and slot beyond lens are never read) and copies a quarter of the live record (16-byte
+//     chunks c0, c0 + 4, ..., c0 + 20 of the data row's 22 and the scale slot's 2) with cp.async
+//     into a raw unit buffer (two of them), whose mbarrier completes when every thread has
+//     arrived and its copies have landed. All 128 threads then dequantize a unit EXACTLY (e2m1 x
+//     e4m3 through a shared table of every scale byte's BF16 pair, or the BF16 RoPE dims; masked
+//     tokens become zero rows, so no NaN of a masked record can reach the products) into one of
+//     two K/V tile buffers, and the unit's buffer is copied into again (two units ahead).
+//   warpgroup 0, consumer 0: S = Q.K^T with wgmma m64n64k16 (Q and K from shared memory,
+//     32 k-steps), the online softmax in registers (base 2: score_scale = sm_scale * log2(e);
+//     masked scores -inf; a row's base m moves only when its max passes it by more than 8, so
+//     p <= 2^8; row sums of the fp32 p), P rounded to BF16 in registers, then O[:, 0:256] += P.V
+//     with wgmma m64n256k16 (P from registers, fp32 accumulation). It also stores P (BF16) and
+//     each row's rescale factor in shared memory for consumer 1.
+//   warpgroup 1, consumer 1: O[:, 256:512] += P.V with wgmma m64n256k16, P from shared memory.
+//
+// One shared layout serves as K (Q.K^T's B operand, K-major: dims contiguous) and V (P.V's B
+// operand, MN-major: the same bytes read transposed, wgmma's transpose-B): the no-swizzle
+// canonical layout of 8 x 16-byte core matrices, element (token t, dim d) at
+// (d / 8) * 1024 + t * 16 + (d % 8) * 2. For K a core matrix is 8 tokens x 8 dims (leading byte
+// offset 1024 between the two along k, stride byte offset 128 between 8-token groups); for V it
+// is 8 tokens (k) x 8 dims (leading byte offset 128 between 8-token groups along k, stride byte
+// offset 1024 between 8-dim groups). Q and the shared copy of P use the same K-major form with
+// heads in place of tokens.
+//
+// Synchronization: mbarriers full[2] / empty[2] (the K/V buffers: the producer's 128 threads
+// arrive after fence.proxy.async; one lane per consumer warp after its wgmma completed),
+// raw_full[2] (the raw units: each producer thread arrives, and again when its copies land),
+// p_full / p_empty (the shared P and rescale factors: every thread of the writing or reading
+// consumer arrives), and named barriers 1 (the two consumers: Q loaded, final factors) and 2 (the
+// producer: a raw unit consumed). A tile with no live token is skipped by both consumers (after
+// its buffer cycled); a lonely row ends with l = 0: out 0 and lse +inf.
+//
+// Without splits the block finishes the rows like the mma.sync kernel (row_lse; output_factor:
+// 1/l times the sink factor; BF16; lse); with splits it writes its unnormalized O and (m in log2
+// units, l) to the workspace for the combine kernel.
+//
+// -D constants: BLOCK_N (64), SMEM_BYTES (232032, the host's count of the shared layout below,
+// checked: ops/decode_sm90.py counts it too); THREADS (384) and the record ABI come from jit.py/abi.py.
+// What the attention kernels share (Params, the row finish, the softmax helpers) is in
+// nvfp4_mla_decode.cuh.
+#include "nvfp4_mla_decode.cuh"
+
+constexpr int HT = 64;                           // heads of a block: the M of every wgmma
+constexpr int BN = BLOCK_N;                      // tokens of a tile
+constexpr int UNIT = 32;                         // tokens of a gather unit: 4 producer threads each
+constexpr int RECORD = DATA_BYTES + SCALE_BYTES; // 384
+constexpr int RAW_STRIDE = RECORD + 16;          // a raw record's bytes in shared memory (padded: conflict-free reads)
+constexpr int NOPE_CHUNKS = NOPE_DIM / 8;        // 16-byte chunks (8 BF16) of a row's NoPE dims
+constexpr int CHUNKS = HEAD_DIM / 8;             // 64
+constexpr int GROUP_STRIDE = BN * 16;            // K/V: bytes between 8-dim groups (1024)
+constexpr int KV_BYTES = BN * HEAD_DIM * 2;      // a K/V tile buffer
+constexpr int Q_GROUP_STRIDE = HT * 16;          // Q: bytes between 8-dim groups
+constexpr int P_GROUP_STRIDE = HT * 16;          // P: bytes between 8-token groups
+constexpr int HALF_DIMS = HEAD_DIM / 2;          // output dims of a consumer
+constexpr int QK_STEPS = HEAD_DIM / 16;          // k-steps of Q.K^T
+constexpr int PV_STEPS = BN / 16;                // k-steps of P.V
+constexpr int S_BLOCKS = BN / 8;                 // n-blocks of 8 tokens in S
+constexpr int O_BLOCKS = HALF_DIMS / 8;          // n-blocks of 8 dims in a consumer's O
+// Registers a thread of each warpgroup after setmaxnreg. The block starts with 168 a thread
+// (__launch_bounds__(384, 1): 64 K registers over 384 threads, in steps of 8), and setmaxnreg.inc
+// only takes what the others' setmaxnreg.dec gave back: the three sum to at most 3 x 168.
+constexpr int REGS_AT_LAUNCH = 168;
+constexpr int REGS_CONSUMER0 = 232, REGS_CONSUMER1 = 160, REGS_PRODUCER = 112;
+
+static_assert(THREADS == 384, "three warpgroups: consumer 0, consumer 1, producer");
+static_assert(BN == 64 && BN == 2 * UNIT, "a tile is two gather units of 32 tokens");
+static_assert(CHUNKS == 64 && NOPE_CHUNKS == 56 && NOPE_BYTES == 224 && DATA_BYTES == 352,
+              "dequantize: thread chunks 4 i + lane / 8, RoPE from 56, the scale slot's 28 bytes after the data row");
+static_assert(REGS_CONSUMER0 + REGS_CONSUMER1 + REGS_PRODUCER <= 3 * REGS_AT_LAUNCH, "the block's registers");
+
+// Shared memory, in bytes.
+constexpr int SM_Q = 0;                                // BF16 Q [64 heads, 512], K-major core matrices
+constexpr int SM_KV = SM_Q + HT * HEAD_DIM * 2;        // BF16 K = V [2][64 tokens, 512]
+constexpr int SM_P = SM_KV + 2 * KV_BYTES;             // BF16 P [64 heads, 64 tokens], K-major core matrices
+constexpr int SM_RAW = SM_P + HT * BN * 2;             // u8 [2][32][RAW_STRIDE]: raw records (data row, scale slot)
+constexpr int SM_SCALES = SM_RAW + 2 * UNIT * RAW_STRIDE;  // u32 [256]: e4m3_bf16x2 of every scale byte
+constexpr int SM_ALPHA = SM_SCALES + 256 * 4;          // float [64]: a row's rescale factor this tile
+constexpr int SM_FACTOR = SM_ALPHA + HT * 4;           // float [64]: a row's output factor
+constexpr int SM_TILE_MASK = SM_FACTOR + HT * 4;       // u32 [2][2]: the live tokens of a K/V buffer's tile
+constexpr int SM_UNIT_MASK = SM_TILE_MASK + 16;        // u32 [2] (+ 8 bytes of padding): a raw unit's live tokens
+constexpr int SM_BARRIERS = SM_UNIT_MASK + 16;         // u64 [8]: mbarriers
+constexpr int BAR_FULL = 0, BAR_EMPTY = 2, BAR_RAW = 4, BAR_P_FULL = 6, BAR_P_EMPTY = 7, NUM_BARRIERS = 8;
+static_assert(SM_BARRIERS + NUM_BARRIERS * 8 == SMEM_BYTES, "shared layout must match the host's count");
+static_assert(SM_RAW % 16 == 0 && RAW_STRIDE % 16 == 0 && SM_BARRIERS % 8 == 0, "aligned regions");
+
+using Params = AttendParams;
+static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's struct format (attention.ATTEND_PARAMS)");
+
+// ---------------------------------------------------------------- PTX wrappers
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// An arrival on `bar` once this thread's earlier cp.async copies have landed (counted in the
+// barrier's expected arrivals: .noinc).
+__device__ __forceinline__ void mbar_arrive_on_copies(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// Waits until the phase of parity `parity` has completed (the phase before the current one
+// counts as completed: parity 1 passes at once on a fresh barrier).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones (the
+// wgmma operand reads).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Waits at barrier `id` with `count` threads (whole warps). barrier.sync, not bar.sync (which is
+// barrier.sync.aligned): the consumers reach barrier 1 from two different instructions.
+__device__ __forceinline__ void named_barrier(int id, int count) {
+    asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+template <int REGS>
+__device__ __forceinline__ void regs_increase() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+
+template <int REGS>
+__device__ __forceinline__ void regs_decrease() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// Keeps the compiler from moving accesses of accumulator registers across the wgmma pipeline.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor of the no-swizzle canonical layout: start address, leading and
+// stride byte offsets (all in 16-byte units), layout type 0.
+__device__ __forceinline__ u64 matrix_descriptor(u32 address, u32 leading, u32 stride) {
+    return static_cast<u64>((address & 0x3FFFFu) >> 4) | static_cast<u64>(leading >> 4) << 16 |
+           static_cast<u64>(stride >> 4) << 32;
+}
+
+// d (64 x 64, fp32) += A (64 x 16, shared, K-major) * B (16 x 64, shared; TRANS_B 0: K-major).
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n64(float (&d)[32], u64 desc_a, u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B)
+        : "memory");
+}
+
+// A thread's 128 accumulators of a 64 x 256 fp32 product, as wgmma's register list and as asm
+// outputs (operands 0-127 of both m64n256 products below).
+#define WGMMA_D128_LIST \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define WGMMA_D128_OUTPUTS \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+
+// d (64 x 256, fp32) += A (64 x 16, shared, K-major) * B (16 x 256, shared; TRANS_B 1: MN-major).
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n256_ss(float (&d)[128], u64 desc_a, u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        WGMMA_D128_LIST
+        "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+        :
+          WGMMA_D128_OUTPUTS
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B)
+        : "memory");
+}
+
+// d (64 x 256, fp32) += A (64 x 16, registers: the m16n8k16 A fragment of the warp's 16 rows) *
+// B (16 x 256, shared; TRANS_B 1: MN-major).
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n256_rs(float (&d)[128], const u32 (&a)[4], u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        WGMMA_D128_LIST
+        "}, {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
+        :
+          WGMMA_D128_OUTPUTS
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B)
+        : "memory");
+}
+
+// ---------------------------------------------------------------- the producer
+
+// The slot of entry n of the row's concatenated tables (window, then extra), or -1 when the
+// entry is past its table's live count (also past both tables): then its slot is never read.
+__device__ __forceinline__ i64 load_slot(const Params& p, i64 row, i64 n, i64 swa_live, i64 extra_live) {
+    const bool in_swa = n < p.swa.k;
+    // Fields picked one by one: a reference to a Params member would copy Params to the stack.
+    const i64 j = in_swa ? n : n - p.swa.k;
+    if (j >= (in_swa ? swa_live : extra_live)) return -1;
+    const i64 k = in_swa ? p.swa.k : p.extra.k;
+    const void* slots = in_swa ? p.swa.slots : p.extra.slots;
+    if (in_swa ? p.swa.slot_int64 : p.extra.slot_int64) return __ldg(static_cast<const i64*>(slots) + row * k + j);
+    return __ldg(static_cast<const int*>(slots) + row * k + j);
+}
+
+// The record of entry n (slot `slot`, -1 when masked) of the row's tables: its data row and scale
+// slot, or null when masked (an invalid slot).
+struct RecordAddress {
+    const u8* data;
+    const u8* scale;
+};
+
+__device__ __forceinline__ RecordAddress record_address(const Params& p, i64 n, i64 slot) {
+    const bool in_swa = n < p.swa.k;
+    if (slot < 0 || slot >= (in_swa ? p.swa.capacity : p.extra.capacity)) return {nullptr, nullptr};
+    const i64 page_size = in_swa ? p.swa.page_size : p.extra.page_size;
+    i64 page, entry;
+    if (((slot | page_size) >> 31) == 0) {  // the common case: a 32-bit division
+        const u32 s = static_cast<u32>(slot), ps = static_cast<u32>(page_size);
+        page = s / ps;
+        entry = s - static_cast<u32>(page) * ps;
+    } else {
+        page = slot / page_size;
+        entry = slot - page * page_size;
+    }
+    const u8* base = (in_swa ? p.swa.cache : p.extra.cache) + page * (in_swa ? p.swa.page_stride : p.extra.page_stride);
+    return {base + entry * DATA_BYTES, base + page_size * DATA_BYTES + entry * SCALE_BYTES};
+}
+
+constexpr int RAW_ARRIVALS = 2 * 128;  // each producer thread: once itself, once when its copies land
+
+// Every producer thread: token t of the unit (entry n, slot `slot`), part c0 of its record: the
+// 16-byte chunks c0, c0 + 4, ..., c0 + 20 of its 24 (22 of the data row, 2 of the scale slot),
+// copied with cp.async (a warp's instruction: 8 records x 64 contiguous bytes). Lane 0 of a warp
+// writes its 8 tokens' byte of the unit's live mask before its arrival.
+__device__ __forceinline__ void gather_unit(const Params& p, i64 n, i64 slot, u8* raw_unit, u32* unit_mask, u32 bar,
+                                            int t, int c0, int warp, int lane) {
+    const RecordAddress record = record_address(p, n, slot);
+    const u32 mask = __ballot_sync(NVFP4_FULL_MASK, record.data != nullptr) & 0xFFu;  // lanes 0..7: the warp's tokens
+    if (lane == 0) reinterpret_cast<u8*>(unit_mask)[warp] = static_cast<u8>(mask);
+    if (record.data != nullptr) {
+        u8* const dst = raw_unit + t * RAW_STRIDE;
+#pragma unroll
+        for (int k = 0; k < RECORD / 16 / 4; ++k) {
+            const int part = c0 + 4 * k;
+            cp_async16(dst + part * 16, part < DATA_BYTES / 16 ? record.data + part * 16 : record.scale + (part - DATA_BYTES / 16) * 16);
+        }
+    }
+    mbar_arrive(bar);
+    mbar_arrive_on_copies(bar);
+}
+
+constexpr int THREAD_NOPE = NOPE_CHUNKS / 4;  // NoPE chunks of a dequantizing thread (14), then 2 RoPE chunks
+
+// A producer thread's part of a raw record's BF16 row: its 16-byte chunks c = 4 i + c0 (i = 0..15),
+// 8 values each, into `dst` (chunk c at c * GROUP_STRIDE). Chunks 0..55 are NoPE half groups (e2m1
+// codes times the group's scale: scale byte c / 2 = 2 i + c0 / 2, as its BF16 pair from
+// `scale_pairs`; a NaN scale gives NaN values), 56..63 the BF16 RoPE dims. Every shared-memory
+// read comes before the first store: the compiler cannot move a read over a store that may alias
+// it, and one chunk at a time leaves the thread waiting on two dependent reads per chunk.
+__device__ __forceinline__ void dequantize_part(const u8* record, const u32* scale_pairs, int c0, u8* dst) {
+    const uint4 s_lo = *reinterpret_cast<const uint4*>(record + DATA_BYTES);
+    const uint4 s_hi = *reinterpret_cast<const uint4*>(record + DATA_BYTES + 16);
+    const u32 scale_words[7] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z};  // bytes 0..27
+    u32 codes[THREAD_NOPE], pairs[THREAD_NOPE];
+#pragma unroll
+    for (int i = 0; i < THREAD_NOPE; ++i) codes[i] = *reinterpret_cast<const u32*>(record + (4 * i + c0) * 4);
+    const uint4 rope0 = *reinterpret_cast<const uint4*>(record + NOPE_BYTES + c0 * 16);        // chunk 56 + c0
+    const uint4 rope1 = *reinterpret_cast<const uint4*>(record + NOPE_BYTES + (4 + c0) * 16);  // chunk 60 + c0
+    const u32 byte_in_pair = static_cast<u32>(c0 >> 1);
+#pragma unroll
+    for (int i = 0; i < THREAD_NOPE; ++i)  // scale byte 2 i + c0 / 2: byte (i & 1) * 2 + c0 / 2 of word i / 2
+        pairs[i] = scale_pairs[__byte_perm(scale_words[i / 2], 0u, 0x4440u | ((i & 1) * 2 + byte_in_pair))];
+#pragma unroll
+    for (int i = 0; i < THREAD_NOPE; ++i)
+        *reinterpret_cast<uint4*>(dst + (4 * i + c0) * GROUP_STRIDE) = e2m1x8_scaled(codes[i], pairs[i]);
+    *reinterpret_cast<uint4*>(dst + (NOPE_CHUNKS + c0) * GROUP_STRIDE) = rope0;
+    *reinterpret_cast<uint4*>(dst + (NOPE_CHUNKS + 4 + c0) * GROUP_STRIDE) = rope1;
+}
+
+__device__ __forceinline__ void producer(const Params& p, u8* smem, i64 row, int tile_begin, int num_tiles, int ptid) {
+    const int warp = ptid >> 5, lane = ptid & 31;
+    u8* const raw = smem + SM_RAW;
+    const u32* const scale_pairs = reinterpret_cast<const u32*>(smem + SM_SCALES);
+    u32* const tile_masks = reinterpret_cast<u32*>(smem + SM_TILE_MASK);
+    u32* const unit_masks = reinterpret_cast<u32*>(smem + SM_UNIT_MASK);
+    const u32 bars = shared_address(smem + SM_BARRIERS);
+    const int units = 2 * num_tiles;
+    const i64 swa_live = live_count(p.swa.lens, p.swa.k, row), extra_live = live_count(p.extra.lens, p.extra.k, row);
+
+    // Dequantization: token t of a unit (8 a warp), chunks 4 i + c0 (i = 0..15) of its row.
+    const int t = warp * 8 + (lane & 7), c0 = lane >> 3;
+    // Every thread gathers a quarter of token t's record: the slots of units 0 and 1 now, of
+    // u + 2 and u + 3 in flight while unit u is dequantized.
+    const i64 first = static_cast<i64>(tile_begin) * BN + t;  // this thread's entry in unit 0
+#define GATHER(unit, slot) gather_unit(p, first + (unit) * UNIT, slot, raw + ((unit) & 1) * UNIT * RAW_STRIDE, \
+                                       unit_masks + ((unit) & 1), bars + (BAR_RAW + ((unit) & 1)) * 8, t, c0, warp, lane)
+    i64 slot_a = -1, slot_b = -1;
+    if (units > 0) {
+        const i64 s0 = load_slot(p, row, first, swa_live, extra_live);
+        const i64 s1 = units > 1 ? load_slot(p, row, first + UNIT, swa_live, extra_live) : -1;
+        if (units > 2) slot_a = load_slot(p, row, first + 2 * UNIT, swa_live, extra_live);
+        if (units > 3) slot_b = load_slot(p, row, first + 3 * UNIT, swa_live, extra_live);
+        GATHER(0, s0);
+        if (units > 1) GATHER(1, s1);
+    }
+
+    for (int u = 0; u < units; ++u) {
+        const int half = u & 1, tile = u >> 1, b = tile & 1;
+        if (half == 0) mbar_wait(bars + (BAR_EMPTY + b) * 8, ((tile >> 1) & 1) ^ 1);  // the consumers are done with buffer b
+        mbar_wait(bars + (BAR_RAW + half) * 8, (u >> 1) & 1);                          // the unit's records are in
+        const u32 mask = unit_masks[half];
+        if (ptid == 0) tile_masks[b * 2 + half] = mask;
+        const u8* record = raw + half * UNIT * RAW_STRIDE + t * RAW_STRIDE;
+        u8* const dst = smem + SM_KV + b * KV_BYTES + (half * UNIT + t) * 16;
+        if ((mask >> t) & 1u) {
+            dequantize_part(record, scale_pairs, c0, dst);
+        } else {
+#pragma unroll
+            for (int i = 0; i < CHUNKS / 4; ++i)
+                *reinterpret_cast<uint4*>(dst + (4 * i + c0) * GROUP_STRIDE) = make_uint4(0u, 0u, 0u, 0u);
+        }
+        if (half == 1) {  // the tile is complete: publish it to the consumers' wgmma (async proxy)
+            fence_proxy_async();
+            mbar_arrive(bars + (BAR_FULL + b) * 8);
+        }
+        named_barrier(2, 128);  // every producer thread is done with raw unit `half`
+        if (u + 2 < units) {
+            GATHER(u + 2, slot_a);
+            slot_a = slot_b;
+            slot_b = u + 4 < units ? load_slot(p, row, first + (u + 4) * UNIT, swa_live, extra_live) : -1;
+        }
+    }
+#undef GATHER
+}
+
+// ---------------------------------------------------------------- the consumers
+
+// Q of the block's heads into shared memory (both consumers, ctid 0..255): 16-byte chunks (head
+// h, dims 8c..8c+7) at c * 1024 + h * 16; heads past num_heads are zero rows.
+__device__ __forceinline__ void load_q(const Params& p, u8* smem, i64 row, i64 head0, int ctid) {
+    const int warp = ctid >> 5, lane = ctid & 31;
+#pragma unroll 4
+    for (int i = 0; i < HT * CHUNKS / 256; ++i) {  // 16 warp-steps of 8 heads x 4 chunks
+        const int pair = i * 8 + warp, h = (pair & 7) * 8 + (lane & 7), c = (pair >> 3) * 4 + (lane >> 3);
+        u8* const dst = smem + SM_Q + c * Q_GROUP_STRIDE + h * 16;
+        const i64 head = head0 + h;
+        if (head < p.num_heads)
+            cp_async16(dst, p.q + (row * p.num_heads + head) * HEAD_DIM + c * 8);
+        else
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    cp_async_wait_all();
+    fence_proxy_async();  // Q is read by wgmma
+}
+
+// Consumer 0: S, the softmax, P, and O over dims 0..255. Returns through the block's outputs.
+__device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int num_tiles,
+                                          int tid) {
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
+    const int row_lo = warp * 16 + g, row_hi = row_lo + 8;  // the thread's rows of every fragment
+    const u32 bars = shared_address(smem + SM_BARRIERS);
+    const u32* const tile_masks = reinterpret_cast<const u32*>(smem + SM_TILE_MASK);
+    float* const alphas = reinterpret_cast<float*>(smem + SM_ALPHA);
+    float* const factors = reinterpret_cast<float*>(smem + SM_FACTOR);
+    u8* const sp = smem + SM_P;
+    const float score_scale = static_cast<float>(p.score_scale);
+    const u32 base = shared_address(smem);
+    const u64 desc_q = matrix_descriptor(base + SM_Q, Q_GROUP_STRIDE, 128);
+    const u64 desc_k0 = matrix_descriptor(base + SM_KV, GROUP_STRIDE, 128);
+    const u64 desc_v0 = matrix_descriptor(base + SM_KV, 128, GROUP_STRIDE);
+    constexpr u64 KV_STEP = KV_BYTES >> 4, QK_K_STEP = (2 * GROUP_STRIDE) >> 4, PV_K_STEP = (16 * 16) >> 4;
+
+    float o[4 * O_BLOCKS];
+#pragma unroll
+    for (int i = 0; i < 4 * O_BLOCKS; ++i) o[i] = 0.0f;
+    float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.0f, l_hi = 0.0f;
+    load_q(p, smem, row, head0, tid);
+    named_barrier(1, 256);
+
+    int processed = 0;
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        const int b = tile & 1;
+        mbar_wait(bars + (BAR_FULL + b) * 8, (tile >> 1) & 1);
+        const u64 live = tile_masks[2 * b] | static_cast<u64>(tile_masks[2 * b + 1]) << 32;
+        if (live == 0) {  // warpgroup-uniform: nothing live, nothing to add
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bars + (BAR_EMPTY + b) * 8);
+            continue;
+        }
+
+        // S = Q.K^T: 32 k-steps of 16 dims.
+        float s[4 * S_BLOCKS];
+#pragma unroll
+        for (int i = 0; i < 4 * S_BLOCKS; ++i) s[i] = 0.0f;
+        fence_registers(s);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < QK_STEPS; ++k) wgmma_m64n64<0>(s, desc_q + k * QK_K_STEP, desc_k0 + b * KV_STEP + k * QK_K_STEP, 1);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_registers(s);
+
+        // The online softmax of rows lo (elements 0, 1 of an n-block) and hi (2, 3); the quad's 4
+        // lanes hold a row's 64 tokens, n-block j tokens 8 j + 2 quad + {0, 1}.
+#pragma unroll
+        for (int j = 0; j < S_BLOCKS; ++j) {
+            const bool live0 = (live >> (8 * j + 2 * quad)) & 1u, live1 = (live >> (8 * j + 2 * quad + 1)) & 1u;
+            s[4 * j + 0] = live0 ? s[4 * j + 0] * score_scale : neg_inf();
+            s[4 * j + 1] = live1 ? s[4 * j + 1] * score_scale : neg_inf();
+            s[4 * j + 2] = live0 ? s[4 * j + 2] * score_scale : neg_inf();
+            s[4 * j + 3] = live1 ? s[4 * j + 3] * score_scale : neg_inf();
+        }
+        float max_lo = fmaxf(s[0], s[1]), max_hi = fmaxf(s[2], s[3]);
+#pragma unroll
+        for (int j = 1; j < S_BLOCKS; ++j) {
+            max_lo = fmaxf(max_lo, fmaxf(s[4 * j], s[4 * j + 1]));
+            max_hi = fmaxf(max_hi, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+        }
+#pragma unroll
+        for (int x = 1; x <= 2; x <<= 1) {
+            max_lo = fmaxf(max_lo, __shfl_xor_sync(NVFP4_FULL_MASK, max_lo, x));
+            max_hi = fmaxf(max_hi, __shfl_xor_sync(NVFP4_FULL_MASK, max_hi, x));
+        }
+        const bool move_lo = max_lo > m_lo + RESCALE_SLACK, move_hi = max_hi > m_hi + RESCALE_SLACK;
+        const float new_lo = move_lo ? max_lo : m_lo, new_hi = move_hi ? max_hi : m_hi;
+        const float base_lo = new_lo == neg_inf() ? 0.0f : new_lo;  // nothing live yet: every p and alpha is 0
+        const float base_hi = new_hi == neg_inf() ? 0.0f : new_hi;
+        u32 pa[PV_STEPS][4];  // P as the A operands of the P.V k-steps (tokens 16 k .. 16 k + 15)
+        float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+        for (int j = 0; j < S_BLOCKS; ++j) {
+            const float p0 = exp2_approx(s[4 * j + 0] - base_lo), p1 = exp2_approx(s[4 * j + 1] - base_lo);
+            const float p2 = exp2_approx(s[4 * j + 2] - base_hi), p3 = exp2_approx(s[4 * j + 3] - base_hi);
+            sum_lo += p0 + p1;
+            sum_hi += p2 + p3;
+            // p is never NaN for finite or -inf scores: the plain conversion.
+            pa[j / 2][(j & 1) * 2] = bf16x2_rn(p0, p1);      // row lo, tokens 8 j + 2 quad + {0, 1}
+            pa[j / 2][(j & 1) * 2 + 1] = bf16x2_rn(p2, p3);  // row hi
+        }
+#pragma unroll
+        for (int x = 1; x <= 2; x <<= 1) {
+            sum_lo += __shfl_xor_sync(NVFP4_FULL_MASK, sum_lo, x);
+            sum_hi += __shfl_xor_sync(NVFP4_FULL_MASK, sum_hi, x);
+        }
+        const float alpha_lo = move_lo ? exp2_approx(m_lo - base_lo) : 1.0f;
+        const float alpha_hi = move_hi ? exp2_approx(m_hi - base_hi) : 1.0f;
+        m_lo = new_lo;
+        m_hi = new_hi;
+        l_lo = l_lo * alpha_lo + sum_lo;
+        l_hi = l_hi * alpha_hi + sum_hi;
+
+        // P and the rescale factors for consumer 1 (once it is done with the last ones).
+        mbar_wait(bars + BAR_P_EMPTY * 8, (processed & 1) ^ 1);
+#pragma unroll
+        for (int j = 0; j < S_BLOCKS; ++j) {
+            u8* const at = sp + j * P_GROUP_STRIDE + quad * 4;
+            *reinterpret_cast<u32*>(at + row_lo * 16) = pa[j / 2][(j & 1) * 2];
+            *reinterpret_cast<u32*>(at + row_hi * 16) = pa[j / 2][(j & 1) * 2 + 1];
+        }
+        if (quad == 0) {
+            alphas[row_lo] = alpha_lo;
+            alphas[row_hi] = alpha_hi;
+        }
+        fence_proxy_async();
+        mbar_arrive(bars + BAR_P_FULL * 8);
+
+        // O[:, 0:256] += P.V.
+        if (__any_sync(NVFP4_FULL_MASK, move_lo || move_hi)) {  // rare once the max settles
+#pragma unroll
+            for (int j = 0; j < O_BLOCKS; ++j) {
+                o[4 * j + 0] *= alpha_lo;
+                o[4 * j + 1] *= alpha_lo;
+                o[4 * j + 2] *= alpha_hi;
+                o[4 * j + 3] *= alpha_hi;
+            }
+        }
+        fence_registers(o);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < PV_STEPS; ++k) wgmma_m64n256_rs<1>(o, pa[k], desc_v0 + b * KV_STEP + k * PV_K_STEP, 1);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_registers(o);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bars + (BAR_EMPTY + b) * 8);
+        ++processed;
+    }
+
+    // The rows' factors for consumer 1, then this half of the outputs.
+    const i64 num_heads = p.num_heads, num_splits = p.num_splits;
+    float factor_lo = 0.0f, factor_hi = 0.0f, lse_lo = 0.0f, lse_hi = 0.0f;
+    if (num_splits == 1) {
+        lse_lo = row_lse(m_lo, l_lo);
+        lse_hi = row_lse(m_hi, l_hi);
+        if (head0 + row_lo < num_heads) factor_lo = output_factor(l_lo, lse_lo, p.sinks, head0 + row_lo);
+        if (head0 + row_hi < num_heads) factor_hi = output_factor(l_hi, lse_hi, p.sinks, head0 + row_hi);
+        if (quad == 0) {
+            factors[row_lo] = factor_lo;
+            factors[row_hi] = factor_hi;
+        }
+    }
+    named_barrier(1, 256);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const i64 head = head0 + (half ? row_hi : row_lo);
+        if (head >= num_heads) continue;
+        if (num_splits == 1) {
+            const float factor = half ? factor_hi : factor_lo;
+            u32* out = p.out + ((row * num_heads + head) * HEAD_DIM + quad * 2) / 2;
+#pragma unroll
+            for (int j = 0; j < O_BLOCKS; ++j) out[j * 4] = bf16x2_bits(o[4 * j + 2 * half] * factor, o[4 * j + 2 * half + 1] * factor);
+            if (quad == 0) p.lse[row * num_heads + head] = half ? lse_hi : lse_lo;
+        } else {
+            const i64 entry = (row * num_heads + head) * num_splits + split;
+            float* out = p.partial_o + entry * HEAD_DIM + quad * 2;
+#pragma unroll
+            for (int j = 0; j < O_BLOCKS; ++j)
+                *reinterpret_cast<float2*>(out + j * 8) = make_float2(o[4 * j + 2 * half], o[4 * j + 2 * half + 1]);
+            if (quad == 0) reinterpret_cast<float2*>(p.partial_ml)[entry] = half ? make_float2(m_hi, l_hi) : make_float2(m_lo, l_lo);
+        }
+    }
+}
+
+// Consumer 1: O over dims 256..511 with consumer 0's P and rescale factors.
+__device__ __forceinline__ void consumer1(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int num_tiles,
+                                          int tid) {
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
+    const int row_lo = warp * 16 + g, row_hi = row_lo + 8;
+    const u32 bars = shared_address(smem + SM_BARRIERS);
+    const u32* const tile_masks = reinterpret_cast<const u32*>(smem + SM_TILE_MASK);
+    const float* const alphas = reinterpret_cast<const float*>(smem + SM_ALPHA);
+    const float* const factors = reinterpret_cast<const float*>(smem + SM_FACTOR);
+    const u32 base = shared_address(smem);
+    const u64 desc_p = matrix_descriptor(base + SM_P, P_GROUP_STRIDE, 128);
+    const u64 desc_v0 = matrix_descriptor(base + SM_KV + HALF_DIMS / 8 * GROUP_STRIDE, 128, GROUP_STRIDE);
+    constexpr u64 KV_STEP = KV_BYTES >> 4, P_K_STEP = (2 * P_GROUP_STRIDE) >> 4, PV_K_STEP = (16 * 16) >> 4;
+
+    float o[4 * O_BLOCKS];
+#pragma unroll
+    for (int i = 0; i < 4 * O_BLOCKS; ++i) o[i] = 0.0f;
+    load_q(p, smem, row, head0, tid + 128);
+    named_barrier(1, 256);
+
+    int processed = 0;
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        const int b = tile & 1;
+        mbar_wait(bars + (BAR_FULL + b) * 8, (tile >> 1) & 1);
+        const u64 live = tile_masks[2 * b] | static_cast<u64>(tile_masks[2 * b + 1]) << 32;
+        if (live == 0) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bars + (BAR_EMPTY + b) * 8);
+            continue;
+        }
+        mbar_wait(bars + BAR_P_FULL * 8, processed & 1);
+        const float alpha_lo = alphas[row_lo], alpha_hi = alphas[row_hi];
+        if (__any_sync(NVFP4_FULL_MASK, alpha_lo != 1.0f || alpha_hi != 1.0f)) {
+#pragma unroll
+            for (int j = 0; j < O_BLOCKS; ++j) {
+                o[4 * j + 0] *= alpha_lo;
+                o[4 * j + 1] *= alpha_lo;
+                o[4 * j + 2] *= alpha_hi;
+                o[4 * j + 3] *= alpha_hi;
+            }
+        }
+        fence_registers(o);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < PV_STEPS; ++k)
+            wgmma_m64n256_ss<1>(o, desc_p + k * P_K_STEP, desc_v0 + b * KV_STEP + k * PV_K_STEP, 1);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_registers(o);
+        mbar_arrive(bars + BAR_P_EMPTY * 8);  // every thread: its reads of the factors come before consumer 0's next writes
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bars + (BAR_EMPTY + b) * 8);
+        ++processed;
+    }
+
+    const i64 num_heads = p.num_heads, num_splits = p.num_splits;
+    named_barrier(1, 256);  // consumer 0's factors
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = half ? row_hi : row_lo;
+        const i64 head = head0 + r;
+        if (head >= num_heads) continue;
+        if (num_splits == 1) {
+            const float factor = factors[r];
+            u32* out = p.out + ((row * num_heads + head) * HEAD_DIM + HALF_DIMS + quad * 2) / 2;
+#pragma unroll
+            for (int j = 0; j < O_BLOCKS; ++j) out[j * 4] = bf16x2_bits(o[4 * j + 2 * half] * factor, o[4 * j + 2 * half + 1] * factor);
+        } else {
+            const i64 entry = (row * num_heads + head) * num_splits + split;
+            float* out = p.partial_o + entry * HEAD_DIM + HALF_DIMS + quad * 2;
+#pragma unroll
+            for (int j = 0; j < O_BLOCKS; ++j)
+                *reinterpret_cast<float2*>(out + j * 8) = make_float2(o[4 * j + 2 * half], o[4 * j + 2 * half + 1]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) nvfp4_mla_decode_sm90(const Params p) {
+    extern __shared__ __align__(128) u8 smem[];
+    const int tid = threadIdx.x;
+    const i64 num_heads = p.num_heads, num_splits = p.num_splits;
+    const i64 head_tiles = (num_heads + HT - 1) / HT;
+    const i64 head0 = static_cast<i64>(blockIdx.x % head_tiles) * HT;
+    const i64 split = static_cast<i64>(blockIdx.x / head_tiles) % num_splits;
+    const i64 row = static_cast<i64>(blockIdx.x / head_tiles) / num_splits;  // batch * q_len + position
+    // Tile indices fit an int: the host caps a table's width (validation.decode).
+    const int total_tiles = static_cast<int>((p.swa.k + p.extra.k + BN - 1) / BN);
+    const int tile_begin = static_cast<int>(split * p.tiles_per_split);
+    const int num_tiles = max(min(tile_begin + static_cast<int>(p.tiles_per_split), total_tiles) - tile_begin, 0);
+
+    u32* const scale_pairs = reinterpret_cast<u32*>(smem + SM_SCALES);
+    for (int byte = tid; byte < 256; byte += THREADS) scale_pairs[byte] = e4m3_bf16x2(byte);
+    if (tid == 0) {
+        const u32 bars = shared_address(smem + SM_BARRIERS);
+        mbar_init(bars + (BAR_FULL + 0) * 8, 128);
+        mbar_init(bars + (BAR_FULL + 1) * 8, 128);
+        mbar_init(bars + (BAR_EMPTY + 0) * 8, 8);
+        mbar_init(bars + (BAR_EMPTY + 1) * 8, 8);
+        mbar_init(bars + (BAR_RAW + 0) * 8, RAW_ARRIVALS);
+        mbar_init(bars + (BAR_RAW + 1) * 8, RAW_ARRIVALS);
+        mbar_init(bars + BAR_P_FULL * 8, 128);
+        mbar_init(bars + BAR_P_EMPTY * 8, 128);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    const int warpgroup = tid >> 7;
+    if (warpgroup == 2) {
+        regs_decrease<REGS_PRODUCER>();
+        producer(p, smem, row, tile_begin, num_tiles, tid - 256);
+    } else if (warpgroup == 0) {
+        regs_increase<REGS_CONSUMER0>();
+        consumer0(p, smem, row, head0, split, num_tiles, tid);
+    } else {
+        regs_decrease<REGS_CONSUMER1>();
+        consumer1(p, smem, row, head0, split, num_tiles, tid - 128);
+    }
+}
