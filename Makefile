@@ -1,27 +1,44 @@
-# The two commands a new user runs: `make demo` and `make test`. Each makes .venv when missing.
+# The two commands a new user runs: `make demo` and `make test`. Each makes .venv when missing and
+# installs only what it needs, with pip's progress shown; `make test` after `make demo` adds the rest.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# setuptools' note that an editable install goes through a meta path finder is information, not
+# something to act on: left out of the log.
+PIP := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install
 # CPU torch from this machine's local wheel: an unpinned torch would pull a multi-GB CUDA build.
+# Elsewhere, without a GPU: make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX ?=
 CUPY_EXTRA ?= cu12
 
 .PHONY: venv demo test gpu-check bench clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+# The demo's venv: the package and torch (about 1 GB), plus CuPy and NVRTC ([$(CUPY_EXTRA)]) only
+# where `nvidia-smi -L` finds a GPU that can use them.
+GPU_EXTRA = $(shell nvidia-smi -L >/dev/null 2>&1 && echo "[$(CUPY_EXTRA)]")
+
+$(VENV)/.demo-installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test,$(CUPY_EXTRA)]"
+	$(PIP) --upgrade pip
+	@echo "Installing $(TORCH_PIN) and nvfp4-mla$(GPU_EXTRA) into $(VENV) (about 1 GB unpacked)"
+	@$(if $(GPU_EXTRA),,echo "No GPU (nvidia-smi -L): CuPy and NVRTC left out; make test adds them")
+	$(PIP) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_PIN)" -e ".$(GPU_EXTRA)"
 	touch $@
 
-venv: $(VENV)/.installed
+# The tests' venv adds [$(CUPY_EXTRA)] on every machine (NVRTC compiling every kernel is the CPU
+# suite's check of the kernels) and the test and lint tools.
+$(VENV)/.test-installed: $(VENV)/.demo-installed pyproject.toml Makefile
+	$(PIP) -e ".[test,$(CUPY_EXTRA)]"
+	touch $@
 
-demo: venv
+venv: $(VENV)/.demo-installed
+
+demo: $(VENV)/.demo-installed
 	$(PY) -m nvfp4_mla demo
 
 # Lint, format, types, then the tests (GPU tests skip with their reason on a machine without one).
-test: venv
+test: $(VENV)/.test-installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy

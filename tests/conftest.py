@@ -1,6 +1,8 @@
 """Shared fixtures. GPU tests carry ``@pytest.mark.gpu`` and skip, with the reason, without a usable GPU."""
 
+import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """-ra's skip lines, one per reason with its count: pytest folds skips by file and line, so
+    the GPU marker alone made dozens of lines. Runs before pytest's short summary, which prints
+    them; ``-v`` keeps pytest's own lines (each file and line)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if config.get_verbosity() > 0 or not skipped:
+        return
+    by_reason: dict[str, list] = {}
+    for report in skipped:
+        if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+            by_reason.setdefault(report.longrepr[2], []).append(report)
+    for reason, reports in by_reason.items():
+        files = sorted({Path(report.longrepr[0]) for report in reports})
+        where, note = (files[0], "") if len(files) == 1 else (Path(os.path.commonpath(files)), f" ({len(files)} files)")
+        for report in reports:
+            report.longrepr = (str(where), None, reason + note)
 
 
 @pytest.fixture
