@@ -391,6 +391,32 @@ __device__ __forceinline__ void producer(const Params& p, u8* smem, i64 row, int
 
 // ---------------------------------------------------------------- the consumers
 
+// A consumer waits until the producer has filled K/V buffer tile & 1 with `tile`, and gets the
+// tile's live tokens (a bit each).
+__device__ __forceinline__ u64 acquire_tile(u32 bars, const u32* tile_masks, int tile) {
+    const int b = tile & 1;
+    mbar_wait(bars + (BAR_FULL + b) * 8, (tile >> 1) & 1);
+    return tile_masks[2 * b] | static_cast<u64>(tile_masks[2 * b + 1]) << 32;
+}
+
+// A consumer warp is done with K/V buffer b: one arrival a warp for the producer.
+__device__ __forceinline__ void release_tile(u32 bars, int b, int lane) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bars + (BAR_EMPTY + b) * 8);
+}
+
+// Scales a consumer's output rows g and g + 8 (its accumulators of the C fragment layout: rows
+// g in elements 0, 1 of each 4, g + 8 in 2, 3) by their rescale factors (the softmax base moved).
+__device__ __forceinline__ void rescale_rows(float (&o)[4 * O_BLOCKS], float alpha_lo, float alpha_hi) {
+#pragma unroll
+    for (int j = 0; j < O_BLOCKS; ++j) {
+        o[4 * j + 0] *= alpha_lo;
+        o[4 * j + 1] *= alpha_lo;
+        o[4 * j + 2] *= alpha_hi;
+        o[4 * j + 3] *= alpha_hi;
+    }
+}
+
 // Q of the block's heads into shared memory (both consumers, ctid 0..255): 16-byte chunks (head
 // h, dims 8c..8c+7) at c * 1024 + h * 16; heads past num_heads are zero rows.
 __device__ __forceinline__ void load_q(const Params& p, u8* smem, i64 row, i64 head0, int ctid) {
@@ -436,11 +462,9 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
     int processed = 0;
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int b = tile & 1;
-        mbar_wait(bars + (BAR_FULL + b) * 8, (tile >> 1) & 1);
-        const u64 live = tile_masks[2 * b] | static_cast<u64>(tile_masks[2 * b + 1]) << 32;
+        const u64 live = acquire_tile(bars, tile_masks, tile);
         if (live == 0) {  // warpgroup-uniform: nothing live, nothing to add
-            __syncwarp();
-            if (lane == 0) mbar_arrive(bars + (BAR_EMPTY + b) * 8);
+            release_tile(bars, b, lane);
             continue;
         }
 
@@ -521,15 +545,8 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
         mbar_arrive(bars + BAR_P_FULL * 8);
 
         // O[:, 0:256] += P.V.
-        if (__any_sync(NVFP4_FULL_MASK, move_lo || move_hi)) {  // rare once the max settles
-#pragma unroll
-            for (int j = 0; j < O_BLOCKS; ++j) {
-                o[4 * j + 0] *= alpha_lo;
-                o[4 * j + 1] *= alpha_lo;
-                o[4 * j + 2] *= alpha_hi;
-                o[4 * j + 3] *= alpha_hi;
-            }
-        }
+        // Rare once the max settles.
+        if (__any_sync(NVFP4_FULL_MASK, move_lo || move_hi)) rescale_rows(o, alpha_lo, alpha_hi);
         fence_registers(o);
         wgmma_fence();
 #pragma unroll
@@ -537,8 +554,7 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
         wgmma_commit();
         wgmma_wait_all();
         fence_registers(o);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bars + (BAR_EMPTY + b) * 8);
+        release_tile(bars, b, lane);
         ++processed;
     }
 
@@ -600,24 +616,14 @@ __device__ __forceinline__ void consumer1(const Params& p, u8* smem, i64 row, i6
     int processed = 0;
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int b = tile & 1;
-        mbar_wait(bars + (BAR_FULL + b) * 8, (tile >> 1) & 1);
-        const u64 live = tile_masks[2 * b] | static_cast<u64>(tile_masks[2 * b + 1]) << 32;
+        const u64 live = acquire_tile(bars, tile_masks, tile);
         if (live == 0) {
-            __syncwarp();
-            if (lane == 0) mbar_arrive(bars + (BAR_EMPTY + b) * 8);
+            release_tile(bars, b, lane);
             continue;
         }
         mbar_wait(bars + BAR_P_FULL * 8, processed & 1);
         const float alpha_lo = alphas[row_lo], alpha_hi = alphas[row_hi];
-        if (__any_sync(NVFP4_FULL_MASK, alpha_lo != 1.0f || alpha_hi != 1.0f)) {
-#pragma unroll
-            for (int j = 0; j < O_BLOCKS; ++j) {
-                o[4 * j + 0] *= alpha_lo;
-                o[4 * j + 1] *= alpha_lo;
-                o[4 * j + 2] *= alpha_hi;
-                o[4 * j + 3] *= alpha_hi;
-            }
-        }
+        if (__any_sync(NVFP4_FULL_MASK, alpha_lo != 1.0f || alpha_hi != 1.0f)) rescale_rows(o, alpha_lo, alpha_hi);
         fence_registers(o);
         wgmma_fence();
 #pragma unroll
@@ -627,8 +633,7 @@ __device__ __forceinline__ void consumer1(const Params& p, u8* smem, i64 row, i6
         wgmma_wait_all();
         fence_registers(o);
         mbar_arrive(bars + BAR_P_EMPTY * 8);  // every thread: its reads of the factors come before consumer 0's next writes
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bars + (BAR_EMPTY + b) * 8);
+        release_tile(bars, b, lane);
         ++processed;
     }
 

@@ -166,10 +166,10 @@ LAYOUT = validation.CacheLayout(4, 128, 128 * 384)
 def test_a_library_plans_with_its_cache_and_tune_in_its_own_table(kv_rows_per_warp):
     cache = _RecordingCache()
     tune = None if kv_rows_per_warp is None else (lambda s: s._replace(kv_rows_per_warp=kv_rows_per_warp))
-    library = nvfp4_mla.KernelLibrary(cache, tune=tune)  # type: ignore[arg-type]
+    library = nvfp4_mla.KernelLibrary(cache, tune=tune)
     spec = WriterSpec.kv(128, torch.int64, 2)
     shipped = dict(ops.DEFAULT.plans)
-    plan = writers._plan(library, ("signature",), 5, spec, None, LAYOUT, 0, 0, 10)  # type: ignore[arg-type]
+    plan = writers._plan(library, ("signature",), 5, spec, None, LAYOUT, 0, 0, 10)
     assert library.plans == {("signature",): plan} and ops.DEFAULT.plans == shipped
     expected = spec if kv_rows_per_warp is None else spec._replace(kv_rows_per_warp=kv_rows_per_warp)
     assert plan.launch.func == STAND_IN.launch and cache.bound == [(5, expected)]
@@ -189,10 +189,10 @@ def test_a_library_plans_with_its_writer_grid():
 def test_a_plan_with_nothing_to_launch_has_no_launch():
     """Even when the kernel is already loaded: a grid of 0 blocks is a launch error."""
     cache = _RecordingCache()
-    library = nvfp4_mla.KernelLibrary(cache)  # type: ignore[arg-type]
+    library = nvfp4_mla.KernelLibrary(cache)
     spec = WriterSpec.kv(128, torch.int64, 2)
-    work = writers._plan(library, ("some",), 5, spec, None, LAYOUT, 0, 0, 10)  # type: ignore[arg-type]
-    empty = writers._plan(library, ("none",), 5, spec, None, LAYOUT, 0, 0, 0)  # type: ignore[arg-type]
+    work = writers._plan(library, ("some",), 5, spec, None, LAYOUT, 0, 0, 10)
+    empty = writers._plan(library, ("none",), 5, spec, None, LAYOUT, 0, 0, 0)
     assert work.launch.func == STAND_IN.launch and empty.launch is None and len(cache.bound) == 1
 
 

@@ -294,6 +294,20 @@ def test_decode_shapes_of_the_benchmark(backend, seed):
 # ---------------------------------------------------------------- head tiles and splits
 
 
+def split_case(seed, heads, extra_k):
+    """Batch 2, q_len 2: a window of 128 with lengths and an extra pool of ``extra_k`` (int32
+    slots), both with invalid slots, and sinks; with the float64 answer."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(16, 64, g), Pool(16, 16, g)
+    pools = [
+        (swa, swa.slots((2, 2, 128), g, invalid=0.1), lengths(2, 2, 128, g)),
+        (extra, extra.slots((2, 2, extra_k), g, torch.int32, invalid=0.1), None),
+    ]
+    q = queries(2, 2, heads, g)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    return q, pools, sinks, exact(q, pools, sinks=sinks)
+
+
 def planned(q, pools, head_tile, num_splits, sinks=None):
     """The decode with a forced head tile and split count, and its plan."""
     library = nvfp4_mla.KernelLibrary(decode_head_tile=head_tile, decode_splits=num_splits)
@@ -308,16 +322,7 @@ def test_every_head_tile_and_split(seed, heads, head_tile):
     """Both epilogues (direct, and partials + combine) for each head tile, heads not a multiple of it."""
     if not head_tile_fits(head_tile):
         pytest.skip(f"this GPU's blocks cannot hold the shared memory of {head_tile} heads")
-    g = torch.Generator().manual_seed(seed)
-    swa, extra = Pool(16, 64, g), Pool(16, 16, g)
-    batch, q_len = 2, 2
-    pools = [
-        (swa, swa.slots((batch, q_len, 128), g, invalid=0.1), lengths(batch, q_len, 128, g)),
-        (extra, extra.slots((batch, q_len, 200), g, torch.int32, invalid=0.1), None),
-    ]
-    q = queries(batch, q_len, heads, g)
-    sinks = torch.randn(heads, generator=g).to(DEVICE)
-    want = exact(q, pools, sinks=sinks)
+    q, pools, sinks, want = split_case(seed, heads, 200)
     num_tiles = -(-328 // decode_mma.BLOCK_N)  # 11: splits of 6, 3 and 1 tiles below
     for num_splits in (1, 2, 4, num_tiles):
         plan, got = planned(q, pools, head_tile, num_splits, sinks)
@@ -357,21 +362,12 @@ def test_split_runs_are_bitwise_reproducible(backend, seed):
 def test_every_backend_with_every_split(seed, heads):
     """Each backend of this GPU, forced, over 1 to many splits (both epilogues), heads that do not
     fill its head tile, both pools with lengths and invalid slots."""
-    g = torch.Generator().manual_seed(seed)
-    swa, extra = Pool(16, 64, g), Pool(16, 16, g)
-    batch, q_len = 2, 2
-    pools = [
-        (swa, swa.slots((batch, q_len, 128), g, invalid=0.1), lengths(batch, q_len, 128, g)),
-        (extra, extra.slots((batch, q_len, 300), g, torch.int32, invalid=0.1), None),
-    ]
-    q = queries(batch, q_len, heads, g)
-    sinks = torch.randn(heads, generator=g).to(DEVICE)
-    want = exact(q, pools, sinks=sinks)
+    q, pools, sinks, want = split_case(seed, heads, 300)
     gpu = device_info(q.get_device())
     for name in [n for n, b in decode.BACKENDS.items() if b.supports(gpu.capability)]:
         for num_splits in (1, 2, 3, 7):
             library = nvfp4_mla.KernelLibrary(decode_backend=name, decode_splits=num_splits)
-            plan = decode.plan(library, q.get_device(), heads, batch * q_len, 128, 300)
+            plan = decode.plan(library, q.get_device(), heads, 4, 128, 300)  # batch 2 x q_len 2
             assert plan.backend == name and (plan.combine is None) == (plan.num_splits == 1)
             check(run(q, pools, sinks=sinks, library=library), want, f"{name}, heads {heads}, {num_splits} splits")
 

@@ -5,17 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import abi
-from .common import (
-    SLOT_DTYPES,
-    CacheLayout,
-    check_aligned,
-    check_cache,
-    check_device,
-    check_mutable,
-    check_out_disjoint,
-    check_tensors,
-    fail,
-)
+from . import common
 
 READ_DTYPES = (torch.float32, torch.bfloat16)  # what the reader returns
 
@@ -23,7 +13,7 @@ READ_DTYPES = (torch.float32, torch.bfloat16)  # what the reader returns
 def check_read_dtype(dtype: object) -> None:
     """The reader's output dtype (also what precompile's Geometry("read") checks)."""
     if dtype not in READ_DTYPES:
-        fail(f"dtype must be torch.float32 or torch.bfloat16 (both hold every value exactly), got {dtype!r}")
+        common.fail(f"dtype must be torch.float32 or torch.bfloat16 (both hold every value exactly), got {dtype!r}")
 
 
 def check_dequantize(
@@ -33,40 +23,40 @@ def check_dequantize(
     invalid: object,
     out: torch.Tensor | None,
     need_cuda: bool,
-) -> CacheLayout:
+) -> common.CacheLayout:
     """``nvfp4_dequantize_sparse_mla_cache``. Its output is ``slots.shape + (512,)``, or
     ``[num_pages * page_size, 512]`` for ``slots=None``."""
-    layout = check_cache(cache)  # checks that it is a tensor
+    layout = common.check_cache(cache)  # checks that it is a tensor
     tensors, names = [cache], ["cache"]
     if slots is None:
         out_shape: tuple[int, ...] = (layout.num_pages * layout.page_size, abi.HEAD_DIM)
     else:
         if not isinstance(slots, torch.Tensor):  # on every decode step: the loop only when it fails
-            check_tensors((slots,), ("slots",))
-        if slots.dtype not in SLOT_DTYPES:
-            fail(f"slots must have dtype torch.int32 or torch.int64, got {slots.dtype}")
+            common.check_tensors((slots,), ("slots",))
+        if slots.dtype not in common.SLOT_DTYPES:
+            common.fail(f"slots must have dtype torch.int32 or torch.int64, got {slots.dtype}")
         if not slots.is_contiguous():
-            fail("slots must be contiguous (pass slots.contiguous())")
+            common.fail("slots must be contiguous (pass slots.contiguous())")
         tensors.append(slots)
         names.append("slots")
         out_shape = (*slots.shape, abi.HEAD_DIM)
     check_read_dtype(dtype)
     if type(invalid) not in (float, int):
-        fail(f"invalid must be a Python float (the value of the rows of invalid slots), got {invalid!r}")
+        common.fail(f"invalid must be a Python float (the value of the rows of invalid slots), got {invalid!r}")
     if out is not None:
         if not isinstance(out, torch.Tensor):
-            check_tensors((out,), ("out",))
+            common.check_tensors((out,), ("out",))
         if out.dtype != dtype:
-            fail(f"out must have the dtype asked for ({dtype}), got {out.dtype}")
+            common.fail(f"out must have the dtype asked for ({dtype}), got {out.dtype}")
         if tuple(out.shape) != out_shape:
-            fail(f"out must be slots.shape + (512,) = {list(out_shape)}, got {list(out.shape)}")
+            common.fail(f"out must be slots.shape + (512,) = {list(out_shape)}, got {list(out.shape)}")
         if not out.is_contiguous():
-            fail("out must be contiguous")
-        check_mutable(out, "out")
+            common.fail("out must be contiguous")
+        common.check_mutable(out, "out")
         tensors.append(out)
         names.append("out")
-    check_device(tuple(tensors), tuple(names), need_cuda)
-    check_aligned((cache,) if out is None else (cache, out), ("cache", "out"))
+    common.check_device(tuple(tensors), tuple(names), need_cuda)
+    common.check_aligned((cache,) if out is None else (cache, out), ("cache", "out"))
     if out is not None:
-        check_out_disjoint(out, tuple(tensors[1:-1]), tuple(names[1:-1]), ((cache, layout, "cache"),))
+        common.check_out_disjoint(out, tuple(tensors[1:-1]), tuple(names[1:-1]), ((cache, layout, "cache"),))
     return layout
