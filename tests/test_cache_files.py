@@ -9,7 +9,9 @@ import ctypes
 import functools
 import hashlib
 import re
+import shutil
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -317,3 +319,19 @@ def test_the_project_header_declares_the_proof_as_these_kernels_do():
     finally:
         nvrtc.destroyProgram(program)
     assert kernel_file.unpack(kernel_file.pack(cubin, KEY, "sm_90"), KEY, "sm_90") == cubin
+
+
+@pytest.mark.skipif(shutil.which("nvdisasm") is None, reason="nvdisasm (CUDA toolkit) is not on PATH")
+def test_nvdisasm_takes_the_whole_cubin_and_not_cupys_copy(tmp_path):
+    """Every kernel the cache writes is NVRTC's whole cubin, a valid ELF for nvdisasm; CuPy's copy,
+    one byte short, is not."""
+    program = compiled(SCALE, "sm_90", KEY)
+    try:
+        whole, short = jit.whole_cubin(program), nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    for name, data, ok in (("whole", whole, True), ("short", short, False)):
+        path = tmp_path / f"{name}.cubin"
+        path.write_bytes(data)
+        done = subprocess.run(["nvdisasm", str(path)], capture_output=True, text=True)
+        assert (done.returncode == 0) == ok, (name, done.stderr)

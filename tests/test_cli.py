@@ -87,8 +87,38 @@ def test_demo(capsys, tmp_path, force_cpu):
         assert "Ran nvfp4_mla.reference on the CPU, not the GPU kernels: " in out
     else:
         assert "Ran the fused GPU entry" in out and "reference on the CPU: yes" in out
-    assert "group 27" in out and "max |quantization error|" in out
+    assert "slot 5 = page 0, entry 5: 28 E4M3 group scales" in out and "max |quantization error|" in out
+    assert len(out.splitlines()) <= 40 and "group 27" not in out  # the short demo; the record behind --full
     assert torch.load(saved, weights_only=True).shape == (2, 16, abi.RECORD_BYTES)
+    assert main(["demo", "--cpu", "--full"]) == 0
+    full = capsys.readouterr().out
+    assert "group 27" in full and "--full" not in full
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [("missing/dir/c.pt", "no such directory"), (".", "a directory, not a file")],
+    ids=["missing dir", "a directory"],
+)
+def test_demo_refuses_a_bad_save_path_before_running(capsys, tmp_path, path, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--cpu", "--save", str(tmp_path / path)])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == ""  # nothing ran
+    assert captured.err.startswith("nvfp4-mla demo: error: --save ") and message in captured.err
+
+
+def test_inspect_shows_the_first_written_record_by_default(capsys, tmp_path):
+    cache = make_cache(3, 4, "HND", pad=32)
+    reference.nvfp4_quantize_append_sparse_mla_cache(random_rows((1, 512)), torch.tensor([6]), cache)
+    torch.save(cache, tmp_path / "c.pt")
+    assert main(["inspect", str(tmp_path / "c.pt")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("(slot 6: the first written record; --slot N shows another)\nslot 6 = page 1, entry 2")
+    torch.save(make_cache(2, 4), tmp_path / "empty.pt")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", str(tmp_path / "empty.pt")])
+    assert exit_info.value.code == 2 and "no record of it has been written" in capsys.readouterr().err
 
 
 def test_demo_into_closed_pipe():
@@ -213,7 +243,7 @@ def test_precompile(capsys, tmp_path):
     captured = capsys.readouterr()
     # stderr is not a terminal here: one plain line per kernel, no carriage returns
     assert "\r" not in captured.err
-    assert captured.err.splitlines()[-1] == "[8/8] sm_90: writer append, page 64, int32 slots"
+    assert captured.err.splitlines()[-1] == "[8/8] sm_90: append, page 64, int32 slots"
     assert captured.out.splitlines()[-1] == f"8 kernels ready in {target}"
     cubins = sorted(target.glob("*.cubin"))
     assert len(cubins) == 8 and {p.name.split("-")[0] for p in cubins} == {"sm_80", "sm_90"}
@@ -236,7 +266,7 @@ def test_precompile_counts_unique_kernels(tmp_path):
     assert done.stdout.splitlines() == [str(cubins[0]), f"1 kernel ready in {tmp_path / 'kernels'}"]
     assert "\r" not in done.stderr
     progress = [line for line in done.stderr.splitlines() if line.startswith("[")]
-    assert progress == ["[1/1] sm_90: writer kv, compress ratio 1, page 16, int64 slots"]
+    assert progress == ["[1/1] sm_90: main, page 16, 8 heads, cache only (the KV kernel, ratio 1), int64 slots"]
 
 
 def test_precompile_reader_and_decode_kernels(tmp_path):
@@ -255,7 +285,10 @@ def test_precompile_cache_dir_unusable(capsys, tmp_path):
     blocker.write_text("")
     with pytest.raises(SystemExit) as exit_info:
         main(["precompile", "--kv-ratio", "1", "--arch", "sm_90", "--cache-dir", str(blocker / "kernels")])
-    assert exit_info.value.code != 0 and str(blocker / "kernels") in str(exit_info.value.code)
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and "[1/" not in captured.err  # before any work
+    assert captured.err.splitlines()[-1].startswith("nvfp4-mla precompile: error: --cache-dir: cannot write kernels")
+    assert str(blocker / "kernels") in captured.err
 
 
 def test_precompile_without_writable_cache(tmp_path):

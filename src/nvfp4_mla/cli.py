@@ -14,14 +14,14 @@ import pickle
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
 from . import __version__, abi, jit, kernel_cache, kernel_file, reference, validation
 from .device import device_info, gpu_unavailable_reason
 from .ops import decode, nvfp4_dequantize_sparse_mla_cache, registry
-from .records import format_record
+from .records import first_written_slot, format_record, summarize_record
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
@@ -184,6 +184,10 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     geometries = _geometries(args)
     if not geometries:
         parser.error("nothing to build: give --heads (main entry), --kv-ratio, --append, --read and/or --decode")
+    if args.cache_dir is not None:  # before any work: one error line, exit status 2
+        reason = kernel_cache.prepare_dir(args.cache_dir, kernel_cache.IMAGE_MODE)
+        if reason is not None:
+            parser.error(f"--cache-dir: cannot write kernels into {args.cache_dir}: {reason}")
     archs = args.arch
     if archs:
         try:
@@ -199,10 +203,14 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     # Different requests can share a kernel (the main entry without q_out is the KV entry with
     # ratio 1): each kernel is built and counted once per architecture.
     try:  # argument errors before any compile
-        jobs = list({(a, *((type(s), s) for s in g.specs(a))): (a, g) for a in archs for g in geometries}.values())
+        unique: dict[tuple, tuple[str, Any]] = {}
+        for a in archs:
+            for g in geometries:  # the first request of a kernel names it
+                unique.setdefault((a, *((type(s), s) for s in g.specs(a))), (a, g))
+        jobs = list(unique.values())
     except ValueError as exc:
         parser.error(str(exc))
-    labels = [f"{arch}: {', '.join(s.describe() for s in g.specs(arch))}" for arch, g in jobs]
+    labels = [f"{arch}: {g.describe()}" for arch, g in jobs]
     built = []
     for arch, g in _progress(jobs, labels):
         try:
@@ -241,7 +249,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if not isinstance(cache, torch.Tensor):
         fail(f"{args.path} holds a {type(cache).__name__}, not a cache tensor")
     try:
-        print(format_record(cache, args.slot))
+        slot = args.slot
+        if slot is None:
+            slot = first_written_slot(cache)
+            if slot is None:
+                fail(f"{args.path}: no record of it has been written; --slot N shows one anyway")
+            print(f"(slot {slot}: the first written record; --slot N shows another)")
+        print(format_record(cache, slot))
     except ValueError as exc:
         fail(f"{args.path}: {exc}")
     return 0
@@ -250,11 +264,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- demo
 
 
+def _check_save_path(parser: argparse.ArgumentParser, path: str) -> None:
+    """--save's file must be writable before the demo runs: one error line and exit status 2."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        parser.exit(2, f"{parser.prog}: error: --save {path}: a directory, not a file\n")
+    if not folder.is_dir():
+        parser.exit(2, f"{parser.prog}: error: --save {path}: no such directory {folder}\n")
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        parser.exit(2, f"{parser.prog}: error: --save {path}: not writable by this user\n")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import nvfp4_mla
 
-    from .testing import rope_table
-
+    if args.save:
+        _check_save_path(args.parser, args.save)
     num_tokens, num_heads, q_head_padded, page_size, num_pages = 4, 8, 16, 16, 2
     gen = torch.Generator().manual_seed(args.seed)
     q = torch.randn(num_tokens, num_heads, abi.HEAD_DIM, generator=gen).to(torch.bfloat16)
@@ -262,7 +288,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cache = torch.zeros(num_pages, page_size, abi.RECORD_BYTES, dtype=torch.uint8)
     slots = torch.tensor([5, 17, 30, 2])
     positions = torch.tensor([0, 1, 7, 63])
-    inputs = (q, kv, cache, slots, positions, rope_table(64, "cpu"))
+    inputs = (q, kv, cache, slots, positions, reference.rope_table(64, "cpu"))
 
     why_not = "--cpu was given" if args.cpu else gpu_unavailable_reason()
     if why_not:
@@ -280,25 +306,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
         cache, q_out = gpu_inputs[2].cpu(), q_out.cpu()
     print(
         f"{num_tokens} tokens, {num_heads} heads padded to {q_out.shape[1]}, written into a "
-        f"[{num_pages}, {page_size}, {abi.RECORD_BYTES}] cache at slots {slots.tolist()}\n"
+        f"[{num_pages}, {page_size}, {abi.RECORD_BYTES}] cache at slots {slots.tolist()}"
     )
-
     row, slot = 0, int(slots[0])
-    print(format_record(cache, slot))
+    print(format_record(cache, slot) if args.full else summarize_record(cache, slot))
     decoded = nvfp4_dequantize_sparse_mla_cache(cache, slots[row : row + 1])[0]
     nope_in = kv[row, : abi.NOPE_DIM].float()
     error = (decoded[: abi.NOPE_DIM] - nope_in).abs().max().item()
     print(
-        f"\nmax |quantization error| of row {row} (slot {slot}) over its {abi.NOPE_DIM} NoPE values: {error:.4g} "
+        f"max |quantization error| of row {row} (slot {slot}) over its {abi.NOPE_DIM} NoPE values: {error:.4g} "
         f"(max |input| {nope_in.abs().max().item():.4g}); the {abi.ROPE_DIM} RoPE values are stored as BF16."
     )
     if args.save:
         torch.save(cache, args.save)
-        print(f"cache saved to {args.save}; try: nvfp4-mla inspect {args.save} --slot {slot}")
+        print(f"cache saved to {args.save}; try: nvfp4-mla inspect {args.save}")
+    elif not args.full:
+        print("The whole record: nvfp4-mla demo --full (or --save FILE, then nvfp4-mla inspect FILE).")
     return 0
 
 
 # ---------------------------------------------------------------- bench and main
+
+
+def plain(text: str) -> str:
+    """A docstring paragraph as help text: without reST's double backticks."""
+    return text.replace("``", "")
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -309,7 +341,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``nvfp4-mla`` argument parser (``bench`` is listed here, parsed by the benchmark)."""
-    parser = argparse.ArgumentParser(prog="nvfp4-mla", description=(__doc__ or "").split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="nvfp4-mla", description=plain((__doc__ or "").split("\n\n")[0]))
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -356,11 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="use the reference even when a GPU is usable")
     p.add_argument("--seed", type=int, default=0, help="seed of the random query and KV rows (default 0)")
     p.add_argument("--save", metavar="PATH", help="torch.save the cache (for inspect)")
-    p.set_defaults(func=cmd_demo)
+    p.add_argument("--full", action="store_true", help="print the whole record, every group's codes and values")
+    p.set_defaults(func=cmd_demo, parser=p)
 
     p = sub.add_parser("inspect", help="pretty-print one record of a torch.save'd cache")
     p.add_argument("path", help="a cache tensor saved with torch.save (e.g. by demo --save)")
-    p.add_argument("--slot", type=int, default=0, help="slot = page * page_size + entry (default 0)")
+    p.add_argument(
+        "--slot", type=int, default=None, help="slot = page * page_size + entry (default: the first written record)"
+    )
     p.set_defaults(func=cmd_inspect, parser=p)
     return parser
 

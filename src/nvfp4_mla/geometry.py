@@ -36,6 +36,25 @@ class Geometry(NamedTuple):
     slot_dtype: torch.dtype | None = torch.int64
     dtype: torch.dtype = torch.float32
 
+    def describe(self) -> str:
+        """The request in words, e.g. ``main, page 256, 8 -> 16 heads`` or ``decode``."""
+        slots = "every slot" if self.slot_dtype is None else f"{str(self.slot_dtype)[6:]} slots"
+        if self.entry == "main":
+            if self.q_inplace:
+                what = f"{self.num_heads} heads in place"
+            elif self.q_head_padded:
+                what = f"{self.num_heads} -> {self.q_head_padded} heads"
+            else:
+                what = f"{self.num_heads} heads, cache only (the KV kernel, ratio 1)"
+            return f"main, page {self.page_size}, {what}, {slots}"
+        if self.entry == "kv":
+            return f"kv, page {self.page_size}, compress ratio {self.compress_ratio}, {slots}"
+        if self.entry == "read":
+            return f"read, page {self.page_size}, {slots} -> {str(self.dtype)[6:]}"
+        if self.entry == "decode":
+            return "decode, every kernel of sparse_mla_decode for the GPU"
+        return f"{self.entry}, page {self.page_size}" + ("" if self.entry == "pack" else f", {slots}")
+
     def specs(self, arch: str) -> tuple[jit.KernelSpec, ...]:
         """The kernels this request needs on a GPU of ``arch``; ValueError for what the entry itself
         would refuse."""

@@ -89,6 +89,26 @@ def open_dir(path: Path) -> tuple[int, os.stat_result]:
     return fd, st
 
 
+def prepare_dir(directory: Path, mode: int = PRIVATE_MODE) -> str | None:
+    """Makes ``directory`` ready to receive kernels; returns why it cannot, or None. A directory
+    this creates gets ``mode`` (whatever the umask)."""
+    try:
+        directory.mkdir(parents=True)
+        os.chmod(directory, mode)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return f"cannot create {directory}: {exc.strerror or exc}"
+    try:
+        fd, _ = open_dir(directory)
+    except (Refused, OSError) as exc:
+        return f"{directory}: {exc}"
+    os.close(fd)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"{directory} is not writable by this user"
+    return None
+
+
 def read_kernel(dir_fd: int, dir_st: os.stat_result, name: str, key: str, arch: str) -> bytes | None:
     """The cubin of file ``name`` of an opened directory, None when there is none; :class:`Refused`
     when a file is there but must not run (opened without following links or blocking, its size
@@ -210,31 +230,12 @@ class KernelCache:
         os.close(fd)
         return "trusted"
 
-    def prepare(self, directory: Path, mode: int = PRIVATE_MODE) -> str | None:
-        """Makes ``directory`` ready to receive kernels; returns why it cannot, or None. A
-        directory this creates gets ``mode`` (whatever the umask)."""
-        try:
-            directory.mkdir(parents=True)
-            os.chmod(directory, mode)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            return f"cannot create {directory}: {exc.strerror or exc}"
-        try:
-            fd, _ = open_dir(directory)
-        except (Refused, OSError) as exc:
-            return f"{directory}: {exc}"
-        os.close(fd)
-        if not os.access(directory, os.W_OK | os.X_OK):
-            return f"{directory} is not writable by this user"
-        return None
-
     def writable_dir(self) -> Path | None:
         """The layer misses compile into, or None (memory only)."""
         if self._writable is False:
             reasons = []
             for directory in self.layers:
-                reason = self.prepare(directory)
+                reason = prepare_dir(directory)
                 if reason is None:
                     self._writable = directory
                     break
@@ -300,7 +301,7 @@ class KernelCache:
                     return found
                 target = self.writable_dir()
             else:
-                reason = self.prepare(directory, IMAGE_MODE)
+                reason = prepare_dir(directory, IMAGE_MODE)
                 if reason is not None:
                     raise CacheError(f"cannot write kernels into {directory}: {reason}")
                 target = directory

@@ -1,4 +1,5 @@
-"""One record of a cache as text: :func:`format_record`, what ``nvfp4-mla inspect`` prints."""
+"""Records of a cache as text: :func:`format_record` (one record, what ``nvfp4-mla inspect`` prints),
+:func:`summarize_record` (one line) and :func:`first_written_slot`."""
 
 from __future__ import annotations
 
@@ -83,3 +84,43 @@ def format_record(cache: torch.Tensor, slot: int) -> str:
     rope = values[abi.NOPE_DIM :].tolist()
     lines += [_row(f"{i:3}", (f"{v:.4g}" for v in rope[i : i + 8]), 10) for i in range(0, abi.ROPE_DIM, 8)]
     return "\n".join(lines)
+
+
+def first_written_slot(cache: torch.Tensor) -> int | None:
+    """The first slot whose record is not all one byte value (what no write leaves), or None.
+
+    Parameters
+    ----------
+    cache : torch.Tensor
+        A uint8 cache in any accepted layout, on any device.
+    """
+    layout = validation.check_cache(cache)
+    data, scales = abi.record_views(cache.detach(), layout)
+    records = torch.cat((data, scales), dim=-1).flatten(0, 1)
+    written = (records != records[:, :1]).any(dim=1).nonzero()
+    return int(written[0]) if written.numel() else None
+
+
+def summarize_record(cache: torch.Tensor, slot: int) -> str:
+    """One line on a written record: where it is, the range of its group scales and of its values.
+
+    Parameters
+    ----------
+    cache : torch.Tensor
+        A uint8 cache in any accepted layout, on any device.
+    slot : int
+        ``page * page_size + entry``.
+    """
+    cache = cache.detach().cpu()
+    layout = validation.check_cache(cache)
+    page, entry = divmod(slot, layout.page_size)
+    _, scale_slots = abi.record_views(cache, layout)
+    scales = scale_slots[page, entry, : abi.NUM_GROUPS]
+    scale_values = e4m3_signed_value(scales)
+    values = nvfp4_dequantize_sparse_mla_cache(cache, torch.tensor([slot]))[0]
+    low, high = int(scales.min()), int(scales.max())
+    return (
+        f"slot {slot} = page {page}, entry {entry}: {abi.NUM_GROUPS} E4M3 group scales 0x{low:02X}..0x{high:02X} "
+        f"({scale_values.min().item():g}..{scale_values.max().item():g}), {abi.NOPE_DIM} E2M1 codes, "
+        f"{abi.ROPE_DIM} BF16 RoPE values; max |value| {values.abs().max().item():.4g}"
+    )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli import plain
 from ..device import gpu_unavailable_reason
 from ..testing import rope_table
 from .arms import ARM_TITLES, Call, Library, compiled_reference, fused_call, same_outputs, unfused_call
@@ -237,7 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def suite_parser(suite: str, doc: str | None, output_stem: str) -> argparse.ArgumentParser:
     """The parser of ``nvfp4-mla bench <suite>``, described by the first paragraph of ``doc``, with
     its ``--out`` option (None unless given: see :func:`results_dir`)."""
-    parser = argparse.ArgumentParser(prog=f"nvfp4-mla bench {suite}", description=(doc or "").split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"nvfp4-mla bench {suite}", description=plain((doc or "").split("\n\n")[0]))
     parser.add_argument(
         "--out",
         type=Path,

@@ -44,9 +44,24 @@ def _roped(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 @torch.no_grad()  # like the kernels: the writers are not differentiable
 def cake_dsv4_nvfp4_rope_quantize_insert(
-    q, kv, cache, slot_mapping, positions, cos_sin_cache, *, q_head_padded=0, apply_q_rope=True, q_inplace=False
-):
-    """Reference of the main fused entry (docs/format.md section 5)."""
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    q_head_padded: int = 0,
+    apply_q_rope: bool = True,
+    q_inplace: bool = False,
+) -> torch.Tensor:
+    """The main fused writer in pure torch, on any device: the definition of its bytes
+    (docs/format.md sections 4-5).
+
+    Arguments, result and refusals are those of :func:`nvfp4_mla.cake_dsv4_nvfp4_rope_quantize_insert`
+    (see its parameters), with tensors on any one device (the CPU included) instead of CUDA only.
+    It writes the same bytes into ``cache`` and returns the same ``q_out`` (or ``q`` in place).
+    """
     layout = validation.check_main(
         q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace, need_cuda=False
     )
@@ -74,9 +89,22 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
 
 
 @torch.no_grad()  # like the kernels: the writers are not differentiable
-def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, cos_sin_cache, *, compress_ratio=1):
-    """Reference of the KV-only entry: row i is inserted when ``(positions[i] + 1) % ratio == 0``,
-    roped with row ``positions[i] // ratio * ratio``. Negative positions are never inserted."""
+def cake_dsv4_nvfp4_kv_rope_quantize_insert(
+    kv: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    compress_ratio: int = 1,
+) -> None:
+    """The KV-only writer in pure torch, on any device: the definition of its bytes.
+
+    As :func:`nvfp4_mla.cake_dsv4_nvfp4_kv_rope_quantize_insert` (see its parameters), tensors on
+    any one device: row ``i`` is inserted when ``(positions[i] + 1) % compress_ratio == 0``, roped
+    with row ``positions[i] // compress_ratio * compress_ratio``; negative positions and RoPE rows
+    outside ``cos_sin_cache`` are never inserted.
+    """
     layout = validation.check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda=False)
     n = slot_mapping.shape[0]
     if n == 0:
@@ -90,8 +118,15 @@ def cake_dsv4_nvfp4_kv_rope_quantize_insert(kv, cache, slot_mapping, positions, 
 
 
 @torch.no_grad()  # like the kernels: the writers are not differentiable
-def nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache):
-    """Reference of the unfused writer: quantize already-roped BF16 rows, insert by slot."""
+def nvfp4_quantize_append_sparse_mla_cache(
+    latent_kv: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor
+) -> None:
+    """The unfused writer in pure torch, on any device: quantizes already-roped BF16 rows and
+    inserts row ``i`` at ``slot_mapping[i]``; the bytes every other writer is defined by.
+
+    As :func:`nvfp4_mla.nvfp4_quantize_append_sparse_mla_cache` (see its parameters), tensors on
+    any one device.
+    """
     layout = validation.check_append(latent_kv, slot_mapping, cache, need_cuda=False)
     n = slot_mapping.shape[0]
     if n:
@@ -110,8 +145,13 @@ def new_cache(num_pages: int, page_size: int, kv_layout: str, device) -> torch.T
 
 
 @torch.no_grad()  # like the kernels: the writers are not differentiable
-def nvfp4_quantize_pack_sparse_mla_cache(latent_kv, *, kv_layout="HND"):
-    """Reference of the whole-page writer: ``[num_pages, page_size, 512]`` -> a new cache."""
+def nvfp4_quantize_pack_sparse_mla_cache(latent_kv: torch.Tensor, *, kv_layout: str = "HND") -> torch.Tensor:
+    """The whole-page writer in pure torch, on any device: ``[num_pages, page_size, 512]`` BF16
+    rows into a new cache (``kv_layout`` "HND" or "NHD").
+
+    As :func:`nvfp4_mla.nvfp4_quantize_pack_sparse_mla_cache` (see its parameters), tensors on any
+    device; equal to appending every row at slot ``page * page_size + entry``.
+    """
     validation.check_pack(latent_kv, kv_layout, need_cuda=False)
     num_pages, page_size = latent_kv.shape[0], latent_kv.shape[1]
     cache = new_cache(num_pages, page_size, kv_layout, latent_kv.device)
