@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import nvfp4_mla.bench.decode as bench_decode
+import nvfp4_mla.bench.reader as bench_reader
 from nvfp4_mla import cli, gpu_unavailable_reason, reference
 from nvfp4_mla.bench import arms, ceilings, grid, inputs, probes, report, run, targets
-from nvfp4_mla.bench import decode as bench_decode
-from nvfp4_mla.bench import reader as bench_reader
 from nvfp4_mla.bench.grid import Row
 from nvfp4_mla.bench.plot import write_plot
 from nvfp4_mla.bench.results import Ceilings, FirstUse, RowResult
@@ -183,13 +183,23 @@ def _row_inputs(row: Row) -> tuple[Row, inputs.Inputs, torch.Tensor]:
 def _entry_call(row: Row, cos_sin: torch.Tensor) -> arms.Call:
     """The row's reference entry called with its arguments spelled out."""
     if row.entry == "main":
-        return lambda x: reference.cake_dsv4_nvfp4_rope_quantize_insert(
-            x.q, x.kv, x.cache, x.slot_mapping, x.positions, cos_sin, q_head_padded=row.q_head_padded
-        )
+
+        def main(x: inputs.Inputs) -> object:
+            assert x.q is not None  # rows with heads
+            return reference.cake_dsv4_nvfp4_rope_quantize_insert(
+                x.q, x.kv, x.cache, x.slot_mapping, x.positions, cos_sin, q_head_padded=row.q_head_padded
+            )
+
+        return main
     if row.entry == "inplace":
-        return lambda x: reference.cake_dsv4_nvfp4_rope_quantize_insert(
-            x.q, x.kv, x.cache, x.slot_mapping, x.positions, cos_sin, q_head_padded=row.num_heads, q_inplace=True
-        )
+
+        def inplace(x: inputs.Inputs) -> object:
+            assert x.q is not None  # rows with heads
+            return reference.cake_dsv4_nvfp4_rope_quantize_insert(
+                x.q, x.kv, x.cache, x.slot_mapping, x.positions, cos_sin, q_head_padded=row.num_heads, q_inplace=True
+            )
+
+        return inplace
     if row.entry == "kv":
         return lambda x: reference.cake_dsv4_nvfp4_kv_rope_quantize_insert(
             x.kv, x.cache, x.slot_mapping, x.positions, cos_sin, compress_ratio=row.compress_ratio
@@ -775,7 +785,7 @@ def test_decode_verdicts():
     ]  # a target without rows has no verdict
 
 
-def _cell_value(text: str) -> object:
+def _cell_value(text: str) -> int | float | str:
     for kind in (int, float):
         try:
             return kind(text)
@@ -792,9 +802,9 @@ def test_decode_writer_reproduces_the_published_report(tmp_path):
         for column in ("fused_graph_us", "vs_torch_bf16", "roofline_pct", "diff"):
             if isinstance(row.get(column), int):
                 row[column] = float(row[column])
-    copy, matmul = re.search(
-        r"copy ceiling ([\d.]+) TB/s, matmul ceiling (\d+) TFLOP/s", PUBLISHED_DECODE_MD.read_text()
-    ).groups()
+    found = re.search(r"copy ceiling ([\d.]+) TB/s, matmul ceiling (\d+) TFLOP/s", PUBLISHED_DECODE_MD.read_text())
+    assert found is not None
+    copy, matmul = found.groups()
     ceilings = {"copy": float(copy) * 1e12, "matmul": float(matmul) * 1e12}
     bench_decode.write(rows, ceilings, bench_decode.verdicts(rows), tmp_path, "NVIDIA H200")
     assert (tmp_path / "decode_bench.md").read_text() == PUBLISHED_DECODE_MD.read_text()

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import nvfp4_mla.bench.host as host
 from nvfp4_mla import validation
-from nvfp4_mla.bench import host, run
+from nvfp4_mla.bench import run
 from nvfp4_mla.testing import make_cache, random_rows, rope_table
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import pytest
 import torch
@@ -223,7 +223,7 @@ def test_the_driver_refusing_a_cached_image_is_a_miss(kdir, compiles, monkeypatc
     cache = kernel_cache.KernelCache([kdir])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loaded = cache.launcher(0, SPEC)
+        loaded = cast(Loaded, cache.launcher(0, SPEC))  # the stand-in Launcher
     assert any("refused by the driver (CUDA_ERROR_INVALID_IMAGE" in str(w.message) for w in caught)
     assert len(loads) == 2 and len(compiles) == 2 and proves(loaded.data, SPEC)
 
@@ -627,7 +627,7 @@ def test_specs_of_two_types_with_equal_fields_get_different_kernels(monkeypatch,
     monkeypatch.setattr(
         cache, "build", lambda spec, arch: built.append((spec, arch)) or (spec.describe().encode(), None)
     )
-    tile, row = cache.launcher(0, _Tile(16)), cache.launcher(0, _Row(16))
+    tile, row = cast(Loaded, cache.launcher(0, _Tile(16))), cast(Loaded, cache.launcher(0, _Row(16)))
     assert tile is not row and (tile.template.function, row.template.function) == ("tile_kernel", "row_kernel")
     assert cache.launcher(0, _Tile(16)) is tile and cache.launcher(0, _Row(16)) is row and len(built) == 2
 

@@ -98,7 +98,7 @@ def test_compare():
     out = torch.randn(2, 1, 3, 512, generator=g, dtype=torch.float64)
     lse = torch.randn(2, 1, 3, generator=g, dtype=torch.float64)
     same = accuracy.compare(Decoded(scores, out, lse), Decoded(scores, out, lse))
-    assert same == accuracy.Errors(0.0, pytest.approx(1.0), 1.0, 0.0)
+    assert same == accuracy.Errors(0.0, pytest.approx(1.0), 1.0, 0.0)  # type: ignore[arg-type]  # approx == a float
     flipped = scores.clone()
     flipped[0, 0, 0] = -flipped[0, 0, 0]  # one row's ranking changes
     other = accuracy.compare(Decoded(flipped, 2 * out, lse + 0.5), Decoded(scores, out, lse))

@@ -127,7 +127,7 @@ def test_any_bytes_read_exactly(seed):
     rec[:32, :256] = torch.arange(256, dtype=torch.uint8)
     rec[:, SCALE_AT : SCALE_AT + 7] = torch.randperm(48 * 7, generator=g).remainder(256).view(48, 7).to(torch.uint8)
     back = fp8_dequantize_rows(rec)
-    want = [
+    want_values = [
         [
             e4m3_byte(int(rec[r, i])) * (math.nan if s == 255 else 2.0 ** (s - 127))
             for i in range(448)
@@ -135,7 +135,7 @@ def test_any_bytes_read_exactly(seed):
         ]
         for r in range(48)
     ]
-    want = torch.tensor(want, dtype=torch.float64).float()
+    want = torch.tensor(want_values, dtype=torch.float64).float()
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(back[:, :448]), nan)
     assert torch.equal(back[:, :448][~nan], want[~nan])

@@ -118,6 +118,7 @@ def nearest_even_code(a: Fraction, table: list[Fraction]) -> int:
         d = abs(a - v)
         if best is None or d < best[0] or (d == best[0] and i % 2 == 0):
             best = (d, i)
+    assert best is not None
     return best[1]
 
 

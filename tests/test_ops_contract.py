@@ -186,11 +186,11 @@ def test_non_tensors_are_named(device, lib, index, name, kind):
 
 def test_pack_and_append_name_non_tensors():
     with pytest.raises(ValueError, match=r"latent_kv must be a torch\.Tensor"):
-        reference.nvfp4_quantize_pack_sparse_mla_cache(np.zeros((1, 1, 512)))
+        reference.nvfp4_quantize_pack_sparse_mla_cache(np.zeros((1, 1, 512)))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"cache must be a torch\.Tensor"):
-        reference.nvfp4_quantize_append_sparse_mla_cache(random_rows((1, 512)), torch.zeros(1, dtype=torch.int64), [0])
+        reference.nvfp4_quantize_append_sparse_mla_cache(random_rows((1, 512)), torch.zeros(1, dtype=torch.int64), [0])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kv_layout must be one of"):
-        reference.nvfp4_quantize_pack_sparse_mla_cache(random_rows((1, 1, 512)), kv_layout=["HND"])
+        reference.nvfp4_quantize_pack_sparse_mla_cache(random_rows((1, 1, 512)), kv_layout=["HND"])  # type: ignore[arg-type]
 
 
 def _pool_with_kv_inside(device, page_size=16):

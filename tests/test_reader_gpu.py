@@ -411,4 +411,4 @@ def test_validation_on_the_gpu_path():
     with pytest.raises(ValueError, match="slots overlaps out"):
         read(cache, pool[:32].view(torch.int64), out=pool[: 4 * 512 * 4].view(torch.float32).view(4, 512))
     with pytest.raises(ValueError, match="invalid must be a Python float"):
-        read(cache, slots, invalid=torch.tensor(0.0))
+        read(cache, slots, invalid=torch.tensor(0.0))  # type: ignore[arg-type]

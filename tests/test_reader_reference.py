@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Any
 
 import pytest
 import torch
@@ -249,7 +250,7 @@ def test_out_is_filled_and_returned(seed, dtype):
 def test_out_checks():
     cache = make_cache(2, 8)
     slots = torch.tensor([1, 2, 3])
-    good = dict(dtype=torch.float32)
+    good: dict[str, Any] = dict(dtype=torch.float32)
     cases = [
         (torch.empty(3, 511), "slots.shape \\+ \\(512,\\)"),
         (torch.empty(4, 512), "slots.shape \\+ \\(512,\\)"),
@@ -261,7 +262,7 @@ def test_out_checks():
     ]
     for out, message in cases:
         with pytest.raises(ValueError, match=message):
-            read(cache, slots, out=out, **good)
+            read(cache, slots, out=out, **good)  # type: ignore[arg-type]  # one out is a list
     storage = torch.zeros(2 * 8 * 384 + 3 * 2048, dtype=torch.uint8)
     shared = storage[: 2 * 8 * 384].view(2, 8, 384)
     overlapping = storage[2048 : 2048 + 3 * 2048].view(torch.float32).view(3, 512)

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -150,7 +151,7 @@ class FuzzCase:
 
     def as_dict(self) -> dict:
         """The corpus form (tests/writers_fuzz_corpus.py): Case fields that differ from the defaults."""
-        d = {"name": self.name or "FILL_IN", "entry": self.case.entry}
+        d: dict[str, Any] = {"name": self.name or "FILL_IN", "entry": self.case.entry}
         for name, default in _CASE_FIELDS.items():
             value = getattr(self.case, name)
             if name != "entry" and value != default:
@@ -340,8 +341,8 @@ def check_reference_invariants(fc: FuzzCase) -> None:
     """The reference on ``fc``'s inputs (CPU), held to the invariants of the module docstring."""
     case = fc.case
     inputs = fuzz_inputs(fc)
-    got, after = run_reference(case.entry, args_of(case.entry, inputs), case.kwargs(), "cpu")
-    after = dict(zip(ARG_NAMES[case.entry], after))
+    got, args_after = run_reference(case.entry, args_of(case.entry, inputs), case.kwargs(), "cpu")
+    after = dict(zip(ARG_NAMES[case.entry], args_after))
     rows, slots, rope_rows = inserted_rows(case, inputs)
     kv = inputs["kv"].reshape(-1, abi.HEAD_DIM)[rows]
     cache = got if case.entry == "pack" else after["cache"]
@@ -406,7 +407,7 @@ def test_strategy_reaches_every_shape():
         seen.update(("kind", k) for k in fc.values)
 
     collect()
-    want = {("entry", e) for e in ENTRIES} | {("layout", lay) for lay in ("3D", "HND", "NHD")}
+    want: set[tuple[str, object]] = {("entry", e) for e in ENTRIES} | {("layout", lay) for lay in ("3D", "HND", "NHD")}
     want |= {("pad", p) for p in (0, 16, 48)} | {("kind", k) for k in VALUE_KINDS}
     want |= {(k, True) for k in ("big page", "dp padding", "bad slots", "bad positions", "in place", "padded")}
     assert want <= seen, sorted(want - seen)

@@ -12,6 +12,7 @@ which only exercises the argument checks and runs anywhere.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -59,10 +60,10 @@ def cases(made: list[Case]):
 def page_size_and_layout_cases() -> list[Case]:
     """Every page size, each with the three layouts and three pool paddings (0, 16, 48) in a
     Latin square, through the main, KV and append entries (int32 and int64 slots in turn)."""
-    made = []
+    made: list[Case] = []
     for i, page_size in enumerate(PAGE_SIZES):
         for j, layout in enumerate(("3D", "HND", "NHD")):
-            geometry = dict(page_size=page_size, layout=layout, pad=(0, 16, 48)[(i + j) % 3])
+            geometry: dict[str, Any] = dict(page_size=page_size, layout=layout, pad=(0, 16, 48)[(i + j) % 3])
             dtype = (torch.int32, torch.int64)[(i + j) % 2]
             made += [
                 Case(slots=33, slot_dtype=dtype, **geometry),
@@ -83,7 +84,7 @@ SLOT_MAPPING_CASES = [
 def head_cases() -> list[Case]:
     """Heads 1, 5, 8, 16, 64, 128 with every legal q_head_padded (0 and each padding >= heads),
     apply_q_rope both ways; every other case also has out-of-range positions."""
-    made = []
+    made: list[Case] = []
     for num_heads in (1, 5, 8, 16, 64, 128):
         for padded in (0, *(p for p in abi.Q_HEAD_PADDINGS if p >= num_heads)):
             for apply_q_rope in (True, False):
@@ -99,7 +100,7 @@ def head_cases() -> list[Case]:
 def q_inplace_cases() -> list[Case]:
     """In place for heads 8..128 with q_head_padded 0 and = heads, apply_q_rope both ways, page
     sizes 1, 16, 256, random and crafted rows."""
-    made = []
+    made: list[Case] = []
     for num_heads in abi.Q_HEAD_PADDINGS:
         for padded in (0, num_heads):
             for apply_q_rope in (True, False):
@@ -117,7 +118,7 @@ def q_inplace_cases() -> list[Case]:
 def kv_entry_cases() -> list[Case]:
     """compress_ratio 1 and 2 on odd and even positions, out-of-range ones included (an odd
     max_position makes position max_position a valid ratio-2 insert at row max_position - 1)."""
-    made = []
+    made: list[Case] = []
     for ratio in (1, 2):
         for page_size in (3, 64):
             for max_position in (4097, 7):
@@ -158,7 +159,7 @@ OVER_65536_ROWS_CASES = [
     Case(num_tokens=1024, num_heads=128, q_head_padded=0, q_inplace=True, page_size=64, bad_positions=True),
 ]
 
-_CRAFTED = dict(rows="crafted", num_tokens=300)
+_CRAFTED: dict[str, Any] = dict(rows="crafted", num_tokens=300)
 CRAFTED_CASES = [
     Case(num_heads=5, q_head_padded=8, **_CRAFTED),
     Case(num_heads=5, q_head_padded=8, table="wild", bad_positions=True, **_CRAFTED),
@@ -171,7 +172,7 @@ CRAFTED_CASES = [
     Case(entry="pack", page_size=16, pages=20, layout="NHD", rows="crafted"),
 ]
 
-_BAD = dict(num_tokens=64, bad_positions=True)
+_BAD: dict[str, Any] = dict(num_tokens=64, bad_positions=True)
 POSITION_SAFETY_CASES = [
     Case(num_heads=5, q_head_padded=8, **_BAD),
     Case(num_heads=5, q_head_padded=8, apply_q_rope=False, **_BAD),
@@ -199,7 +200,7 @@ PACK_CASES = [
     for i, (page_size, pages) in enumerate(((1, 7), (3, 5), (16, 4), (32, 3), (64, 3), (256, 2), (16, 0)))
 ]
 
-_CRAFTED_BAD = dict(rows="crafted", num_tokens=200, bad_positions=True)
+_CRAFTED_BAD: dict[str, Any] = dict(rows="crafted", num_tokens=200, bad_positions=True)
 REFERENCE_ON_CUDA_CASES = [
     Case(num_heads=5, q_head_padded=8, table="wild", **_CRAFTED_BAD),
     Case(num_heads=16, q_head_padded=0, q_inplace=True, table="wild", **_CRAFTED_BAD),

@@ -89,7 +89,7 @@ def test_valid_arguments_are_accepted():
         call_kv(main_args(layout=layout), compress_ratio=2)
     args = main_args()
     call_main(args, q_inplace=True)
-    validation.check_main(*main_args().values(), q_head_padded=16, apply_q_rope=True, q_inplace=False, need_cuda=False)
+    validation.check_main(*main_args().values(), q_head_padded=16, apply_q_rope=True, q_inplace=False, need_cuda=False)  # type: ignore[misc]  # mypy cannot count the 6 tensors
 
 
 # ------------------------------------------------------------------ q
@@ -335,9 +335,9 @@ def test_cos_sin_cache_contiguous():
 def test_must_be_cuda_tensor():
     args = main_args()
     with pytest.raises(ValueError, match=r"q must be a CUDA tensor"):
-        validation.check_main(*args.values(), q_head_padded=0, apply_q_rope=True, q_inplace=False, need_cuda=True)
+        validation.check_main(*args.values(), q_head_padded=0, apply_q_rope=True, q_inplace=False, need_cuda=True)  # type: ignore[misc]  # mypy cannot count the 6 tensors
     with pytest.raises(ValueError, match=r"must be a CUDA tensor"):
-        validation.check_kv(
+        validation.check_kv(  # type: ignore[misc, call-arg]  # mypy cannot count the 5 tensors
             *[args[k] for k in ("kv", "cache", "slot_mapping", "positions", "cos_sin_cache")], 1, need_cuda=True
         )
     with pytest.raises(ValueError, match=r"must be a CUDA tensor"):

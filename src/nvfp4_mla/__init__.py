@@ -7,7 +7,7 @@ of the bytes). docs/format.md is the contract.
 
 import logging
 
-from . import abi, reference, validation
+from . import abi, config, reference, validation
 from .device import gpu_unavailable_reason
 from .geometry import Geometry, Precompiled, precompile
 from .ops import (
@@ -24,7 +24,7 @@ from .reference import rope_table
 
 __version__ = "0.1.0"
 
-logging.getLogger("nvfp4_mla").addHandler(logging.NullHandler())
+config.log.addHandler(logging.NullHandler())  # the library logs; the application decides where
 
 __all__ = [
     "Geometry",
