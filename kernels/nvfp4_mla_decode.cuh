@@ -1,5 +1,5 @@
 // What every sparse-decode attention kernel shares (docs/format.md sections 9 and 12): the
-// attention Params (one host struct format, decode.ATTEND_PARAMS / attention.ATTEND_PARAMS), the
+// attention Params (one host struct format, attention.ATTEND_PARAMS), the
 // live count of a table row, and the softmax's base-2 helpers and row finish, so every backend
 // computes a row's lse and output factor the same way and the split combine merges any of them.
 #pragma once
