@@ -7,24 +7,32 @@
 // outputs are never written. The block walks its split's tiles of BLOCK_N = 64 selected tokens
 // (the sliding-window table's entries, then the extra pool's; tiles_per_split counts these
 // 64-token tiles), 384 threads in three warpgroups, split by setmaxnreg (168 registers a thread
-// at launch; 232 for consumer 0, 160 for consumer 1, 112 for the producer):
+// at launch; 240 for consumer 0, 160 for consumer 1, 104 for the producer). With CLUSTER 2 (an
+// even number of head tiles) the two head tiles of a (row, split) run as a cluster of two blocks
+// that share the dequantized tiles: block r of the pair gathers and dequantizes gather unit r of
+// every tile and stores it into both blocks' K/V buffer (the peer's copy with st.async, counted
+// on the peer's full barrier), so each record is read and dequantized once for 128 heads.
 //
-//   warpgroup 2, the producer: gathers and dequantizes the tiles. A tile is two units of 32
-//     tokens, 4 threads a token. Every thread reads its token's slot two units ahead, turns it
-//     into the record's addresses (masked: an invalid slot or an entry past lens, whose record
-//     and slot beyond lens are never read) and copies a quarter of the live record (16-byte
-//     chunks c0, c0 + 4, ..., c0 + 20 of the data row's 22 and the scale slot's 2) with cp.async
-//     into a raw unit buffer (two of them), whose mbarrier completes when every thread has
-//     arrived and its copies have landed. All 128 threads then dequantize a unit EXACTLY (e2m1 x
-//     e4m3 through a shared table of every scale byte's BF16 pair, or the BF16 RoPE dims; masked
-//     tokens become zero rows, so no NaN of a masked record can reach the products) into one of
-//     two K/V tile buffers, and the unit's buffer is copied into again (two units ahead).
+//   warpgroup 2, the producer: gathers and dequantizes the tiles. A tile is two gather units of
+//     32 tokens (both this block's, or with a cluster the unit of its rank), 4 threads a token,
+//     8 tokens a warp. Every thread loads its token's slot two units ahead (the words, converted
+//     at their use: a conversion at the load would wait for it), turns it into the record's
+//     addresses (masked: an invalid slot or an entry past lens, whose record and slot beyond
+//     lens are never read) and copies a quarter of the live record (16-byte chunks c0, c0 + 4,
+//     ..., c0 + 20 of the data row's 22 and the scale slot's 2) with cp.async into a raw buffer
+//     (two units of them). A warp gathers and dequantizes only its own 8 tokens, so each warp
+//     waits on its own raw barriers and runs independently of the others. Per unit a warp reads
+//     its raw records out into registers, refills the raw buffer with unit u + 2 at once, then
+//     (once the consumers freed the K/V buffer) dequantizes EXACTLY (e2m1 x e4m3 through a shared
+//     table of every scale byte's BF16 pair, or the BF16 RoPE dims; masked tokens become zero
+//     rows, so no NaN of a masked record can reach the products) into one of two K/V buffers.
 //   warpgroup 0, consumer 0: S = Q.K^T with wgmma m64n64k16 (Q and K from shared memory,
 //     32 k-steps), the online softmax in registers (base 2: score_scale = sm_scale * log2(e);
 //     masked scores -inf; a row's base m moves only when its max passes it by more than 8, so
 //     p <= 2^8; row sums of the fp32 p), P rounded to BF16 in registers, then O[:, 0:256] += P.V
-//     with wgmma m64n256k16 (P from registers, fp32 accumulation). It also stores P (BF16) and
-//     each row's rescale factor in shared memory for consumer 1.
+//     with wgmma m64n256k16 (P from registers, fp32 accumulation). S of the next tile is issued
+//     right behind this tile's P.V, and the tile's buffer goes back as soon as its P.V is done.
+//     It also stores P (BF16) and each row's rescale factor in shared memory for consumer 1.
 //   warpgroup 1, consumer 1: O[:, 256:512] += P.V with wgmma m64n256k16, P from shared memory.
 //
 // One shared layout serves as K (Q.K^T's B operand, K-major: dims contiguous) and V (P.V's B
@@ -37,24 +45,28 @@
 // heads in place of tokens.
 //
 // Synchronization: mbarriers full[2] / empty[2] (the K/V buffers: the producer's 128 threads
-// arrive after fence.proxy.async; one lane per consumer warp after its wgmma completed),
-// raw_full[2] (the raw units: each producer thread arrives, and again when its copies land),
-// p_full / p_empty (the shared P and rescale factors: every thread of the writing or reading
-// consumer arrives), and named barriers 1 (the two consumers: Q loaded, final factors) and 2 (the
-// producer: a raw unit consumed). A tile with no live token is skipped by both consumers (after
-// its buffer cycled); a lonely row ends with l = 0: out 0 and lse +inf.
+// arrive after fence.proxy.async, with a cluster thread 0 also expecting the peer's st.async
+// bytes; one lane per consumer warp of each block of the cluster after its wgmma completed),
+// raw[4 warps][2] (a producer warp's raw units: each of its threads arrives, and again when its
+// copies land), p_full / p_empty (the shared P and rescale factors: every thread of the writing
+// or reading consumer arrives), named barrier 1 (the two consumers: Q loaded, final factors), and
+// with a cluster a cluster barrier at the start (the peer's barriers are initialized) and at the
+// end (the peer no longer stores into or arrives on this block). A tile with no live token is
+// skipped by both consumers (after its buffer cycled); a lonely row ends with l = 0: out 0 and
+// lse +inf.
 //
 // Without splits the block finishes the rows like the mma.sync kernel (row_lse; output_factor:
 // 1/l times the sink factor; BF16; lse); with splits it writes its unnormalized O and (m in log2
 // units, l) to the workspace for the combine kernel.
 //
-// -D constants: BLOCK_N (64), SMEM_BYTES (232032, the host's count of the shared layout below,
-// checked: ops/decode_sm90.py counts it too); THREADS (384) and the record ABI come from jit.py/abi.py.
-// What the attention kernels share (Params, the row finish, the softmax helpers) is in
-// nvfp4_mla_decode.cuh.
+// -D constants: BLOCK_N (64), SMEM_BYTES (232112, the host's count of the shared layout below,
+// checked: ops/decode_sm90.py counts it too), CLUSTER (1 or 2); THREADS (384) and the record ABI
+// come from jit.py/abi.py. What the attention kernels share (Params, the row finish, the softmax
+// helpers) is in nvfp4_mla_decode.cuh.
 #include "nvfp4_mla_decode.cuh"
 
 constexpr int HT = 64;                           // heads of a block: the M of every wgmma
+constexpr int UNITS_PER_TILE = 2 / CLUSTER;      // gather units a block's producer handles per tile
 constexpr int BN = BLOCK_N;                      // tokens of a tile
 constexpr int UNIT = 32;                         // tokens of a gather unit: 4 producer threads each
 constexpr int RECORD = DATA_BYTES + SCALE_BYTES; // 384
@@ -74,9 +86,10 @@ constexpr int O_BLOCKS = HALF_DIMS / 8;          // n-blocks of 8 dims in a cons
 // (__launch_bounds__(384, 1): 64 K registers over 384 threads, in steps of 8), and setmaxnreg.inc
 // only takes what the others' setmaxnreg.dec gave back: the three sum to at most 3 x 168.
 constexpr int REGS_AT_LAUNCH = 168;
-constexpr int REGS_CONSUMER0 = 232, REGS_CONSUMER1 = 160, REGS_PRODUCER = 112;
+constexpr int REGS_CONSUMER0 = 240, REGS_CONSUMER1 = 160, REGS_PRODUCER = 104;
 
 static_assert(THREADS == 384, "three warpgroups: consumer 0, consumer 1, producer");
+static_assert(CLUSTER == 1 || CLUSTER == 2, "a block alone, or the two head tiles of a row");
 static_assert(BN == 64 && BN == 2 * UNIT, "a tile is two gather units of 32 tokens");
 static_assert(CHUNKS == 64 && NOPE_CHUNKS == 56 && NOPE_BYTES == 224 && DATA_BYTES == 352,
               "dequantize: thread chunks 4 i + lane / 8, RoPE from 56, the scale slot's 28 bytes after the data row");
@@ -90,10 +103,10 @@ constexpr int SM_RAW = SM_P + HT * BN * 2;             // u8 [2][32][RAW_STRIDE]
 constexpr int SM_SCALES = SM_RAW + 2 * UNIT * RAW_STRIDE;  // u32 [256]: e4m3_bf16x2 of every scale byte
 constexpr int SM_ALPHA = SM_SCALES + 256 * 4;          // float [64]: a row's rescale factor this tile
 constexpr int SM_FACTOR = SM_ALPHA + HT * 4;           // float [64]: a row's output factor
-constexpr int SM_TILE_MASK = SM_FACTOR + HT * 4;       // u32 [2][2]: the live tokens of a K/V buffer's tile
-constexpr int SM_UNIT_MASK = SM_TILE_MASK + 16;        // u32 [2] (+ 8 bytes of padding): a raw unit's live tokens
-constexpr int SM_BARRIERS = SM_UNIT_MASK + 16;         // u64 [8]: mbarriers
-constexpr int BAR_FULL = 0, BAR_EMPTY = 2, BAR_RAW = 4, BAR_P_FULL = 6, BAR_P_EMPTY = 7, NUM_BARRIERS = 8;
+constexpr int SM_TILE_MASK = SM_FACTOR + HT * 4;       // u32 [2][2][4]: a K/V buffer's live tokens (per half, per producer warp)
+constexpr int SM_BARRIERS = SM_TILE_MASK + 64;         // u64 [14]: mbarriers
+// BAR_RAW + 2 w + h: producer warp w's raw unit h (each warp gathers and dequantizes its own 8 tokens).
+constexpr int BAR_FULL = 0, BAR_EMPTY = 2, BAR_RAW = 4, BAR_P_FULL = 12, BAR_P_EMPTY = 13, NUM_BARRIERS = 14;
 static_assert(SM_BARRIERS + NUM_BARRIERS * 8 == SMEM_BYTES, "shared layout must match the host's count");
 static_assert(SM_RAW % 16 == 0 && RAW_STRIDE % 16 == 0 && SM_BARRIERS % 8 == 0, "aligned regions");
 
@@ -129,6 +142,52 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     } while (!done);
 }
 
+// The shared::cluster address of the same byte as `local` (a shared::cta address) in block `rank`
+// of the cluster.
+__device__ __forceinline__ u32 cluster_address(u32 local, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    return remote;
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    return rank;
+}
+
+// An arrival on a barrier of another block of the cluster (a shared::cluster address). A consumer
+// warp's arrival after its wgmma reads of a K/V buffer completed: nothing to publish, so the
+// default semantics, not a release at cluster scope (which costs a GPU-wide fence).
+__device__ __forceinline__ void mbar_arrive_cluster(u32 remote_bar) {
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
+}
+
+// An arrival that also expects `bytes` of asynchronous stores (the peer's st.async) in this phase.
+__device__ __forceinline__ void mbar_arrive_expect_bytes(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Stores into another block's shared memory (shared::cluster addresses) that count their bytes on
+// that block's barrier `remote_bar` when they land.
+__device__ __forceinline__ void store_cluster16(u32 remote, uint4 v, u32 remote_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+                 ::"r"(remote), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(remote_bar)
+                 : "memory");
+}
+
+__device__ __forceinline__ void store_cluster4(u32 remote, u32 v, u32 remote_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                 ::"r"(remote), "r"(v), "r"(remote_bar)
+                 : "memory");
+}
+
+// Every thread of both blocks: the peer's barriers are initialized (at the start), or the peer
+// no longer touches this block's shared memory (at the end).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 // Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones (the
 // wgmma operand reads).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -151,7 +210,10 @@ __device__ __forceinline__ void regs_decrease() {
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Waits until at most N of this warpgroup's committed wgmma groups are pending (they complete in order).
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { wgmma_wait<0>(); }
 
 // Keeps the compiler from moving accesses of accumulator registers across the wgmma pipeline.
 template <int N>
@@ -245,17 +307,34 @@ __device__ __forceinline__ void wgmma_m64n256_rs(float (&d)[128], const u32 (&a)
 
 // ---------------------------------------------------------------- the producer
 
-// The slot of entry n of the row's concatenated tables (window, then extra), or -1 when the
-// entry is past its table's live count (also past both tables): then its slot is never read.
-__device__ __forceinline__ i64 load_slot(const Params& p, i64 row, i64 n, i64 swa_live, i64 extra_live) {
+// The slot of an entry, loaded two units before its use as the table's words, unconverted: any
+// conversion or select here would wait for the loads. Both words all ones (the slot -1 as int32
+// and int64) when the entry is past its table's live count (also past both tables): its slot is
+// never read. int32 slots use the low word only.
+struct SlotWords {
+    u32 lo, hi;
+};
+
+constexpr SlotWords NO_SLOT = {~0u, ~0u};
+
+__device__ __forceinline__ SlotWords load_slot(const Params& p, i64 row, i64 n, i64 swa_live, i64 extra_live) {
     const bool in_swa = n < p.swa.k;
     // Fields picked one by one: a reference to a Params member would copy Params to the stack.
     const i64 j = in_swa ? n : n - p.swa.k;
-    if (j >= (in_swa ? swa_live : extra_live)) return -1;
-    const i64 k = in_swa ? p.swa.k : p.extra.k;
-    const void* slots = in_swa ? p.swa.slots : p.extra.slots;
-    if (in_swa ? p.swa.slot_int64 : p.extra.slot_int64) return __ldg(static_cast<const i64*>(slots) + row * k + j);
-    return __ldg(static_cast<const int*>(slots) + row * k + j);
+    const bool int64 = in_swa ? p.swa.slot_int64 : p.extra.slot_int64;
+    const u32* const words = reinterpret_cast<const u32*>(static_cast<const u8*>(in_swa ? p.swa.slots : p.extra.slots) +
+                                                          (row * (in_swa ? p.swa.k : p.extra.k) + j) * (int64 ? 8 : 4));
+    SlotWords s = NO_SLOT;
+    const bool live = j < (in_swa ? swa_live : extra_live);
+    if (live) s.lo = __ldg(words);
+    if (live && int64) s.hi = __ldg(words + 1);
+    return s;
+}
+
+// The slot of entry n from its load_slot words (int32 slots sign-extended).
+__device__ __forceinline__ i64 slot_value(const Params& p, i64 n, SlotWords s) {
+    const bool int64 = n < p.swa.k ? p.swa.slot_int64 : p.extra.slot_int64;
+    return int64 ? static_cast<i64>(static_cast<u64>(s.hi) << 32 | s.lo) : static_cast<i64>(static_cast<int>(s.lo));
 }
 
 // The record of entry n (slot `slot`, -1 when masked) of the row's tables: its data row and scale
@@ -282,17 +361,15 @@ __device__ __forceinline__ RecordAddress record_address(const Params& p, i64 n, 
     return {base + entry * DATA_BYTES, base + page_size * DATA_BYTES + entry * SCALE_BYTES};
 }
 
-constexpr int RAW_ARRIVALS = 2 * 128;  // each producer thread: once itself, once when its copies land
+constexpr int RAW_ARRIVALS = 2 * 32;  // each thread of the warp: once itself, once when its copies land
 
-// Every producer thread: token t of the unit (entry n, slot `slot`), part c0 of its record: the
-// 16-byte chunks c0, c0 + 4, ..., c0 + 20 of its 24 (22 of the data row, 2 of the scale slot),
-// copied with cp.async (a warp's instruction: 8 records x 64 contiguous bytes). Lane 0 of a warp
-// writes its 8 tokens' byte of the unit's live mask before its arrival.
-__device__ __forceinline__ void gather_unit(const Params& p, i64 n, i64 slot, u8* raw_unit, u32* unit_mask, u32 bar,
-                                            int t, int c0, int warp, int lane) {
-    const RecordAddress record = record_address(p, n, slot);
+// Every producer thread: token t of the unit (entry n, its slot's load_slot words), part c0 of
+// its record: the 16-byte chunks c0, c0 + 4, ..., c0 + 20 of its 24 (22 of the data row, 2 of the scale slot),
+// copied with cp.async (a warp's instruction: 8 records x 64 contiguous bytes), arriving on the
+// warp's barrier `bar` of the unit. Returns the live mask of the warp's 8 tokens.
+__device__ __forceinline__ u32 gather_unit(const Params& p, i64 n, SlotWords slot, u8* raw_unit, u32 bar, int t, int c0) {
+    const RecordAddress record = record_address(p, n, slot_value(p, n, slot));
     const u32 mask = __ballot_sync(NVFP4_FULL_MASK, record.data != nullptr) & 0xFFu;  // lanes 0..7: the warp's tokens
-    if (lane == 0) reinterpret_cast<u8*>(unit_mask)[warp] = static_cast<u8>(mask);
     if (record.data != nullptr) {
         u8* const dst = raw_unit + t * RAW_STRIDE;
 #pragma unroll
@@ -303,87 +380,129 @@ __device__ __forceinline__ void gather_unit(const Params& p, i64 n, i64 slot, u8
     }
     mbar_arrive(bar);
     mbar_arrive_on_copies(bar);
+    return mask;
 }
 
 constexpr int THREAD_NOPE = NOPE_CHUNKS / 4;  // NoPE chunks of a dequantizing thread (14), then 2 RoPE chunks
+// With a cluster, the bytes a producer stores into the peer block per tile: its unit's BF16 rows
+// and its warps' words of the tile's live mask.
+constexpr u32 PEER_TILE_BYTES = UNIT * CHUNKS * 16 + 4 * 4;
 
-// A producer thread's part of a raw record's BF16 row: its 16-byte chunks c = 4 i + c0 (i = 0..15),
-// 8 values each, into `dst` (chunk c at c * GROUP_STRIDE). Chunks 0..55 are NoPE half groups (e2m1
-// codes times the group's scale: scale byte c / 2 = 2 i + c0 / 2, as its BF16 pair from
-// `scale_pairs`; a NaN scale gives NaN values), 56..63 the BF16 RoPE dims. Every shared-memory
-// read comes before the first store: the compiler cannot move a read over a store that may alias
-// it, and one chunk at a time leaves the thread waiting on two dependent reads per chunk.
-__device__ __forceinline__ void dequantize_part(const u8* record, const u32* scale_pairs, int c0, u8* dst) {
-    const uint4 s_lo = *reinterpret_cast<const uint4*>(record + DATA_BYTES);
-    const uint4 s_hi = *reinterpret_cast<const uint4*>(record + DATA_BYTES + 16);
-    const u32 scale_words[7] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z};  // bytes 0..27
-    u32 codes[THREAD_NOPE], pairs[THREAD_NOPE];
-#pragma unroll
-    for (int i = 0; i < THREAD_NOPE; ++i) codes[i] = *reinterpret_cast<const u32*>(record + (4 * i + c0) * 4);
-    const uint4 rope0 = *reinterpret_cast<const uint4*>(record + NOPE_BYTES + c0 * 16);        // chunk 56 + c0
-    const uint4 rope1 = *reinterpret_cast<const uint4*>(record + NOPE_BYTES + (4 + c0) * 16);  // chunk 60 + c0
-    const u32 byte_in_pair = static_cast<u32>(c0 >> 1);
-#pragma unroll
-    for (int i = 0; i < THREAD_NOPE; ++i)  // scale byte 2 i + c0 / 2: byte (i & 1) * 2 + c0 / 2 of word i / 2
-        pairs[i] = scale_pairs[__byte_perm(scale_words[i / 2], 0u, 0x4440u | ((i & 1) * 2 + byte_in_pair))];
-#pragma unroll
-    for (int i = 0; i < THREAD_NOPE; ++i)
-        *reinterpret_cast<uint4*>(dst + (4 * i + c0) * GROUP_STRIDE) = e2m1x8_scaled(codes[i], pairs[i]);
-    *reinterpret_cast<uint4*>(dst + (NOPE_CHUNKS + c0) * GROUP_STRIDE) = rope0;
-    *reinterpret_cast<uint4*>(dst + (NOPE_CHUNKS + 4 + c0) * GROUP_STRIDE) = rope1;
+// Where a producer thread stores: its token's row in a K/V buffer of this block and, with a
+// cluster, the same bytes of the peer block (shared::cluster address) with the peer's barrier
+// that counts them.
+struct KvDestination {
+    u8* local;
+    u32 peer;
+    u32 peer_bar;
+};
+
+// One 16-byte chunk at `offset` bytes from the destination, into this block and the peer's.
+__device__ __forceinline__ void store_kv(const KvDestination& dst, int offset, uint4 v) {
+    *reinterpret_cast<uint4*>(dst.local + offset) = v;
+    if constexpr (CLUSTER == 2) store_cluster16(dst.peer + offset, v, dst.peer_bar);
 }
 
-__device__ __forceinline__ void producer(const Params& p, u8* smem, i64 row, int tile_begin, int num_tiles, int ptid) {
+// A producer thread's part of a record: its 16-byte chunks c = 4 i + c0 (i = 0..15) of the BF16
+// row, 8 values each. Chunks 0..55 are NoPE half groups (e2m1 codes times the group's scale:
+// scale byte c / 2 = 2 i + c0 / 2, as its BF16 pair from `scale_pairs`; a NaN scale gives NaN
+// values), 56..63 the BF16 RoPE dims. read_part copies what the part needs out of the raw record
+// (so its raw buffer can be refilled at once), store_part converts and stores it. A masked token's
+// part is all zeros, which convert to +0 rows (scale byte 0 is +0).
+struct RecordPart {
+    u32 codes[THREAD_NOPE], scale_words[7];  // scale bytes 0..27
+    uint4 rope0, rope1;
+};
+
+__device__ __forceinline__ void read_part(const u8* record, int c0, RecordPart& part) {
+    const uint4 s_lo = *reinterpret_cast<const uint4*>(record + DATA_BYTES);
+    const uint4 s_hi = *reinterpret_cast<const uint4*>(record + DATA_BYTES + 16);
+    part.scale_words[0] = s_lo.x, part.scale_words[1] = s_lo.y, part.scale_words[2] = s_lo.z, part.scale_words[3] = s_lo.w;
+    part.scale_words[4] = s_hi.x, part.scale_words[5] = s_hi.y, part.scale_words[6] = s_hi.z;
+#pragma unroll
+    for (int i = 0; i < THREAD_NOPE; ++i) part.codes[i] = *reinterpret_cast<const u32*>(record + (4 * i + c0) * 4);
+    part.rope0 = *reinterpret_cast<const uint4*>(record + NOPE_BYTES + c0 * 16);        // chunk 56 + c0
+    part.rope1 = *reinterpret_cast<const uint4*>(record + NOPE_BYTES + (4 + c0) * 16);  // chunk 60 + c0
+}
+
+__device__ __forceinline__ void store_part(const RecordPart& part, const u32* scale_pairs, int c0, const KvDestination& dst) {
+    const u32 byte_in_pair = static_cast<u32>(c0 >> 1);
+    u32 pairs[THREAD_NOPE];
+#pragma unroll
+    for (int i = 0; i < THREAD_NOPE; ++i)  // scale byte 2 i + c0 / 2: byte (i & 1) * 2 + c0 / 2 of word i / 2
+        pairs[i] = scale_pairs[__byte_perm(part.scale_words[i / 2], 0u, 0x4440u | ((i & 1) * 2 + byte_in_pair))];
+#pragma unroll
+    for (int i = 0; i < THREAD_NOPE; ++i) store_kv(dst, (4 * i + c0) * GROUP_STRIDE, e2m1x8_scaled(part.codes[i], pairs[i]));
+    store_kv(dst, (NOPE_CHUNKS + c0) * GROUP_STRIDE, part.rope0);
+    store_kv(dst, (NOPE_CHUNKS + 4 + c0) * GROUP_STRIDE, part.rope1);
+}
+
+// The producer warpgroup. A gather unit is 32 tokens of a tile: both of a tile's units alone, or
+// with a cluster the unit of the block's rank (the peer block handles the other one).
+__device__ __forceinline__ void producer(const Params& p, u8* smem, i64 row, int tile_begin, int num_tiles, int ptid,
+                                         u32 rank) {
     const int warp = ptid >> 5, lane = ptid & 31;
     u8* const raw = smem + SM_RAW;
     const u32* const scale_pairs = reinterpret_cast<const u32*>(smem + SM_SCALES);
     u32* const tile_masks = reinterpret_cast<u32*>(smem + SM_TILE_MASK);
-    u32* const unit_masks = reinterpret_cast<u32*>(smem + SM_UNIT_MASK);
     const u32 bars = shared_address(smem + SM_BARRIERS);
-    const int units = 2 * num_tiles;
+    const u32 peer = CLUSTER == 2 ? cluster_address(shared_address(smem), rank ^ 1u) : 0u;  // the peer's smem
+    const int units = UNITS_PER_TILE * num_tiles;
     const i64 swa_live = live_count(p.swa.lens, p.swa.k, row), extra_live = live_count(p.extra.lens, p.extra.k, row);
 
     // Dequantization: token t of a unit (8 a warp), chunks 4 i + c0 (i = 0..15) of its row.
     const int t = warp * 8 + (lane & 7), c0 = lane >> 3;
     // Every thread gathers a quarter of token t's record: the slots of units 0 and 1 now, of
-    // u + 2 and u + 3 in flight while unit u is dequantized.
-    const i64 first = static_cast<i64>(tile_begin) * BN + t;  // this thread's entry in unit 0
-#define GATHER(unit, slot) gather_unit(p, first + (unit) * UNIT, slot, raw + ((unit) & 1) * UNIT * RAW_STRIDE, \
-                                       unit_masks + ((unit) & 1), bars + (BAR_RAW + ((unit) & 1)) * 8, t, c0, warp, lane)
-    i64 slot_a = -1, slot_b = -1;
+    // u + 2 and u + 3 in flight while unit u is dequantized. Unit u's entries start UNIT_STEP u
+    // after unit 0's.
+    constexpr int UNIT_STEP = UNIT * CLUSTER;
+    const i64 first = static_cast<i64>(tile_begin) * BN + rank * UNIT + t;  // this thread's entry in unit 0
+    // A warp gathers, dequantizes and reuses the raw records of its own 8 tokens: it waits on its
+    // own raw barriers and only for itself (the warps proceed independently).
+#define GATHER(unit, slot) gather_unit(p, first + (unit) * UNIT_STEP, slot, raw + ((unit) & 1) * UNIT * RAW_STRIDE, \
+                                       bars + (BAR_RAW + 2 * warp + ((unit) & 1)) * 8, t, c0)
+    SlotWords slot_a = NO_SLOT, slot_b = NO_SLOT;
+    u32 unit_mask[2] = {0u, 0u};  // the warp's live tokens of the units in raw buffers 0 and 1
     if (units > 0) {
-        const i64 s0 = load_slot(p, row, first, swa_live, extra_live);
-        const i64 s1 = units > 1 ? load_slot(p, row, first + UNIT, swa_live, extra_live) : -1;
-        if (units > 2) slot_a = load_slot(p, row, first + 2 * UNIT, swa_live, extra_live);
-        if (units > 3) slot_b = load_slot(p, row, first + 3 * UNIT, swa_live, extra_live);
-        GATHER(0, s0);
-        if (units > 1) GATHER(1, s1);
+        const SlotWords s0 = load_slot(p, row, first, swa_live, extra_live);
+        const SlotWords s1 = units > 1 ? load_slot(p, row, first + UNIT_STEP, swa_live, extra_live) : NO_SLOT;
+        if (units > 2) slot_a = load_slot(p, row, first + 2 * UNIT_STEP, swa_live, extra_live);
+        if (units > 3) slot_b = load_slot(p, row, first + 3 * UNIT_STEP, swa_live, extra_live);
+        unit_mask[0] = GATHER(0, s0);
+        if (units > 1) unit_mask[1] = GATHER(1, s1);
     }
 
     for (int u = 0; u < units; ++u) {
-        const int half = u & 1, tile = u >> 1, b = tile & 1;
-        if (half == 0) mbar_wait(bars + (BAR_EMPTY + b) * 8, ((tile >> 1) & 1) ^ 1);  // the consumers are done with buffer b
-        mbar_wait(bars + (BAR_RAW + half) * 8, (u >> 1) & 1);                          // the unit's records are in
-        const u32 mask = unit_masks[half];
-        if (ptid == 0) tile_masks[b * 2 + half] = mask;
-        const u8* record = raw + half * UNIT * RAW_STRIDE + t * RAW_STRIDE;
-        u8* const dst = smem + SM_KV + b * KV_BYTES + (half * UNIT + t) * 16;
-        if ((mask >> t) & 1u) {
-            dequantize_part(record, scale_pairs, c0, dst);
-        } else {
-#pragma unroll
-            for (int i = 0; i < CHUNKS / 4; ++i)
-                *reinterpret_cast<uint4*>(dst + (4 * i + c0) * GROUP_STRIDE) = make_uint4(0u, 0u, 0u, 0u);
-        }
-        if (half == 1) {  // the tile is complete: publish it to the consumers' wgmma (async proxy)
-            fence_proxy_async();
-            mbar_arrive(bars + (BAR_FULL + b) * 8);
-        }
-        named_barrier(2, 128);  // every producer thread is done with raw unit `half`
+        const int raw_half = u & 1, tile = u / UNITS_PER_TILE, b = tile & 1;
+        const int half = CLUSTER == 2 ? static_cast<int>(rank) : raw_half;  // the unit's half of the tile
+        const u32 full = bars + (BAR_FULL + b) * 8;
+        mbar_wait(bars + (BAR_RAW + 2 * warp + raw_half) * 8, (u >> 1) & 1);  // the warp's records are in
+        const u32 mask = raw_half ? unit_mask[1] : unit_mask[0];
+        RecordPart part = {};
+        if ((mask >> (t & 7)) & 1u)  // the warp's mask: its 8 tokens
+            read_part(raw + raw_half * UNIT * RAW_STRIDE + t * RAW_STRIDE, c0, part);
+        __syncwarp();  // the warp has read its raw records of unit u out: refill the buffer with unit u + 2
         if (u + 2 < units) {
-            GATHER(u + 2, slot_a);
+            const u32 next_mask = GATHER(u + 2, slot_a);
+            if (raw_half) unit_mask[1] = next_mask; else unit_mask[0] = next_mask;
             slot_a = slot_b;
-            slot_b = u + 4 < units ? load_slot(p, row, first + (u + 4) * UNIT, swa_live, extra_live) : -1;
+            slot_b = u + 4 < units ? load_slot(p, row, first + (u + 4) * UNIT_STEP, swa_live, extra_live) : NO_SLOT;
+        }
+        if (half == 0 || CLUSTER == 2)  // the consumers (of both blocks) are done with buffer b
+            mbar_wait(bars + (BAR_EMPTY + b) * 8, ((tile >> 1) & 1) ^ 1);
+        if (lane == 0) {
+            const int word = (b * 2 + half) * 4 + warp;
+            tile_masks[word] = mask;
+            if constexpr (CLUSTER == 2) store_cluster4(peer + SM_TILE_MASK + word * 4, mask, peer + (full - shared_address(smem)));
+        }
+        const int row_offset = SM_KV + b * KV_BYTES + (half * UNIT + t) * 16;
+        store_part(part, scale_pairs, c0, {smem + row_offset, peer + row_offset, peer + (full - shared_address(smem))});
+        if (half == 1 || CLUSTER == 2) {  // this block's part of the tile is complete: publish it to the consumers' wgmma (async proxy)
+            fence_proxy_async();
+            if (CLUSTER == 2 && ptid == 0)
+                mbar_arrive_expect_bytes(full, PEER_TILE_BYTES);  // and the phase waits for the peer's stores
+            else
+                mbar_arrive(full);
         }
     }
 #undef GATHER
@@ -392,17 +511,31 @@ __device__ __forceinline__ void producer(const Params& p, u8* smem, i64 row, int
 // ---------------------------------------------------------------- the consumers
 
 // A consumer waits until the producer has filled K/V buffer tile & 1 with `tile`, and gets the
-// tile's live tokens (a bit each).
-__device__ __forceinline__ u64 acquire_tile(u32 bars, const u32* tile_masks, int tile) {
+// tile's live tokens (a bit each). Lane 0, the lane that later gives the buffer back
+// (release_tile), reads the masks for its warp: the reads and that arrival are one thread's.
+__device__ __forceinline__ u64 acquire_tile(u32 bars, const u32* tile_masks, int tile, int lane) {
     const int b = tile & 1;
     mbar_wait(bars + (BAR_FULL + b) * 8, (tile >> 1) & 1);
-    return tile_masks[2 * b] | static_cast<u64>(tile_masks[2 * b + 1]) << 32;
+    // The peer's half came with st.async (counted by the barrier's transactions): ordered before
+    // this thread's wgmma reads (async proxy).
+    if constexpr (CLUSTER == 2) fence_proxy_async();
+    u64 live = 0;
+    if (lane == 0) {
+        const uint4 lo = *reinterpret_cast<const uint4*>(tile_masks + 8 * b);
+        const uint4 hi = *reinterpret_cast<const uint4*>(tile_masks + 8 * b + 4);
+        live = (lo.x | lo.y << 8 | lo.z << 16 | lo.w << 24) | static_cast<u64>(hi.x | hi.y << 8 | hi.z << 16 | hi.w << 24) << 32;
+    }
+    return __shfl_sync(NVFP4_FULL_MASK, live, 0);
 }
 
-// A consumer warp is done with K/V buffer b: one arrival a warp for the producer.
-__device__ __forceinline__ void release_tile(u32 bars, int b, int lane) {
+// A consumer warp is done with K/V buffer b: one arrival a warp for the producer, and with a
+// cluster for the peer's producer too (it stores into this block's buffer).
+__device__ __forceinline__ void release_tile(u32 bars, u32 peer_bars, int b, int lane) {
     __syncwarp();
-    if (lane == 0) mbar_arrive(bars + (BAR_EMPTY + b) * 8);
+    if (lane == 0) {
+        mbar_arrive(bars + (BAR_EMPTY + b) * 8);
+        if constexpr (CLUSTER == 2) mbar_arrive_cluster(peer_bars + (BAR_EMPTY + b) * 8);
+    }
 }
 
 // Scales a consumer's output rows g and g + 8 (its accumulators of the C fragment layout: rows
@@ -415,6 +548,31 @@ __device__ __forceinline__ void rescale_rows(float (&o)[4 * O_BLOCKS], float alp
         o[4 * j + 2] *= alpha_hi;
         o[4 * j + 3] *= alpha_hi;
     }
+}
+
+// Consumer 0: the first tile from `tile` on with a live token, acquiring and releasing those
+// without one (nothing to add; consumer 1 skips them too); num_tiles when none is left. Called
+// holding no tile: it may wait for any buffer.
+__device__ __forceinline__ int next_live_tile(u32 bars, u32 peer_bars, const u32* tile_masks, int tile, int num_tiles,
+                                              int lane, u64& live) {
+    for (; tile < num_tiles; ++tile) {
+        live = acquire_tile(bars, tile_masks, tile, lane);
+        if (live != 0) break;  // warpgroup-uniform
+        release_tile(bars, peer_bars, tile & 1, lane);
+    }
+    return tile;
+}
+
+// Issues S = Q.K^T of the tile in K/V buffer b (32 k-steps of 16 dims) as one wgmma group.
+__device__ __forceinline__ void issue_scores(float (&s)[4 * S_BLOCKS], u64 desc_q, u64 desc_k) {
+    constexpr u64 QK_K_STEP = (2 * GROUP_STRIDE) >> 4;
+#pragma unroll
+    for (int i = 0; i < 4 * S_BLOCKS; ++i) s[i] = 0.0f;
+    fence_registers(s);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < QK_STEPS; ++k) wgmma_m64n64<0>(s, desc_q + k * QK_K_STEP, desc_k + k * QK_K_STEP, 1);
+    wgmma_commit();
 }
 
 // Q of the block's heads into shared memory (both consumers, ctid 0..255): 16-byte chunks (head
@@ -437,7 +595,7 @@ __device__ __forceinline__ void load_q(const Params& p, u8* smem, i64 row, i64 h
 
 // Consumer 0: S, the softmax, P, and O over dims 0..255. Returns through the block's outputs.
 __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int num_tiles,
-                                          int tid) {
+                                          int tid, u32 peer_bars) {
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
     const int row_lo = warp * 16 + g, row_hi = row_lo + 8;  // the thread's rows of every fragment
     const u32 bars = shared_address(smem + SM_BARRIERS);
@@ -450,7 +608,7 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
     const u64 desc_q = matrix_descriptor(base + SM_Q, Q_GROUP_STRIDE, 128);
     const u64 desc_k0 = matrix_descriptor(base + SM_KV, GROUP_STRIDE, 128);
     const u64 desc_v0 = matrix_descriptor(base + SM_KV, 128, GROUP_STRIDE);
-    constexpr u64 KV_STEP = KV_BYTES >> 4, QK_K_STEP = (2 * GROUP_STRIDE) >> 4, PV_K_STEP = (16 * 16) >> 4;
+    constexpr u64 KV_STEP = KV_BYTES >> 4, PV_K_STEP = (16 * 16) >> 4;
 
     float o[4 * O_BLOCKS];
 #pragma unroll
@@ -459,32 +617,26 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
     load_q(p, smem, row, head0, tid);
     named_barrier(1, 256);
 
-    int processed = 0;
-    for (int tile = 0; tile < num_tiles; ++tile) {
-        const int b = tile & 1;
-        const u64 live = acquire_tile(bars, tile_masks, tile);
-        if (live == 0) {  // warpgroup-uniform: nothing live, nothing to add
-            release_tile(bars, b, lane);
-            continue;
-        }
-
-        // S = Q.K^T: 32 k-steps of 16 dims.
-        float s[4 * S_BLOCKS];
-#pragma unroll
-        for (int i = 0; i < 4 * S_BLOCKS; ++i) s[i] = 0.0f;
-        fence_registers(s);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < QK_STEPS; ++k) wgmma_m64n64<0>(s, desc_q + k * QK_K_STEP, desc_k0 + b * KV_STEP + k * QK_K_STEP, 1);
-        wgmma_commit();
+    // The live tiles in order. A tile's S is issued right behind the previous tile's P.V, so the
+    // tensor cores run both (and consumer 1's half of P.V) while this warpgroup waits once.
+    float s[4 * S_BLOCKS];
+    u64 live = 0;
+    int tile = next_live_tile(bars, peer_bars, tile_masks, 0, num_tiles, lane, live);
+    if (tile < num_tiles) {
+        issue_scores(s, desc_q, desc_k0 + (tile & 1) * KV_STEP);
         wgmma_wait_all();
         fence_registers(s);
+    }
+    int processed = 0;
+    while (tile < num_tiles) {
+        const int b = tile & 1;
 
         // The online softmax of rows lo (elements 0, 1 of an n-block) and hi (2, 3); the quad's 4
         // lanes hold a row's 64 tokens, n-block j tokens 8 j + 2 quad + {0, 1}.
+        const u64 mine = live >> (2 * quad);  // bit 8 j + e: token 8 j + 2 quad + e
 #pragma unroll
         for (int j = 0; j < S_BLOCKS; ++j) {
-            const bool live0 = (live >> (8 * j + 2 * quad)) & 1u, live1 = (live >> (8 * j + 2 * quad + 1)) & 1u;
+            const bool live0 = (mine >> (8 * j)) & 1u, live1 = (mine >> (8 * j + 1)) & 1u;
             s[4 * j + 0] = live0 ? s[4 * j + 0] * score_scale : neg_inf();
             s[4 * j + 1] = live1 ? s[4 * j + 1] * score_scale : neg_inf();
             s[4 * j + 2] = live0 ? s[4 * j + 2] * score_scale : neg_inf();
@@ -552,10 +704,33 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
 #pragma unroll
         for (int k = 0; k < PV_STEPS; ++k) wgmma_m64n256_rs<1>(o, pa[k], desc_v0 + b * KV_STEP + k * PV_K_STEP, 1);
         wgmma_commit();
-        wgmma_wait_all();
+        // The next tile's S behind it: only tile + 1, whose buffer is the other one (tile + 2 would
+        // wait for this tile's buffer).
+        int next = tile + 1;
+        u64 next_live = 0;
+        if (next < num_tiles) next_live = acquire_tile(bars, tile_masks, next, lane);
+        if (next_live != 0) {
+            issue_scores(s, desc_q, desc_k0 + (next & 1) * KV_STEP);
+            wgmma_wait<1>();  // P.V done (S may still run): this tile's buffer goes back to the producer now
+        } else {
+            wgmma_wait_all();
+        }
         fence_registers(o);
-        release_tile(bars, b, lane);
+        release_tile(bars, peer_bars, b, lane);
+        wgmma_wait_all();
+        fence_registers(s);
         ++processed;
+        if (next < num_tiles && next_live == 0) {  // nothing live in tile + 1: on to the next live tile, unpipelined
+            release_tile(bars, peer_bars, next & 1, lane);
+            next = next_live_tile(bars, peer_bars, tile_masks, next + 1, num_tiles, lane, next_live);
+            if (next < num_tiles) {
+                issue_scores(s, desc_q, desc_k0 + (next & 1) * KV_STEP);
+                wgmma_wait_all();
+                fence_registers(s);
+            }
+        }
+        tile = next;
+        live = next_live;
     }
 
     // The rows' factors for consumer 1, then this half of the outputs.
@@ -595,7 +770,7 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
 
 // Consumer 1: O over dims 256..511 with consumer 0's P and rescale factors.
 __device__ __forceinline__ void consumer1(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int num_tiles,
-                                          int tid) {
+                                          int tid, u32 peer_bars) {
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
     const int row_lo = warp * 16 + g, row_hi = row_lo + 8;
     const u32 bars = shared_address(smem + SM_BARRIERS);
@@ -616,9 +791,9 @@ __device__ __forceinline__ void consumer1(const Params& p, u8* smem, i64 row, i6
     int processed = 0;
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int b = tile & 1;
-        const u64 live = acquire_tile(bars, tile_masks, tile);
+        const u64 live = acquire_tile(bars, tile_masks, tile, lane);
         if (live == 0) {
-            release_tile(bars, b, lane);
+            release_tile(bars, peer_bars, b, lane);
             continue;
         }
         mbar_wait(bars + BAR_P_FULL * 8, processed & 1);
@@ -633,7 +808,7 @@ __device__ __forceinline__ void consumer1(const Params& p, u8* smem, i64 row, i6
         wgmma_wait_all();
         fence_registers(o);
         mbar_arrive(bars + BAR_P_EMPTY * 8);  // every thread: its reads of the factors come before consumer 0's next writes
-        release_tile(bars, b, lane);
+        release_tile(bars, peer_bars, b, lane);
         ++processed;
     }
 
@@ -659,7 +834,13 @@ __device__ __forceinline__ void consumer1(const Params& p, u8* smem, i64 row, i6
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) nvfp4_mla_decode_sm90(const Params p) {
+#if CLUSTER == 2
+#define CLUSTER_DIMS __cluster_dims__(2, 1, 1)
+#else
+#define CLUSTER_DIMS
+#endif
+
+extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_decode_sm90(const Params p) {
     extern __shared__ __align__(128) u8 smem[];
     const int tid = threadIdx.x;
     const i64 num_heads = p.num_heads, num_splits = p.num_splits;
@@ -678,25 +859,30 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) nvfp4_mla_decode_sm90(c
         const u32 bars = shared_address(smem + SM_BARRIERS);
         mbar_init(bars + (BAR_FULL + 0) * 8, 128);
         mbar_init(bars + (BAR_FULL + 1) * 8, 128);
-        mbar_init(bars + (BAR_EMPTY + 0) * 8, 8);
-        mbar_init(bars + (BAR_EMPTY + 1) * 8, 8);
-        mbar_init(bars + (BAR_RAW + 0) * 8, RAW_ARRIVALS);
-        mbar_init(bars + (BAR_RAW + 1) * 8, RAW_ARRIVALS);
+        mbar_init(bars + (BAR_EMPTY + 0) * 8, 8 * CLUSTER);  // a consumer warp of each block
+        mbar_init(bars + (BAR_EMPTY + 1) * 8, 8 * CLUSTER);
+        for (int i = 0; i < 8; ++i) mbar_init(bars + (BAR_RAW + i) * 8, RAW_ARRIVALS);
         mbar_init(bars + BAR_P_FULL * 8, 128);
         mbar_init(bars + BAR_P_EMPTY * 8, 128);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
+    const u32 rank = CLUSTER == 2 ? cluster_rank() : 0u;  // the head tile's parity
+    const u32 peer_bars = CLUSTER == 2 ? cluster_address(shared_address(smem + SM_BARRIERS), rank ^ 1u) : 0u;
+    if constexpr (CLUSTER == 2)
+        cluster_sync();
+    else
+        __syncthreads();
 
     const int warpgroup = tid >> 7;
     if (warpgroup == 2) {
         regs_decrease<REGS_PRODUCER>();
-        producer(p, smem, row, tile_begin, num_tiles, tid - 256);
+        producer(p, smem, row, tile_begin, num_tiles, tid - 256, rank);
     } else if (warpgroup == 0) {
         regs_increase<REGS_CONSUMER0>();
-        consumer0(p, smem, row, head0, split, num_tiles, tid);
+        consumer0(p, smem, row, head0, split, num_tiles, tid, peer_bars);
     } else {
         regs_decrease<REGS_CONSUMER1>();
-        consumer1(p, smem, row, head0, split, num_tiles, tid - 128);
+        consumer1(p, smem, row, head0, split, num_tiles, tid - 128, peer_bars);
     }
+    if constexpr (CLUSTER == 2) cluster_sync();  // the peer may still store into this block or arrive on its barriers
 }

@@ -24,8 +24,10 @@ def test_specs_and_names():
     specs = decode.specs("sm_80")
     assert {s.head_tile for s in specs if isinstance(s, decode_mma.MmaAttentionSpec)} == set(decode_mma.HEAD_TILES)
     assert specs[-1] == decode.CombineSpec.of() and len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 1
-    assert set(decode.specs("sm_90")) == {*specs, decode_sm90.WgmmaAttentionSpec.of()}  # the Hopper kernel too
-    assert decode_sm90.WgmmaAttentionSpec.of().template.arch == "sm_90a"
+    hopper = {decode_sm90.WgmmaAttentionSpec.of(1), decode_sm90.WgmmaAttentionSpec.of(2)}  # alone, and in pairs
+    assert set(decode.specs("sm_90")) == {*specs, *hopper} and len(hopper) == 2  # the Hopper kernels too
+    assert {s.template.arch for s in hopper} == {"sm_90a"}
+    assert {s.defines()["CLUSTER"] for s in hopper} == {1, 2}
     assert decode_mma.MmaAttentionSpec.of(32) is decode_mma.MmaAttentionSpec.of(32)  # memoized: the plans' keys
     assert decode_mma.MmaAttentionSpec.of(32).describe() == "decode attention (mma.sync), 32 heads a block"
     assert decode.CombineSpec.of().template.function == "nvfp4_mla_decode_combine"
@@ -44,13 +46,14 @@ FAKE_GPUS = {  # capability -> a Device as the planners see it (SMs, shared-memo
 
 
 @pytest.mark.parametrize("capability", FAKE_GPUS)
-@pytest.mark.parametrize("heads", [16, 32, 33, 64, 128])
-@pytest.mark.parametrize("rows", [1, 7, 8, 256])
+@pytest.mark.parametrize("heads", [1, 16, 32, 33, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 31, 32, 256])
 def test_selection_rule(capability, heads, rows):
-    """By architecture, then shape: the wgmma kernel on sm_90 from 33 heads and 8 query rows, the
-    mma.sync kernel everywhere else; only backends that support the GPU are compiled for it."""
+    """By architecture, then shape: the wgmma kernel on sm_90 from 33 heads, or from 32 query rows
+    with fewer heads, the mma.sync kernel everywhere else; only backends that support the GPU are
+    compiled for it."""
     gpu = FAKE_GPUS[capability]
-    wgmma = capability == 90 and heads >= 33 and rows >= 8
+    wgmma = capability == 90 and (heads >= 33 or rows >= 32)
     assert decode.select_backend(gpu, heads, rows).name == ("wgmma_sm90" if wgmma else "mma_sync")
     assert decode.BACKENDS["wgmma_sm90"].supports(gpu.capability) == (capability == 90)
     for spec in decode.specs(gpu.arch):
@@ -66,9 +69,26 @@ def test_a_forced_backend_must_exist_and_support_the_gpu(monkeypatch):
         decode.plan(nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90"), 0, 64, 1, 32, 0)
 
 
+def test_a_forced_head_tile_needs_the_mma_sync_kernel(monkeypatch):
+    """The wgmma kernel has one head tile: forcing another must not be ignored silently."""
+    monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[90])
+    with pytest.raises(ValueError, match="decode_head_tile=32 is the mma_sync kernel's head tile, but this call runs"):
+        decode.plan(nvfp4_mla.KernelLibrary(decode_head_tile=32), 0, 64, 8, 128, 0)
+    with pytest.raises(ValueError, match="runs the wgmma_sm90 backend"):
+        decode.plan(nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_head_tile=64), 0, 16, 1, 128, 0)
+
+
 def test_the_wgmma_kernel_fits_the_hopper_block():
-    assert decode_sm90.shared_bytes() == 232_032 <= FAKE_GPUS[90].shared_optin
-    assert decode_sm90.WgmmaAttentionSpec.of().template.threads == 384
+    assert decode_sm90.shared_bytes() == 232_112 <= FAKE_GPUS[90].shared_optin
+    assert decode_sm90.WgmmaAttentionSpec.of(2).template.threads == 384
+
+
+@pytest.mark.parametrize(
+    ("heads", "cluster"), [(1, 1), (16, 1), (64, 1), (65, 2), (100, 2), (128, 2), (129, 1), (256, 2)]
+)
+def test_the_wgmma_kernel_pairs_an_even_number_of_head_tiles(heads, cluster):
+    """Two head tiles of a row share their dequantized tiles as a cluster; an odd count cannot pair."""
+    assert decode_sm90.cluster_of(heads) == cluster
 
 
 def test_shared_memory_fits_every_gpu_it_is_chosen_for():

@@ -22,7 +22,7 @@ import nvfp4_mla
 import nvfp4_mla.reference.decode as exact_decode
 from nvfp4_mla import abi, validation
 from nvfp4_mla.device import device_info
-from nvfp4_mla.ops import decode, decode_mma
+from nvfp4_mla.ops import decode, decode_mma, decode_sm90
 from nvfp4_mla.testing import dirty_allocator, make_cache
 
 pytestmark = pytest.mark.gpu
@@ -176,7 +176,7 @@ def test_every_head_count_one_pool(backend, seed, heads, q_len):
     check(run(q, pools, library=backend), exact(q, pools), f"heads {heads} q_len {q_len}")
 
 
-@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("heads", [16, 64, 128])
 @pytest.mark.parametrize(
     ("swa_geometry", "extra_geometry"),
     [
@@ -215,12 +215,13 @@ def test_peaked_and_flat_softmax(backend, seed, sm_scale):
     check(run(q, pools, sm_scale, library=backend), exact(q, pools, sm_scale), f"sm_scale {sm_scale}")
 
 
-def test_lonely_rows(backend, seed):
+@pytest.mark.parametrize("heads", [16, 128])
+def test_lonely_rows(backend, seed, heads):
     """Rows with nothing live: lengths 0 in both pools, every slot invalid, an empty window with
     a live extra pool (not lonely), with and without sinks."""
     g = torch.Generator().manual_seed(seed)
     swa, extra = Pool(8, 64, g), Pool(8, 16, g)
-    batch, q_len, heads = 4, 2, 16
+    batch, q_len = 4, 2
     swa_slots, extra_slots = swa.slots((batch, q_len, 64), g), extra.slots((batch, q_len, 40), g, torch.int32)
     swa_lens = torch.full((batch, q_len), 64, dtype=torch.int32, device=DEVICE)
     extra_lens = torch.full((batch, q_len), 40, dtype=torch.int32, device=DEVICE)
@@ -310,7 +311,7 @@ def split_case(seed, heads, extra_k):
 
 def planned(q, pools, head_tile, num_splits, sinks=None):
     """The decode with a forced head tile and split count, and its plan."""
-    library = nvfp4_mla.KernelLibrary(decode_head_tile=head_tile, decode_splits=num_splits)
+    library = nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_head_tile=head_tile, decode_splits=num_splits)
     widths = [slots.shape[2] for _, slots, _ in pools] + [0]
     plan = decode.plan(library, q.get_device(), q.shape[2], q.shape[0] * q.shape[1], widths[0], widths[1])
     return plan, run(q, pools, sinks=sinks, library=library)
@@ -372,6 +373,29 @@ def test_every_backend_with_every_split(seed, heads):
             check(run(q, pools, sinks=sinks, library=library), want, f"{name}, heads {heads}, {num_splits} splits")
 
 
+@pytest.mark.parametrize("heads", [65, 128, 256])
+def test_wgmma_clusters_give_the_bits_of_single_blocks(seed, heads):
+    """The Hopper kernel's clusters (two head tiles sharing each dequantized tile, each block
+    dequantizing half of it into both) against the same kernel with every block alone: the same
+    arithmetic, so the same bits, over masks, lengths, sinks, both pools and 1 to many splits."""
+    gpu = device_info(torch.cuda.current_device())
+    if not decode.BACKENDS["wgmma_sm90"].supports(gpu.capability):
+        pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
+    assert decode_sm90.cluster_of(heads) == 2
+    q, pools, sinks, want = split_case(seed, heads, 300)
+
+    def alone(spec):
+        single = decode_sm90.WgmmaAttentionSpec.of(1)
+        return single if isinstance(spec, decode_sm90.WgmmaAttentionSpec) else spec
+
+    for num_splits in (1, 3, 7):
+        paired = nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_splits=num_splits)
+        single = nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_splits=num_splits, tune=alone)
+        got, reference = run(q, pools, sinks=sinks, library=paired), run(q, pools, sinks=sinks, library=single)
+        assert bits_equal(got[0], reference[0]) and bits_equal(got[1], reference[1]), f"{num_splits} splits"
+        check(got, want, f"clusters, heads {heads}, {num_splits} splits")
+
+
 # ---------------------------------------------------------------- execution contract
 
 
@@ -390,11 +414,12 @@ def test_out_argument(backend, seed):
         run(q, pools, out=out.float(), library=backend)
 
 
-def test_graph_replay(backend, seed):
+@pytest.mark.parametrize("heads", [64, 128])
+def test_graph_replay(backend, seed, heads):
     """Captured once, replayed on new contents of the same tensors: the eager call's bits."""
     g = torch.Generator().manual_seed(seed)
     swa, extra = Pool(16, 64, g), Pool(16, 16, g)
-    batch, q_len, heads = 1, 2, 64  # batch 1: splits, so the combine and its workspace are captured too
+    batch, q_len = 1, 2  # batch 1: splits, so the combine and its workspace are captured too
     q = queries(batch, q_len, heads, g)
     swa_slots, extra_slots = swa.slots((batch, q_len, 128), g), extra.slots((batch, q_len, 256), g, torch.int32)
     swa_lens = lengths(batch, q_len, 128, g)

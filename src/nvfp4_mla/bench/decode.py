@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'batch':>5} {'q':>2} {'heads':>5} {'tok':>5} {'tile':>4} {'spl':>3} {'fused':>8} {'bf16':>8} "
     print(header + f"{'reader':>8} {'xbf16':>6} {'TF/s':>6} {'roof%':>6} {'diff':>8}")
     rows = []
-    for shape in shapes(args.quick):
+    grid = shapes(args.quick)
+    for shape in grid:
         r = measure(pools, shape, ceilings, g, timer)
         rows.append(r)
         print(
@@ -353,16 +354,24 @@ def main(argv: list[str] | None = None) -> int:
         tiles = [t for t in decode_mma.HEAD_TILES[1:] if decode_mma.shared_bytes(t) <= optin]
         for shape in [s for s in shapes(args.quick) if s[2] >= 64 and s[1] == 2]:
             for tile in tiles:
-                r = measure(pools, shape, ceilings, g, timer, nvfp4_mla.KernelLibrary(decode_head_tile=tile))
+                r = measure(
+                    pools,
+                    shape,
+                    ceilings,
+                    g,
+                    timer,
+                    nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_head_tile=tile),
+                )
                 rows.append(r)
                 print(f"head tile {tile}: {shape} fused {r['fused_graph_us']:.1f} us, {r['fused_tflops']:.1f} TFLOP/s")
-    if args.backends:
+    if args.backends:  # every backend of this GPU on the shapes where the rule picked another one
         gpu = device_info(0)
-        chosen = {r["backend"] for r in rows}
-        others = [n for n, b in decode_op.BACKENDS.items() if b.supports(gpu.capability) and n not in chosen]
-        for backend in others:
+        defaults = rows[: len(grid)]
+        for backend in [n for n, b in decode_op.BACKENDS.items() if b.supports(gpu.capability)]:
             library = nvfp4_mla.KernelLibrary(decode_backend=backend)
-            for shape, default in zip(shapes(args.quick), rows):
+            for shape, default in zip(grid, defaults):
+                if default["backend"] == backend:
+                    continue
                 r = measure(pools, shape, ceilings, g, timer, library)
                 rows.append(r)
                 speedup = default["fused_graph_us"] / r["fused_graph_us"]

@@ -74,22 +74,24 @@ class CombineSpec(NamedTuple):
         return "decode split combine"
 
 
-# The shape rule's thresholds: on sm_90 the wgmma kernel (64 heads a block) wins from 33 heads and
-# 8 query rows up (H200, `nvfp4-mla bench decode --backends`: 1.15-1.71x over the mma.sync kernel
-# at 64 and 128 heads, 8-256 rows); below, the mma.sync kernel's smaller head tiles and cheaper
-# blocks win or tie (16 heads: wgmma 0.82-1.07x; 1-2 rows: 0.96-1.21x).
+# The shape rule's thresholds (H200, `nvfp4-mla bench decode --quick --backends`): on sm_90 the
+# wgmma kernel (64 heads a block, clusters of two head tiles at 65-128 heads) wins from 33 heads,
+# 1.5-2.6x over the mma.sync kernel at 64-128 rows and 0.94-1.19x at 1-2 rows; with 16 heads it
+# wins 1.11-1.16x from 64 rows and loses 2-14% at 1-2 rows, where the mma.sync kernel's 16-head
+# blocks waste no MMA rows (the wgmma kernel pads to 64 heads), so below 33 heads it takes over
+# from 32 rows.
 WGMMA_MIN_HEADS = 33
-WGMMA_MIN_ROWS = 8
+WGMMA_MIN_ROWS = 32  # below WGMMA_MIN_HEADS
 
 
 def select_backend(gpu: Device, num_heads: int, rows: int) -> DecodeBackend:
     """The backend of a call of ``rows`` query rows of ``num_heads`` heads: by architecture first
     (the backends that support the GPU), then by shape where measurements show one wins: the
-    Hopper ``wgmma`` kernel from :data:`WGMMA_MIN_HEADS` heads and :data:`WGMMA_MIN_ROWS` rows,
-    else the ``mma.sync`` kernel (every GPU). docs/format.md section 12 and docs/performance.md
-    give the numbers."""
+    Hopper ``wgmma`` kernel from :data:`WGMMA_MIN_HEADS` heads, or from :data:`WGMMA_MIN_ROWS`
+    rows with fewer heads, else the ``mma.sync`` kernel (every GPU). docs/format.md section 12 and
+    docs/performance.md give the numbers."""
     wgmma = BACKENDS["wgmma_sm90"]
-    if wgmma.supports(gpu.capability) and num_heads >= WGMMA_MIN_HEADS and rows >= WGMMA_MIN_ROWS:
+    if wgmma.supports(gpu.capability) and (num_heads >= WGMMA_MIN_HEADS or rows >= WGMMA_MIN_ROWS):
         return wgmma
     return BACKENDS["mma_sync"]
 
@@ -147,6 +149,11 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
     backend = select_backend(gpu, num_heads, rows) if forced is None else BACKENDS[forced]
     if not backend.supports(gpu.capability):
         raise ValueError(f"decode backend {backend.name!r} does not run on {gpu.arch}")
+    if lib.decode_head_tile is not None and backend is not BACKENDS["mma_sync"]:
+        raise ValueError(
+            f"decode_head_tile={lib.decode_head_tile} is the mma_sync kernel's head tile, but this call runs the "
+            f"{backend.name} backend: force decode_backend='mma_sync' with it"
+        )
     attention = backend.attention(lib, gpu, num_heads)
     blocks = rows * -(-num_heads // attention.head_tile)
     num_tiles = -(-(k_swa + k_extra) // attention.tile_tokens)

@@ -3,7 +3,10 @@
 
 64 heads a block (wgmma's M), tiles of 64 selected tokens, three warpgroups: a producer that
 gathers the records and dequantizes them exactly into shared memory, and two consumers that run
-the products and the online softmax. The kernel's header comment describes the block's work.
+the products and the online softmax. With an even number of head tiles (65-128 heads), the two
+head tiles of a query row run as a cluster of two blocks that share the dequantized tiles: each
+gathers and dequantizes half of every tile into both blocks' shared memory. The kernel's header
+comment describes the block's work.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ BLOCK_N = 64  # selected tokens a tile
 THREADS = 3 * 128  # consumer 0, consumer 1, the producer
 GATHER_UNIT = 32  # tokens the producer copies at once (two units a tile)
 RAW_RECORD_BYTES = abi.RECORD_BYTES + 16  # a copied record in shared memory, padded: conflict-free reads
-MBARRIERS = 8
+MBARRIERS = 14  # two per K/V buffer, two per producer warp (its raw units), two for P
 
 
 def shared_bytes() -> int:
@@ -37,21 +40,22 @@ def shared_bytes() -> int:
         + 2 * GATHER_UNIT * RAW_RECORD_BYTES  # two units of copied records
         + 256 * 4  # every E4M3 scale byte as a BF16 pair
         + 2 * HEAD_TILE * 4  # a row's rescale and output factors
-        + 16  # live tokens of the two tile buffers
-        + 16  # live tokens of the two gather units
+        + 64  # live tokens of the two tile buffers (per half, per producer warp)
         + MBARRIERS * 8
     )
 
 
 class WgmmaAttentionSpec(NamedTuple):
-    """The one build of the Hopper attention kernel (64 heads a block)."""
+    """A build of the Hopper attention kernel (64 heads a block): alone, or as clusters of the
+    two head tiles of a query row (``cluster`` 2)."""
 
     head_tile: int = HEAD_TILE
+    cluster: int = 1
 
     @staticmethod
     @functools.cache
-    def of() -> WgmmaAttentionSpec:
-        return WgmmaAttentionSpec()
+    def of(cluster: int) -> WgmmaAttentionSpec:
+        return WgmmaAttentionSpec(HEAD_TILE, cluster)
 
     @property
     def template(self) -> Template:
@@ -60,19 +64,28 @@ class WgmmaAttentionSpec(NamedTuple):
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""
-        return {"BLOCK_N": BLOCK_N, "SMEM_BYTES": shared_bytes()}
+        return {"BLOCK_N": BLOCK_N, "SMEM_BYTES": shared_bytes(), "CLUSTER": self.cluster}
 
     def describe(self) -> str:
-        return f"decode attention (wgmma, sm_90a), {self.head_tile} heads a block"
+        pairs = ", clusters of two head tiles" if self.cluster == 2 else ""
+        return f"decode attention (wgmma, sm_90a), {self.head_tile} heads a block{pairs}"
 
 
 def specs(arch: str) -> tuple[WgmmaAttentionSpec, ...]:
-    return (WgmmaAttentionSpec.of(),)
+    return (WgmmaAttentionSpec.of(1), WgmmaAttentionSpec.of(2))
+
+
+def cluster_of(num_heads: int) -> int:
+    """Blocks of a cluster for ``num_heads`` heads: the head tiles of a row in pairs when their
+    count is even (the grid's head tile is its fastest index, so a pair is two neighbouring
+    blocks), else each block alone. Heads past num_heads are zero rows."""
+    return 2 if -(-num_heads // HEAD_TILE) % 2 == 0 else 1
 
 
 def attention(lib: KernelLibrary, device: Device, num_heads: int) -> Attention:
-    """The attention kernel of a call (one build: 64 heads a block, heads past num_heads are zero rows)."""
-    spec = lib.spec(WgmmaAttentionSpec.of())
+    """The attention kernel of a call: 64 heads a block, in clusters of two head tiles where
+    :func:`cluster_of` says so."""
+    spec = lib.spec(WgmmaAttentionSpec.of(cluster_of(num_heads)))
     return Attention(lib.launcher(device.index, spec), shared_bytes(), spec.head_tile, BLOCK_N)
 
 

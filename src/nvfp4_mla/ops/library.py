@@ -45,6 +45,8 @@ class KernelLibrary:
         selection rule's choice.
     decode_head_tile, decode_splits
         Heads a block and splits of the selected tokens for the decode; None: the backend's choice.
+        A head tile is the ``mma_sync`` kernel's (16, 32 or 64): a call that runs another backend
+        with one set is refused.
     """
 
     __slots__ = ("_cache", "decode_backend", "decode_head_tile", "decode_splits", "plans", "tune", "writer_grid")
