@@ -226,7 +226,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
     const int num_tiles = static_cast<int>((p.swa.k + p.extra.k + BN - 1) / BN);
     const int tile_begin = static_cast<int>(split * p.tiles_per_split);
     const int tile_end = min(tile_begin + static_cast<int>(p.tiles_per_split), num_tiles);
-    const i64 swa_live = live_count(p.swa.lens, p.swa.k, row), extra_live = live_count(p.extra.lens, p.extra.k, row);
+    const i64 swa_live = live_count(p.swa.lens, p.swa.lens_int64, p.swa.k, row),
+              extra_live = live_count(p.extra.lens, p.extra.lens_int64, p.extra.k, row);
     const float score_scale = static_cast<float>(p.score_scale);
 
     // Slots two tiles ahead (warp 0), then the Q fragments of the warp's rows and dims slice:

@@ -16,12 +16,13 @@ constexpr float RESCALE_SLACK = 8.0f;
 struct Pool {             // one cache and its slot table; k == 0: no such pool
     const u8* cache;      // page 0
     const void* slots;    // [rows, k] int32 or int64
-    const int* lens;      // [rows] or null (every entry counts)
+    const void* lens;     // [rows] int32 or int64, or null (every entry counts)
     i64 page_stride;      // bytes
     i64 page_size;
     i64 capacity;         // num_pages * page_size: valid slots are [0, capacity)
     i64 k;
     i64 slot_int64;
+    i64 lens_int64;
 };
 
 struct AttendParams {     // 8-byte fields only: packed on the host with one struct format
@@ -60,10 +61,11 @@ __device__ __forceinline__ float output_factor(float l, float lse, const float* 
     return sinks ? inv_l / (1.0f + expf(sinks[head] - lse)) : inv_l;
 }
 
-// Live entries of a row of a pool's table: lens clamped to [0, k], or k without lens.
-__device__ __forceinline__ i64 live_count(const int* lens, i64 k, i64 row) {
+// Live entries of a row of a pool's table: lens clamped to [0, k], or k without lens. (The pool's
+// fields one by one: a reference to a Params member would copy Params to the stack.)
+__device__ __forceinline__ i64 live_count(const void* lens, i64 lens_int64, i64 k, i64 row) {
     if (k == 0 || lens == nullptr) return k;
-    const i64 n = lens[row];
+    const i64 n = lens_int64 ? static_cast<const i64*>(lens)[row] : static_cast<const int*>(lens)[row];
     return n < 0 ? 0 : (n > k ? k : n);
 }
 

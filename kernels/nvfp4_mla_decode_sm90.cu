@@ -448,7 +448,8 @@ __device__ __forceinline__ void producer(const Params& p, u8* smem, i64 row, int
     const u32 bars = shared_address(smem + SM_BARRIERS);
     const u32 peer = CLUSTER == 2 ? cluster_address(shared_address(smem), rank ^ 1u) : 0u;  // the peer's smem
     const int units = UNITS_PER_TILE * num_tiles;
-    const i64 swa_live = live_count(p.swa.lens, p.swa.k, row), extra_live = live_count(p.extra.lens, p.extra.k, row);
+    const i64 swa_live = live_count(p.swa.lens, p.swa.lens_int64, p.swa.k, row),
+              extra_live = live_count(p.extra.lens, p.extra.lens_int64, p.extra.k, row);
 
     // Dequantization: token t of a unit (8 a warp), chunks 4 i + c0 (i = 0..15) of its row.
     const int t = warp * 8 + (lane & 7), c0 = lane >> 3;

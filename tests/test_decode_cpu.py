@@ -181,7 +181,7 @@ def test_validation_is_shared_with_the_reference(seed):
     q, swa_cache, swa_slots = args.pop("q"), args.pop("swa_cache"), args.pop("swa_slots")
     for bad, match in [
         ({"sm_scale": float("nan")}, "sm_scale must be a finite"),
-        ({"swa_lens": args["swa_lens"].long()}, "swa_lens must have dtype torch.int32"),
+        ({"swa_lens": args["swa_lens"].short()}, "swa_lens must have dtype torch.int32 or torch.int64"),
         ({"extra_cache": None}, "extra_cache and extra_slots come together"),
         ({"sinks": args["sinks"][:-1]}, "sinks must be a contiguous"),
     ]:

@@ -84,9 +84,9 @@ def queries(batch, q_len, heads, g):
     return torch.randn(batch, q_len, heads, abi.HEAD_DIM, generator=g).to(BF16).to(DEVICE)
 
 
-def lengths(batch, q_len, k, g):
-    """int32 lengths from below 0 to above k (the clamp), 0 included."""
-    return torch.randint(-2, k + 3, (batch, q_len), generator=g, dtype=torch.int32).to(DEVICE)
+def lengths(batch, q_len, k, g, dtype=torch.int32):
+    """Lengths from below 0 to above k (the clamp), 0 included."""
+    return torch.randint(-2, k + 3, (batch, q_len), generator=g, dtype=dtype).to(DEVICE)
 
 
 def run(q, pools, sm_scale=SM_SCALE, sinks=None, out=None, library=None):
@@ -188,13 +188,14 @@ def test_every_head_count_one_pool(backend, seed, heads, q_len):
 )
 def test_two_pools_every_mask_kind_and_sinks(backend, seed, heads, swa_geometry, extra_geometry):
     """Invalid slots (-1, negative, at and past the capacity, int32 extremes), lengths below 0, 0,
-    inside and above k, two pools of different page sizes, layouts and slot dtypes, sinks."""
+    inside and above k, two pools of different page sizes, layouts, slot and length dtypes, sinks."""
     g = torch.Generator().manual_seed(seed)
     batch, q_len = 3, 2
     pools = []
     for (num_pages, page_size, layout, pad, dtype), k in ((swa_geometry, 128), (extra_geometry, 300)):
         pool = Pool(num_pages, page_size, g, layout, pad)
-        pools.append((pool, pool.slots((batch, q_len, k), g, dtype, invalid=0.2), lengths(batch, q_len, k, g)))
+        lens = lengths(batch, q_len, k, g, dtype)  # int32 or int64, like the slots
+        pools.append((pool, pool.slots((batch, q_len, k), g, dtype, invalid=0.2), lens))
     q = queries(batch, q_len, heads, g)
     sinks = (torch.randn(heads, generator=g) * 3).to(DEVICE)
     check(run(q, pools, sinks=sinks, library=backend), exact(q, pools, sinks=sinks), f"two pools heads {heads}, sinks")
@@ -224,7 +225,7 @@ def test_lonely_rows(backend, seed, heads):
     batch, q_len = 4, 2
     swa_slots, extra_slots = swa.slots((batch, q_len, 64), g), extra.slots((batch, q_len, 40), g, torch.int32)
     swa_lens = torch.full((batch, q_len), 64, dtype=torch.int32, device=DEVICE)
-    extra_lens = torch.full((batch, q_len), 40, dtype=torch.int32, device=DEVICE)
+    extra_lens = torch.full((batch, q_len), 40, dtype=torch.int64, device=DEVICE)  # int64 lengths
     swa_lens[0, 0] = extra_lens[0, 0] = 0  # lonely by lengths
     swa_slots[1, 1] = -1  # lonely by invalid slots
     extra_slots[1, 1] = extra.capacity

@@ -126,6 +126,10 @@ def test_lengths_are_clamped(seed):
     full_out, full_lse = decode(q, pool.cache, slots, sm_scale=SM_SCALE)
     assert (out[0, :2] == 0).all() and (lse[0, :2] == math.inf).all()  # negative and zero: nothing
     assert torch.equal(out[0, 2:], full_out[0, 2:]) and torch.equal(lse[0, 2:], full_lse[0, 2:])  # k and above: all
+    wide = torch.tensor([[-(2**40), 0, 8, 2**40]], dtype=torch.int64)  # int64 lengths, past the int32 range
+    assert all(
+        torch.equal(a, b) for a, b in zip(decode(q, pool.cache, slots, swa_lens=wide, sm_scale=SM_SCALE), (out, lse))
+    )
 
 
 def test_two_pools(seed):
@@ -275,7 +279,7 @@ def _good():
             "at most 16777216 slots per query row",
         ),
         (dict(swa_slots=torch.zeros(2, 1, 16, dtype=torch.int64)[..., ::2]), "swa_slots must be contiguous"),
-        (dict(swa_lens=torch.zeros(2, 1, dtype=torch.int64)), "swa_lens must have dtype torch.int32"),
+        (dict(swa_lens=torch.zeros(2, 1, dtype=torch.int16)), "swa_lens must have dtype torch.int32 or torch.int64"),
         (dict(swa_lens=torch.zeros(2, dtype=torch.int32)), "swa_lens must be \\[batch, q_len\\]"),
         (dict(extra_cache=make_cache(1, 8)), "extra_cache and extra_slots come together"),
         (dict(extra_slots=torch.zeros(2, 1, 4, dtype=torch.int64)), "extra_cache and extra_slots come together"),

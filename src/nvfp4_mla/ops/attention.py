@@ -26,9 +26,9 @@ if TYPE_CHECKING:
 DECODE_HEADER = "nvfp4_mla_decode.cuh"  # what the attention kernels share, beside the numerics header
 
 # The attention kernels' Params (their static_asserts check the size): 6 pointers (q, out, lse,
-# partial_o, partial_ml, sinks), two pools (3 pointers and 5 int64 each), 3 int64 (heads, splits,
+# partial_o, partial_ml, sinks), two pools (3 pointers and 6 int64 each), 3 int64 (heads, splits,
 # tiles a split) and sm_scale * log2(e) as a double.
-ATTEND_PARAMS = struct.Struct("<6Q3Q5q3Q5q3qd")
+ATTEND_PARAMS = struct.Struct("<6Q3Q6q3Q6q3qd")
 
 
 class Attention(NamedTuple):

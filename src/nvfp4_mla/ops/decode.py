@@ -178,7 +178,7 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
 
 def _pool_params(cache, slots, lens, layout) -> tuple[int, ...]:
     if cache is None:  # no second pool: k = 0, never read
-        return (0, 0, 0, 0, 1, 0, 0, 0)
+        return (0, 0, 0, 0, 1, 0, 0, 0, 0)
     num_pages, page_size, page_stride = layout
     return (
         cache.data_ptr(),
@@ -189,6 +189,7 @@ def _pool_params(cache, slots, lens, layout) -> tuple[int, ...]:
         num_pages * page_size,
         slots.shape[2],
         int(slots.dtype is torch.int64),
+        int(lens is not None and lens.dtype is torch.int64),
     )
 
 
@@ -397,8 +398,8 @@ def sparse_mla_decode(
         int64 slot table ``[batch, q_len, k]`` (``page * page_size + entry``; -1 or any invalid
         slot is masked).
     swa_lens
-        Optional contiguous int32 ``[batch, q_len]``: only the first ``lens`` entries of a row
-        count (clamped to ``[0, k]``).
+        Optional contiguous int32 or int64 ``[batch, q_len]``: only the first ``lens`` entries of a
+        row count (clamped to ``[0, k]``).
     extra_cache, extra_slots, extra_lens
         The optional second (compressed) pool, likewise; its page size, slot dtype and ``k`` may
         differ from the first pool's.

@@ -104,7 +104,7 @@ def sparse_mla_decode(
         The sliding-window pool: a cache (docs/format.md section 3) and its int32/int64 slot table
         ``[batch, q_len, k]`` (``k >= 1``; invalid slots are masked).
     swa_lens
-        Optional int32 ``[batch, q_len]``: only the first ``lens`` entries of a row count.
+        Optional int32 or int64 ``[batch, q_len]``: only the first ``lens`` entries of a row count.
     extra_cache, extra_slots, extra_lens
         The optional second (compressed) pool, likewise; its ``k`` may differ.
     sm_scale

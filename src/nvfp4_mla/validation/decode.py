@@ -49,8 +49,8 @@ def _check_pool(
         fail(f"{pool}_slots must be contiguous (pass {pool}_slots.contiguous())")
     if lens is not None:
         check_tensors((lens,), (f"{pool}_lens",))
-        if lens.dtype is not torch.int32:
-            fail(f"{pool}_lens must have dtype torch.int32, got {lens.dtype}")
+        if lens.dtype not in (torch.int32, torch.int64):
+            fail(f"{pool}_lens must have dtype torch.int32 or torch.int64, got {lens.dtype}")
         if tuple(lens.shape) != (batch, q_len):
             fail(f"{pool}_lens must be [batch, q_len] = [{batch}, {q_len}], got {list(lens.shape)}")
         if not lens.is_contiguous():
