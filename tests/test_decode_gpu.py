@@ -345,6 +345,29 @@ def test_the_most_splits_the_combine_takes(seed):
         check(got, want, f"{forced} splits asked")
 
 
+@pytest.mark.parametrize("heads", [16, 128])
+def test_a_row_does_not_depend_on_the_other_rows(backend, seed, heads):
+    """Batch invariance within a call shape: new queries, slots and lengths in the other rows leave
+    a row's bits as they were (the split and the backend follow from the shape only)."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(16, 64, g), Pool(32, 64, g)
+    batch, q_len = 40, 1  # at 16 heads, 40 rows take the wgmma kernel on sm_90
+    swa_slots, extra_slots = swa.slots((batch, q_len, 128), g, invalid=0.1), extra.slots((batch, q_len, 640), g)
+    swa_lens, extra_lens = lengths(batch, q_len, 128, g), lengths(batch, q_len, 640, g, torch.int64)
+    q = queries(batch, q_len, heads, g)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    pools = [(swa, swa_slots, swa_lens), (extra, extra_slots, extra_lens)]
+    first = run(q, pools, sinks=sinks, library=backend)
+    q[1:] = queries(batch - 1, q_len, heads, g)
+    swa_slots[1:] = swa.slots((batch - 1, q_len, 128), g)
+    extra_slots[1:] = extra.slots((batch - 1, q_len, 640), g, invalid=0.3)
+    swa_lens[1:] = lengths(batch - 1, q_len, 128, g)
+    again = run(q, pools, sinks=sinks, library=backend)
+    assert bits_equal(again[0][:1], first[0][:1]) and bits_equal(again[1][:1], first[1][:1])
+    assert not bits_equal(again[0][1:], first[0][1:])  # the other rows did change
+    check(again, exact(q, pools, sinks=sinks), f"heads {heads}, the other rows replaced")
+
+
 def test_split_runs_are_bitwise_reproducible(backend, seed):
     g = torch.Generator().manual_seed(seed)
     swa, extra = Pool(16, 64, g), Pool(64, 64, g)
