@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.head_tiles:
         optin = device_info(0).shared_optin
         tiles = [t for t in decode_mma.HEAD_TILES[1:] if decode_mma.shared_bytes(t) <= optin]
-        for shape in [s for s in shapes(args.quick) if s[2] >= 64 and s[1] == 2]:
+        for shape in [s for s in grid if s[2] >= 64 and s[1] == 2]:
             for tile in tiles:
                 r = measure(
                     pools,

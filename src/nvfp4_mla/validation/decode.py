@@ -30,7 +30,7 @@ def _check_pool(
     pool: str, cache: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor | None, batch: int, q_len: int
 ) -> CacheLayout:
     """One pool of ``sparse_mla_decode``: its cache, its ``[batch, q_len, k]`` slot table and
-    optional int32 ``[batch, q_len]`` valid lengths."""
+    optional ``[batch, q_len]`` valid lengths (int32 or int64, like the slots)."""
     check_tensors((cache, slots), (f"{pool}_cache", f"{pool}_slots"))
     try:
         layout = check_cache(cache)
@@ -49,7 +49,7 @@ def _check_pool(
         fail(f"{pool}_slots must be contiguous (pass {pool}_slots.contiguous())")
     if lens is not None:
         check_tensors((lens,), (f"{pool}_lens",))
-        if lens.dtype not in (torch.int32, torch.int64):
+        if lens.dtype not in SLOT_DTYPES:
             fail(f"{pool}_lens must have dtype torch.int32 or torch.int64, got {lens.dtype}")
         if tuple(lens.shape) != (batch, q_len):
             fail(f"{pool}_lens must be [batch, q_len] = [{batch}, {q_len}], got {list(lens.shape)}")
