@@ -30,7 +30,8 @@
 //   split order (deterministic) and finishes the row the same way.
 //
 // -D constants: HEAD_TILE (16, 32 or 64), DIM_SPLIT, BLOCK_N, SMEM_BYTES (the host's count of the
-// shared layout below, checked), COMBINE; THREADS and the record ABI come from jit.py/abi.py.
+// shared layout below, checked), COMBINE; with COMBINE, MAX_SPLITS and PREFETCH; THREADS and the
+// record ABI come from jit.py/abi.py.
 #include "nvfp4_mla_decode.cuh"
 
 #if !COMBINE
@@ -324,16 +325,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
             max_lo = fmaxf(max_lo, fmaxf(s[n][0], s[n][1]));
             max_hi = fmaxf(max_hi, fmaxf(s[n][2], s[n][3]));
         }
-#pragma unroll
-        for (int o = 1; o <= 2; o <<= 1) {
-            max_lo = fmaxf(max_lo, __shfl_xor_sync(NVFP4_FULL_MASK, max_lo, o));
-            max_hi = fmaxf(max_hi, __shfl_xor_sync(NVFP4_FULL_MASK, max_hi, o));
-        }
-        // A row's base (m) moves only when the tile's max passes it by more than RESCALE_SLACK.
-        const bool move_lo = max_lo > m_lo + RESCALE_SLACK, move_hi = max_hi > m_hi + RESCALE_SLACK;
+        quad_max(max_lo, max_hi);
+        const bool move_lo = base_moves(max_lo, m_lo), move_hi = base_moves(max_hi, m_hi);
         const float new_lo = move_lo ? max_lo : m_lo, new_hi = move_hi ? max_hi : m_hi;
-        const float base_lo = new_lo == neg_inf() ? 0.0f : new_lo;  // nothing live yet: every p and alpha is 0
-        const float base_hi = new_hi == neg_inf() ? 0.0f : new_hi;
+        const float base_lo = softmax_base(new_lo), base_hi = softmax_base(new_hi);
         u32 pa[2][4];  // P as the A operands of the two P.V k-steps (tokens 0-15, 16-31)
         float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
@@ -346,11 +341,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
             pa[n / 2][(n & 1) * 2] = bf16x2_rn(p0, p1);      // row g, tokens 8n + 2 quad + {0, 1}
             pa[n / 2][(n & 1) * 2 + 1] = bf16x2_rn(p2, p3);  // row g + 8
         }
-#pragma unroll
-        for (int o = 1; o <= 2; o <<= 1) {
-            sum_lo += __shfl_xor_sync(NVFP4_FULL_MASK, sum_lo, o);
-            sum_hi += __shfl_xor_sync(NVFP4_FULL_MASK, sum_hi, o);
-        }
+        quad_sum(sum_lo, sum_hi);
         if (__any_sync(NVFP4_FULL_MASK, move_lo || move_hi)) {  // rare once the max settles
             const float alpha_lo = move_lo ? exp2_approx(m_lo - base_lo) : 1.0f;
             const float alpha_hi = move_hi ? exp2_approx(m_hi - base_hi) : 1.0f;
@@ -426,13 +417,20 @@ static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's stru
 static_assert(THREADS * 4 == HEAD_DIM && THREADS >= MAX_SPLITS, "one thread per 4 output dims and per split");
 
 // One block per (row, head): O = sum_s 2^(m_s - M) O_s, l = sum_s 2^(m_s - M) l_s, in split order.
-// Every split's (m, l) is loaded at once (a thread each) and its weight shared, so the only chain
-// of dependent loads is one round trip deep.
+// Every split's (m, l) is loaded at once (a thread each) and its weight shared. A build with
+// PREFETCH > 0 also loads the first PREFETCH splits' partial rows with them, so up to PREFETCH
+// splits the block waits for one round trip of loads, not two; its registers cost blocks an SM,
+// so the host takes it only for a combine that fits the GPU in one wave (decode.plan).
 extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(const Params p) {
     __shared__ float weights[MAX_SPLITS], sums[MAX_SPLITS], warp_max[THREADS / 32];
     const int tid = threadIdx.x;
     const i64 row_head = blockIdx.x;  // row * num_heads + head
     const int num_splits = static_cast<int>(p.num_splits);
+    const float4* partial = p.partial_o + row_head * num_splits * (HEAD_DIM / 4) + tid;
+    float4 early[PREFETCH > 0 ? PREFETCH : 1];
+#pragma unroll
+    for (int s = 0; s < PREFETCH; ++s)
+        early[s] = s < num_splits ? partial[s * (HEAD_DIM / 4)] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     const float2 ml = tid < num_splits ? p.partial_ml[row_head * num_splits + tid] : make_float2(neg_inf(), 0.0f);
     float m = ml.x;
     for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(NVFP4_FULL_MASK, m, o));
@@ -449,17 +447,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
     __syncthreads();
     float l = 0.0f;
     float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const float4* partial = p.partial_o + row_head * num_splits * (HEAD_DIM / 4) + tid;
-#pragma unroll 16  // 16 partial loads in flight a round trip
-    for (int s = 0; s < num_splits; ++s) {
+    const auto add = [&](int s, float4 x) {
         const float w = weights[s];
-        const float4 x = partial[s * (HEAD_DIM / 4)];
         l += sums[s] * w;
         o.x += x.x * w;
         o.y += x.y * w;
         o.z += x.z * w;
         o.w += x.w * w;
-    }
+    };
+#pragma unroll
+    for (int s = 0; s < PREFETCH; ++s)
+        if (s < num_splits) add(s, early[s]);
+#pragma unroll 16  // 16 partial loads in flight a round trip
+    for (int s = PREFETCH; s < num_splits; ++s) add(s, partial[s * (HEAD_DIM / 4)]);
     const float lse = row_lse(m, l);
     const float factor = output_factor(l, lse, p.sinks, row_head % p.num_heads);
     p.out[row_head * (HEAD_DIM / 4) + tid] = make_uint2(bf16x2_bits(o.x * factor, o.y * factor),

@@ -57,7 +57,8 @@
 //
 // Without splits the block finishes the rows like the mma.sync kernel (row_lse; output_factor:
 // 1/l times the sink factor; BF16; lse); with splits it writes its unnormalized O and (m in log2
-// units, l) to the workspace for the combine kernel.
+// units, l) to the workspace for the combine kernel. Either way the output rows are staged in
+// shared memory (over Q and the K/V buffers) and leave as whole rows (write_rows).
 //
 // -D constants: BLOCK_N (64), SMEM_BYTES (232112, the host's count of the shared layout below,
 // checked: ops/decode_sm90.py counts it too), CLUSTER (1 or 2); THREADS (384) and the record ABI
@@ -477,6 +478,7 @@ __device__ __forceinline__ void producer(const Params& p, u8* smem, i64 row, int
         const int raw_half = u & 1, tile = u / UNITS_PER_TILE, b = tile & 1;
         const int half = CLUSTER == 2 ? static_cast<int>(rank) : raw_half;  // the unit's half of the tile
         const u32 full = bars + (BAR_FULL + b) * 8;
+        const u32 peer_full = peer + SM_BARRIERS + (BAR_FULL + b) * 8;  // with a cluster: the peer's full barrier
         mbar_wait(bars + (BAR_RAW + 2 * warp + raw_half) * 8, (u >> 1) & 1);  // the warp's records are in
         const u32 mask = raw_half ? unit_mask[1] : unit_mask[0];
         RecordPart part = {};
@@ -494,10 +496,10 @@ __device__ __forceinline__ void producer(const Params& p, u8* smem, i64 row, int
         if (lane == 0) {
             const int word = (b * 2 + half) * 4 + warp;
             tile_masks[word] = mask;
-            if constexpr (CLUSTER == 2) store_cluster4(peer + SM_TILE_MASK + word * 4, mask, peer + (full - shared_address(smem)));
+            if constexpr (CLUSTER == 2) store_cluster4(peer + SM_TILE_MASK + word * 4, mask, peer_full);
         }
         const int row_offset = SM_KV + b * KV_BYTES + (half * UNIT + t) * 16;
-        store_part(part, scale_pairs, c0, {smem + row_offset, peer + row_offset, peer + (full - shared_address(smem))});
+        store_part(part, scale_pairs, c0, {smem + row_offset, peer + row_offset, peer_full});
         if (half == 1 || CLUSTER == 2) {  // this block's part of the tile is complete: publish it to the consumers' wgmma (async proxy)
             fence_proxy_async();
             if (CLUSTER == 2 && ptid == 0)
@@ -594,6 +596,68 @@ __device__ __forceinline__ void load_q(const Params& p, u8* smem, i64 row, i64 h
     fence_proxy_async();  // Q is read by wgmma
 }
 
+// The outputs leave through shared memory. Each consumer stages its half of every row (BF16 times
+// the row's factor without splits, the raw fp32 with) into the Q and K/V buffers, which both
+// loops are done with; then the 256 consumer threads copy whole rows out, a warp's store 512
+// contiguous bytes of a row. (Stores straight from the fragment layout touch 8 rows an
+// instruction: a block's 128 KB of fp32 partials took 3.7 us, against 2.1 us at the 60 GB/s one
+// SM stores.) Rows STAGE_STRIDE apart: a fragment store's 8 rows start 4 banks apart (fp32: 2
+// wavefronts for 256 bytes, BF16: 1 for 128).
+constexpr int SM_STAGE = SM_Q;
+constexpr int STAGE_STRIDE = HEAD_DIM * 4 + 16;
+static_assert(SM_STAGE + HT * STAGE_STRIDE <= SM_P && STAGE_STRIDE % 16 == 0, "staged rows fit Q and the K/V buffers");
+
+// A consumer's O (its 256 dims from d0) into the staged rows.
+template <bool SPLIT>
+__device__ __forceinline__ void stage_rows(const float (&o)[4 * O_BLOCKS], u8* smem, int d0, int row_lo, int quad,
+                                           float factor_lo, float factor_hi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        u8* const at = smem + SM_STAGE + (row_lo + 8 * half) * STAGE_STRIDE;
+        const float factor = half ? factor_hi : factor_lo;
+#pragma unroll
+        for (int j = 0; j < O_BLOCKS; ++j) {
+            const int dim = d0 + j * 8 + quad * 2;
+            const float x = o[4 * j + 2 * half], y = o[4 * j + 2 * half + 1];
+            if constexpr (SPLIT)
+                *reinterpret_cast<float2*>(at + dim * 4) = make_float2(x, y);
+            else
+                *reinterpret_cast<u32*>(at + dim * 2) = bf16x2_bits(x * factor, y * factor);
+        }
+    }
+}
+
+// Every consumer thread (ctid 0..255), once it staged its rows: the block's rows (heads below
+// num_heads) to out, or to the split's partial outputs.
+template <bool SPLIT>
+__device__ __forceinline__ void copy_rows_out(const Params& p, const u8* smem, i64 row, i64 head0, i64 split, int ctid) {
+    named_barrier(1, 256);  // every row is staged
+    constexpr int ROW_CHUNKS = HEAD_DIM * (SPLIT ? 4 : 2) / 16;  // 16-byte chunks of a row
+    const i64 num_heads = p.num_heads, num_splits = p.num_splits;
+    const int rows = static_cast<int>(min(static_cast<i64>(HT), num_heads - head0));
+#pragma unroll 4
+    for (int i = ctid; i < rows * ROW_CHUNKS; i += 256) {
+        const int r = i / ROW_CHUNKS, c = i % ROW_CHUNKS;
+        const uint4 v = *reinterpret_cast<const uint4*>(smem + SM_STAGE + r * STAGE_STRIDE + c * 16);
+        const i64 entry = row * num_heads + head0 + r;
+        uint4* const dst = SPLIT ? reinterpret_cast<uint4*>(p.partial_o + (entry * num_splits + split) * HEAD_DIM)
+                                 : reinterpret_cast<uint4*>(p.out + entry * (HEAD_DIM / 2));
+        dst[c] = v;
+    }
+}
+
+// A consumer's half of the outputs (after both loops: named barrier 1).
+__device__ __forceinline__ void write_rows(const Params& p, const float (&o)[4 * O_BLOCKS], u8* smem, i64 row, i64 head0,
+                                           i64 split, int d0, int row_lo, int quad, float factor_lo, float factor_hi, int ctid) {
+    if (p.num_splits > 1) {
+        stage_rows<true>(o, smem, d0, row_lo, quad, factor_lo, factor_hi);
+        copy_rows_out<true>(p, smem, row, head0, split, ctid);
+    } else {
+        stage_rows<false>(o, smem, d0, row_lo, quad, factor_lo, factor_hi);
+        copy_rows_out<false>(p, smem, row, head0, split, ctid);
+    }
+}
+
 // Consumer 0: S, the softmax, P, and O over dims 0..255. Returns through the block's outputs.
 __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int num_tiles,
                                           int tid, u32 peer_bars) {
@@ -649,15 +713,10 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
             max_lo = fmaxf(max_lo, fmaxf(s[4 * j], s[4 * j + 1]));
             max_hi = fmaxf(max_hi, fmaxf(s[4 * j + 2], s[4 * j + 3]));
         }
-#pragma unroll
-        for (int x = 1; x <= 2; x <<= 1) {
-            max_lo = fmaxf(max_lo, __shfl_xor_sync(NVFP4_FULL_MASK, max_lo, x));
-            max_hi = fmaxf(max_hi, __shfl_xor_sync(NVFP4_FULL_MASK, max_hi, x));
-        }
-        const bool move_lo = max_lo > m_lo + RESCALE_SLACK, move_hi = max_hi > m_hi + RESCALE_SLACK;
+        quad_max(max_lo, max_hi);
+        const bool move_lo = base_moves(max_lo, m_lo), move_hi = base_moves(max_hi, m_hi);
         const float new_lo = move_lo ? max_lo : m_lo, new_hi = move_hi ? max_hi : m_hi;
-        const float base_lo = new_lo == neg_inf() ? 0.0f : new_lo;  // nothing live yet: every p and alpha is 0
-        const float base_hi = new_hi == neg_inf() ? 0.0f : new_hi;
+        const float base_lo = softmax_base(new_lo), base_hi = softmax_base(new_hi);
         u32 pa[PV_STEPS][4];  // P as the A operands of the P.V k-steps (tokens 16 k .. 16 k + 15)
         float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
@@ -670,11 +729,7 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
             pa[j / 2][(j & 1) * 2] = bf16x2_rn(p0, p1);      // row lo, tokens 8 j + 2 quad + {0, 1}
             pa[j / 2][(j & 1) * 2 + 1] = bf16x2_rn(p2, p3);  // row hi
         }
-#pragma unroll
-        for (int x = 1; x <= 2; x <<= 1) {
-            sum_lo += __shfl_xor_sync(NVFP4_FULL_MASK, sum_lo, x);
-            sum_hi += __shfl_xor_sync(NVFP4_FULL_MASK, sum_hi, x);
-        }
+        quad_sum(sum_lo, sum_hi);
         const float alpha_lo = move_lo ? exp2_approx(m_lo - base_lo) : 1.0f;
         const float alpha_hi = move_hi ? exp2_approx(m_hi - base_hi) : 1.0f;
         m_lo = new_lo;
@@ -747,26 +802,20 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
             factors[row_hi] = factor_hi;
         }
     }
-    named_barrier(1, 256);
+    named_barrier(1, 256);  // both consumers' loops are done (Q and K/V are free), the factors are in
+    if (quad == 0) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const i64 head = head0 + (half ? row_hi : row_lo);
-        if (head >= num_heads) continue;
-        if (num_splits == 1) {
-            const float factor = half ? factor_hi : factor_lo;
-            u32* out = p.out + ((row * num_heads + head) * HEAD_DIM + quad * 2) / 2;
-#pragma unroll
-            for (int j = 0; j < O_BLOCKS; ++j) out[j * 4] = bf16x2_bits(o[4 * j + 2 * half] * factor, o[4 * j + 2 * half + 1] * factor);
-            if (quad == 0) p.lse[row * num_heads + head] = half ? lse_hi : lse_lo;
-        } else {
-            const i64 entry = (row * num_heads + head) * num_splits + split;
-            float* out = p.partial_o + entry * HEAD_DIM + quad * 2;
-#pragma unroll
-            for (int j = 0; j < O_BLOCKS; ++j)
-                *reinterpret_cast<float2*>(out + j * 8) = make_float2(o[4 * j + 2 * half], o[4 * j + 2 * half + 1]);
-            if (quad == 0) reinterpret_cast<float2*>(p.partial_ml)[entry] = half ? make_float2(m_hi, l_hi) : make_float2(m_lo, l_lo);
+        for (int half = 0; half < 2; ++half) {
+            const i64 head = head0 + (half ? row_hi : row_lo);
+            if (head >= num_heads) continue;
+            if (num_splits == 1)
+                p.lse[row * num_heads + head] = half ? lse_hi : lse_lo;
+            else
+                reinterpret_cast<float2*>(p.partial_ml)[(row * num_heads + head) * num_splits + split] =
+                    half ? make_float2(m_hi, l_hi) : make_float2(m_lo, l_lo);
         }
     }
+    write_rows(p, o, smem, row, head0, split, 0, row_lo, quad, factor_lo, factor_hi, tid);
 }
 
 // Consumer 1: O over dims 256..511 with consumer 0's P and rescale factors.
@@ -813,26 +862,10 @@ __device__ __forceinline__ void consumer1(const Params& p, u8* smem, i64 row, i6
         ++processed;
     }
 
-    const i64 num_heads = p.num_heads, num_splits = p.num_splits;
-    named_barrier(1, 256);  // consumer 0's factors
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = half ? row_hi : row_lo;
-        const i64 head = head0 + r;
-        if (head >= num_heads) continue;
-        if (num_splits == 1) {
-            const float factor = factors[r];
-            u32* out = p.out + ((row * num_heads + head) * HEAD_DIM + HALF_DIMS + quad * 2) / 2;
-#pragma unroll
-            for (int j = 0; j < O_BLOCKS; ++j) out[j * 4] = bf16x2_bits(o[4 * j + 2 * half] * factor, o[4 * j + 2 * half + 1] * factor);
-        } else {
-            const i64 entry = (row * num_heads + head) * num_splits + split;
-            float* out = p.partial_o + entry * HEAD_DIM + HALF_DIMS + quad * 2;
-#pragma unroll
-            for (int j = 0; j < O_BLOCKS; ++j)
-                *reinterpret_cast<float2*>(out + j * 8) = make_float2(o[4 * j + 2 * half], o[4 * j + 2 * half + 1]);
-        }
-    }
+    named_barrier(1, 256);  // both consumers' loops are done (Q and K/V are free), consumer 0's factors are in
+    const bool split_outputs = p.num_splits > 1;  // then no factors were written: raw fp32 rows
+    const float factor_lo = split_outputs ? 0.0f : factors[row_lo], factor_hi = split_outputs ? 0.0f : factors[row_hi];
+    write_rows(p, o, smem, row, head0, split, HALF_DIMS, row_lo, quad, factor_lo, factor_hi, tid + 128);
 }
 
 #if CLUSTER == 2

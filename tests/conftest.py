@@ -41,8 +41,10 @@ def pytest_terminal_summary(terminalreporter, config):
 
 @pytest.fixture
 def seed():
-    """A fresh seed every run, printed so a failure can be replayed (pytest -s shows it)."""
-    s = random.SystemRandom().randrange(2**31)
+    """A fresh seed every run, printed so a failure can be replayed (pytest -s shows it): set
+    NVFP4_MLA_TEST_SEED to that number to run with it."""
+    fixed = os.environ.get("NVFP4_MLA_TEST_SEED")
+    s = int(fixed) if fixed else random.SystemRandom().randrange(2**31)
     print(f"seed={s}")
     torch.manual_seed(s)
     return s

@@ -23,14 +23,16 @@ SM80_SHARED_OPTIN = 166_912
 def test_specs_and_names():
     specs = decode.specs("sm_80")
     assert {s.head_tile for s in specs if isinstance(s, decode_mma.MmaAttentionSpec)} == set(decode_mma.HEAD_TILES)
-    assert specs[-1] == decode.CombineSpec.of() and len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 1
+    combines = (decode.CombineSpec.of(0), decode.CombineSpec.of(decode.COMBINE_PREFETCH))  # plain, prefetching
+    assert specs[-2:] == combines and len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 2
+    assert [c.defines()["PREFETCH"] for c in combines] == [0, 16] and decode.CombineSpec.of(0) is combines[0]
     hopper = {decode_sm90.WgmmaAttentionSpec.of(1), decode_sm90.WgmmaAttentionSpec.of(2)}  # alone, and in pairs
     assert set(decode.specs("sm_90")) == {*specs, *hopper} and len(hopper) == 2  # the Hopper kernels too
     assert {s.template.arch for s in hopper} == {"sm_90a"}
     assert {s.defines()["CLUSTER"] for s in hopper} == {1, 2}
     assert decode_mma.MmaAttentionSpec.of(32) is decode_mma.MmaAttentionSpec.of(32)  # memoized: the plans' keys
     assert decode_mma.MmaAttentionSpec.of(32).describe() == "decode attention (mma.sync), 32 heads a block"
-    assert decode.CombineSpec.of().template.function == "nvfp4_mla_decode_combine"
+    assert {c.template.function for c in combines} == {"nvfp4_mla_decode_combine"}
     with pytest.raises(ValueError, match="head_tile must be one of"):
         decode_mma.MmaAttentionSpec.of(8)
     for spec in specs:

@@ -41,6 +41,11 @@ BACKENDS: dict[str, DecodeBackend] = {b.name: b for b in (decode_mma.BACKEND, de
 
 COMBINE_THREADS = abi.HEAD_DIM // 4
 MAX_SPLITS = COMBINE_THREADS  # the combine kernel takes a split a thread
+# Splits whose partial rows the prefetching combine build loads with the splits' (m, l): up to
+# this many splits it waits one round trip of loads, not two (H200, batch 1 at 10 splits: 15.8 ->
+# 13.9 us a call), but its registers leave 6 blocks an SM instead of 16, which cost up to 3% where
+# the combine takes more than one wave; plan() takes it only where it fits one.
+COMBINE_PREFETCH = 16
 # When choosing the split, in tile-times of one block: what a block costs besides its tiles (its
 # query load and its output rows), and what the combine launch costs.
 _BLOCK_COST = 1
@@ -52,14 +57,16 @@ COMBINE_PARAMS = struct.Struct("<5Q2q")
 
 
 class CombineSpec(NamedTuple):
-    """The split combine kernel (one build, shared by every backend)."""
+    """The split combine kernel, shared by every backend: plain, or prefetching the first
+    ``prefetch`` splits' partial rows."""
 
     max_splits: int = MAX_SPLITS
+    prefetch: int = 0
 
     @staticmethod
     @functools.cache
-    def of() -> CombineSpec:
-        return CombineSpec()
+    def of(prefetch: int) -> CombineSpec:
+        return CombineSpec(MAX_SPLITS, prefetch)
 
     @property
     def template(self) -> Template:
@@ -68,10 +75,10 @@ class CombineSpec(NamedTuple):
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""
-        return {"COMBINE": 1, "MAX_SPLITS": self.max_splits}
+        return {"COMBINE": 1, "MAX_SPLITS": self.max_splits, "PREFETCH": self.prefetch}
 
     def describe(self) -> str:
-        return "decode split combine"
+        return f"decode split combine{', prefetching' if self.prefetch else ''}"
 
 
 # The shape rule's thresholds (H200, `nvfp4-mla bench decode --quick --backends`): on sm_90 the
@@ -98,10 +105,10 @@ def select_backend(gpu: Device, num_heads: int, rows: int) -> DecodeBackend:
 
 def specs(arch: str) -> tuple:
     """Every kernel ``sparse_mla_decode`` may launch on a GPU of ``arch``: each supporting
-    backend's, and the combine kernel."""
+    backend's, and the two combine builds."""
     capability = arch_capability(arch)
     kernels = [s for b in BACKENDS.values() if b.supports(capability) for s in b.specs(arch)]
-    return (*kernels, CombineSpec.of())
+    return (*kernels, CombineSpec.of(0), CombineSpec.of(COMBINE_PREFETCH))
 
 
 def choose_split(blocks: int, num_tiles: int, concurrent_blocks: int) -> tuple[int, int]:
@@ -162,7 +169,11 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
     else:
         tiles_per_split = -(-num_tiles // min(lib.decode_splits, MAX_SPLITS))
         num_splits = -(-num_tiles // tiles_per_split)
-    combine = lib.launcher(device_index, lib.spec(CombineSpec.of())) if num_splits > 1 else None
+    combine = None
+    if num_splits > 1:
+        combine = lib.launcher(device_index, lib.spec(CombineSpec.of(COMBINE_PREFETCH)))
+        if rows * num_heads > combine.resident_blocks:  # more than one wave of its blocks: the plain build
+            combine = lib.launcher(device_index, lib.spec(CombineSpec.of(0)))
     found = DecodePlan(
         backend.name,
         attention.launcher,
@@ -375,8 +386,8 @@ def sparse_mla_decode(
     live gives 0 and ``lse = +inf``, ``lse`` is the natural log-sum-exp before the sink. On CUDA
     tensors the kernel accumulates in fp32 with BF16 tensor-core products (P is rounded to BF16
     for P.V); it matches the reference within ``2^-7 |ref| + 2^-8 sum_j w_j |row_j|`` (times
-    the sink factor) for ``out`` and ``1e-4 max(1, |lse|)`` for ``lse``. Other devices run the
-    reference.
+    the sink factor) plus ``2^-126`` for ``out`` and ``1e-4 max(1, |lse|)`` for ``lse``. Other
+    devices run the reference.
 
     Against FlashInfer's SM120 sparse backend,
     ``flashinfer.mla.trtllm_batch_decode_sparse_mla_dsv4(query, swa_kv_cache, workspace_buffer,
