@@ -439,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
     m = warp_max[0];
 #pragma unroll
     for (int w = 1; w < THREADS / 32; ++w) m = fmaxf(m, warp_max[w]);
-    const float m_base = m == neg_inf() ? 0.0f : m;  // lonely: every weight below is 0
+    const float m_base = softmax_base(m);  // lonely: every weight below is 0
     if (tid < num_splits) {
         weights[tid] = exp2_approx(ml.x - m_base);
         sums[tid] = ml.y;
