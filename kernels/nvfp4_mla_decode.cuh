@@ -33,6 +33,7 @@ struct AttendParams {     // 8-byte fields only: packed on the host with one str
     float* partial_ml;    // [rows, num_heads, num_splits, 2]: m, l (splits)
     const float* sinks;   // [num_heads] or null
     Pool swa, extra;
+    i64 rows;             // query rows: batch * q_len
     i64 num_heads;
     i64 num_splits;
     i64 tiles_per_split;  // tiles of the kernel's own tile size

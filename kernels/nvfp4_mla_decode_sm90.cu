@@ -1,10 +1,11 @@
 // Sparse MLA decode attention on Hopper (sm_90a) through wgmma, read straight from the NVFP4 records.
-// The semantics, Params, grid and outputs of kernels/nvfp4_mla_decode.cu (whose split combine
-// kernel merges this kernel's partial outputs unchanged); only the inside of a block differs.
+// The semantics, Params and outputs of kernels/nvfp4_mla_decode.cu (whose split combine kernel
+// merges this kernel's partial outputs unchanged); the blocks and their insides differ.
 //
-// One block per (query row, head tile of 64 heads, split): blockIdx.x -> head tile
-// blockIdx.x % head_tiles, then split, then row. Heads past num_heads are zero rows of Q whose
-// outputs are never written. The block walks its split's tiles of BLOCK_N = 64 selected tokens
+// Work items (query row, head tile of 64 heads, split), the head tile fastest, then split, then
+// row; the grid holds at most as many blocks as the GPU at once, and block b takes items b,
+// b + gridDim.x, ... in turn (item_at). Heads past num_heads are zero rows of Q whose outputs are
+// never written. For an item the block walks its split's tiles of BLOCK_N = 64 selected tokens
 // (the sliding-window table's entries, then the extra pool's; tiles_per_split counts these
 // 64-token tiles), 384 threads in three warpgroups, split by setmaxnreg (168 registers a thread
 // at launch; 240 for consumer 0, 160 for consumer 1, 104 for the producer). With CLUSTER 2 (an
@@ -32,7 +33,8 @@
 //     p <= 2^8; row sums of the fp32 p), P rounded to BF16 in registers, then O[:, 0:256] += P.V
 //     with wgmma m64n256k16 (P from registers, fp32 accumulation). S of the next tile is issued
 //     right behind this tile's P.V, and the tile's buffer goes back as soon as its P.V is done.
-//     It also stores P (BF16) and each row's rescale factor in shared memory for consumer 1.
+//     It also stores P (BF16) and each row's rescale factor in shared memory for consumer 1, and
+//     loads Q: the next item's as soon as its loop over this item's tiles is done (issue_q).
 //   warpgroup 1, consumer 1: O[:, 256:512] += P.V with wgmma m64n256k16, P from shared memory.
 //
 // One shared layout serves as K (Q.K^T's B operand, K-major: dims contiguous) and V (P.V's B
@@ -49,18 +51,23 @@
 // bytes; one lane per consumer warp of each block of the cluster after its wgmma completed),
 // raw[4 warps][2] (a producer warp's raw units: each of its threads arrives, and again when its
 // copies land), p_full / p_empty (the shared P and rescale factors: every thread of the writing
-// or reading consumer arrives), named barrier 1 (the two consumers: Q loaded, final factors), and
-// with a cluster a cluster barrier at the start (the peer's barriers are initialized) and at the
-// end (the peer no longer stores into or arrives on this block). A tile with no live token is
-// skipped by both consumers (after its buffer cycled); a lonely row ends with l = 0: out 0 and
-// lse +inf.
+// or reading consumer arrives), held[2] (a K/V buffer that held an item's staged outputs: every
+// consumer thread arrives once they are out, and the producer waits before it stores there
+// again), named barrier 1 (the two consumers: Q loaded, final factors, staged outputs), and with
+// a cluster a cluster barrier at the start (the peer's barriers are initialized) and at the end
+// (the peer no longer stores into or arrives on this block). Every phase runs on across the
+// block's items: a buffer's phase is the block's count of tiles (raw units) before it, and P's its
+// count of live tiles. A tile with no live token is skipped by both consumers (after its buffer
+// cycled); a lonely row ends with l = 0: out 0 and lse +inf.
 //
 // Without splits the block finishes the rows like the mma.sync kernel (row_lse; output_factor:
 // 1/l times the sink factor; BF16; lse); with splits it writes its unnormalized O and (m in log2
 // units, l) to the workspace for the combine kernel. Either way the output rows are staged in
-// shared memory (over Q and the K/V buffers) and leave as whole rows (write_rows).
+// shared memory (the K/V buffer of the item's last tile, held until they are out) and leave as
+// whole rows (write_rows). Meanwhile the producer gathers and dequantizes the next item's first
+// tile, and the next item's Q lands: a block's fill and outputs overlap its next item's.
 //
-// -D constants: BLOCK_N (64), SMEM_BYTES (232112, the host's count of the shared layout below,
+// -D constants: BLOCK_N (64), SMEM_BYTES (232128, the host's count of the shared layout below,
 // checked: ops/decode_sm90.py counts it too), CLUSTER (1 or 2); THREADS (384) and the record ABI
 // come from jit.py/abi.py. What the attention kernels share (Params, the row finish, the softmax
 // helpers) is in nvfp4_mla_decode.cuh.
@@ -98,16 +105,19 @@ static_assert(REGS_CONSUMER0 + REGS_CONSUMER1 + REGS_PRODUCER <= 3 * REGS_AT_LAU
 
 // Shared memory, in bytes.
 constexpr int SM_Q = 0;                                // BF16 Q [64 heads, 512], K-major core matrices
-constexpr int SM_KV = SM_Q + HT * HEAD_DIM * 2;        // BF16 K = V [2][64 tokens, 512]
-constexpr int SM_P = SM_KV + 2 * KV_BYTES;             // BF16 P [64 heads, 64 tokens], K-major core matrices
-constexpr int SM_RAW = SM_P + HT * BN * 2;             // u8 [2][32][RAW_STRIDE]: raw records (data row, scale slot)
+constexpr int SM_P = SM_Q + HT * HEAD_DIM * 2;         // BF16 P [64 heads, 64 tokens], K-major core matrices
+constexpr int SM_KV = SM_P + HT * BN * 2;              // BF16 K = V [2][64 tokens, 512]
+constexpr int SM_RAW = SM_KV + 2 * KV_BYTES;           // u8 [2][32][RAW_STRIDE]: raw records (data row, scale slot)
 constexpr int SM_SCALES = SM_RAW + 2 * UNIT * RAW_STRIDE;  // u32 [256]: e4m3_bf16x2 of every scale byte
 constexpr int SM_ALPHA = SM_SCALES + 256 * 4;          // float [64]: a row's rescale factor this tile
 constexpr int SM_FACTOR = SM_ALPHA + HT * 4;           // float [64]: a row's output factor
 constexpr int SM_TILE_MASK = SM_FACTOR + HT * 4;       // u32 [2][2][4]: a K/V buffer's live tokens (per half, per producer warp)
-constexpr int SM_BARRIERS = SM_TILE_MASK + 64;         // u64 [14]: mbarriers
+constexpr int SM_BARRIERS = SM_TILE_MASK + 64;         // u64 [16]: mbarriers
 // BAR_RAW + 2 w + h: producer warp w's raw unit h (each warp gathers and dequantizes its own 8 tokens).
-constexpr int BAR_FULL = 0, BAR_EMPTY = 2, BAR_RAW = 4, BAR_P_FULL = 12, BAR_P_EMPTY = 13, NUM_BARRIERS = 14;
+// BAR_HELD + b: K/V buffer b held for an item's outputs is free again (every consumer thread of the
+// block arrives once its rows are out).
+constexpr int BAR_FULL = 0, BAR_EMPTY = 2, BAR_RAW = 4, BAR_P_FULL = 12, BAR_P_EMPTY = 13, BAR_HELD = 14,
+              NUM_BARRIERS = 16;
 static_assert(SM_BARRIERS + NUM_BARRIERS * 8 == SMEM_BYTES, "shared layout must match the host's count");
 static_assert(SM_RAW % 16 == 0 && RAW_STRIDE % 16 == 0 && SM_BARRIERS % 8 == 0, "aligned regions");
 
@@ -438,10 +448,15 @@ __device__ __forceinline__ void store_part(const RecordPart& part, const u32* sc
     store_kv(dst, (NOPE_CHUNKS + 4 + c0) * GROUP_STRIDE, part.rope1);
 }
 
-// The producer warpgroup. A gather unit is 32 tokens of a tile: both of a tile's units alone, or
-// with a cluster the unit of the block's rank (the peer block handles the other one).
-__device__ __forceinline__ void producer(const Params& p, u8* smem, i64 row, int tile_begin, int num_tiles, int ptid,
-                                         u32 rank) {
+// The producer warpgroup, one item. A gather unit is 32 tokens of a tile: both of a tile's units
+// alone, or with a cluster the unit of the block's rank (the peer block handles the other one).
+// unit0 and tile0 count the units and tiles of the block's earlier items: the raw and K/V buffers
+// and their barrier phases run on across items, so the first units of an item are gathered while
+// the consumers still work on the item before.
+// `held`: bit b, K/V buffer b holds an earlier item's outputs (its consumers release it on
+// BAR_HELD + b before the producer stores into it again); bit 2 + b, that barrier's phase.
+__device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row, int tile_begin, int num_tiles,
+                                             int unit0, int tile0, int ptid, u32 rank, u32& held) {
     const int warp = ptid >> 5, lane = ptid & 31;
     u8* const raw = smem + SM_RAW;
     const u32* const scale_pairs = reinterpret_cast<const u32*>(smem + SM_SCALES);
@@ -461,8 +476,9 @@ __device__ __forceinline__ void producer(const Params& p, u8* smem, i64 row, int
     const i64 first = static_cast<i64>(tile_begin) * BN + rank * UNIT + t;  // this thread's entry in unit 0
     // A warp gathers, dequantizes and reuses the raw records of its own 8 tokens: it waits on its
     // own raw barriers and only for itself (the warps proceed independently).
-#define GATHER(unit, slot) gather_unit(p, first + (unit) * UNIT_STEP, slot, raw + ((unit) & 1) * UNIT * RAW_STRIDE, \
-                                       bars + (BAR_RAW + 2 * warp + ((unit) & 1)) * 8, t, c0)
+    // Unit u of the item is the block's unit unit0 + u: its raw buffer is that count's parity.
+#define GATHER(unit, slot) gather_unit(p, first + (unit) * UNIT_STEP, slot, raw + ((unit0 + (unit)) & 1) * UNIT * RAW_STRIDE, \
+                                       bars + (BAR_RAW + 2 * warp + ((unit0 + (unit)) & 1)) * 8, t, c0)
     SlotWords slot_a = NO_SLOT, slot_b = NO_SLOT;
     u32 unit_mask[2] = {0u, 0u};  // the warp's live tokens of the units in raw buffers 0 and 1
     if (units > 0) {
@@ -470,16 +486,19 @@ __device__ __forceinline__ void producer(const Params& p, u8* smem, i64 row, int
         const SlotWords s1 = units > 1 ? load_slot(p, row, first + UNIT_STEP, swa_live, extra_live) : NO_SLOT;
         if (units > 2) slot_a = load_slot(p, row, first + 2 * UNIT_STEP, swa_live, extra_live);
         if (units > 3) slot_b = load_slot(p, row, first + 3 * UNIT_STEP, swa_live, extra_live);
-        unit_mask[0] = GATHER(0, s0);
-        if (units > 1) unit_mask[1] = GATHER(1, s1);
+        const u32 mask0 = GATHER(0, s0);
+        const u32 mask1 = units > 1 ? GATHER(1, s1) : 0u;
+        const bool odd = unit0 & 1;  // selects, not an index: the masks stay in registers
+        unit_mask[0] = odd ? mask1 : mask0;
+        unit_mask[1] = odd ? mask0 : mask1;
     }
 
     for (int u = 0; u < units; ++u) {
-        const int raw_half = u & 1, tile = u / UNITS_PER_TILE, b = tile & 1;
-        const int half = CLUSTER == 2 ? static_cast<int>(rank) : raw_half;  // the unit's half of the tile
+        const int raw_half = (unit0 + u) & 1, tile = tile0 + u / UNITS_PER_TILE, b = tile & 1;
+        const int half = CLUSTER == 2 ? static_cast<int>(rank) : u & 1;  // the unit's half of the tile
         const u32 full = bars + (BAR_FULL + b) * 8;
         const u32 peer_full = peer + SM_BARRIERS + (BAR_FULL + b) * 8;  // with a cluster: the peer's full barrier
-        mbar_wait(bars + (BAR_RAW + 2 * warp + raw_half) * 8, (u >> 1) & 1);  // the warp's records are in
+        mbar_wait(bars + (BAR_RAW + 2 * warp + raw_half) * 8, ((unit0 + u) >> 1) & 1);  // the warp's records are in
         const u32 mask = raw_half ? unit_mask[1] : unit_mask[0];
         RecordPart part = {};
         if ((mask >> (t & 7)) & 1u)  // the warp's mask: its 8 tokens
@@ -491,8 +510,13 @@ __device__ __forceinline__ void producer(const Params& p, u8* smem, i64 row, int
             slot_a = slot_b;
             slot_b = u + 4 < units ? load_slot(p, row, first + (u + 4) * UNIT_STEP, swa_live, extra_live) : NO_SLOT;
         }
-        if (half == 0 || CLUSTER == 2)  // the consumers (of both blocks) are done with buffer b
+        if (half == 0 || CLUSTER == 2) {  // the consumers (of both blocks) are done with buffer b
             mbar_wait(bars + (BAR_EMPTY + b) * 8, ((tile >> 1) & 1) ^ 1);
+            if ((held >> b) & 1u) {  // and this block's consumers with the outputs staged there
+                mbar_wait(bars + (BAR_HELD + b) * 8, (held >> (2 + b)) & 1u);
+                held ^= (1u << b) | (1u << (2 + b));
+            }
+        }
         if (lane == 0) {
             const int word = (b * 2 + half) * 4 + warp;
             tile_masks[word] = mask;
@@ -554,14 +578,15 @@ __device__ __forceinline__ void rescale_rows(float (&o)[4 * O_BLOCKS], float alp
 }
 
 // Consumer 0: the first tile from `tile` on with a live token, acquiring and releasing those
-// without one (nothing to add; consumer 1 skips them too); num_tiles when none is left. Called
-// holding no tile: it may wait for any buffer.
-__device__ __forceinline__ int next_live_tile(u32 bars, u32 peer_bars, const u32* tile_masks, int tile, int num_tiles,
-                                              int lane, u64& live) {
-    for (; tile < num_tiles; ++tile) {
+// without one (nothing to add; consumer 1 skips them too; the item's last tile, `hold`, stays
+// held for the outputs); tile_end when none is left before it. Called holding no tile but `hold`:
+// it may wait for any other buffer.
+__device__ __forceinline__ int next_live_tile(u32 bars, u32 peer_bars, const u32* tile_masks, int tile, int tile_end,
+                                              int hold, int lane, u64& live) {
+    for (; tile < tile_end; ++tile) {
         live = acquire_tile(bars, tile_masks, tile, lane);
         if (live != 0) break;  // warpgroup-uniform
-        release_tile(bars, peer_bars, tile & 1, lane);
+        if (tile != hold) release_tile(bars, peer_bars, tile & 1, lane);
     }
     return tile;
 }
@@ -578,13 +603,15 @@ __device__ __forceinline__ void issue_scores(float (&s)[4 * S_BLOCKS], u64 desc_
     wgmma_commit();
 }
 
-// Q of the block's heads into shared memory (both consumers, ctid 0..255): 16-byte chunks (head
-// h, dims 8c..8c+7) at c * 1024 + h * 16; heads past num_heads are zero rows.
-__device__ __forceinline__ void load_q(const Params& p, u8* smem, i64 row, i64 head0, int ctid) {
-    const int warp = ctid >> 5, lane = ctid & 31;
+// Consumer 0 (tid 0..127) issues the copies of Q of an item's heads into shared memory: 16-byte
+// chunks (head h, dims 8c..8c+7) at c * 1024 + h * 16; heads past num_heads are zero rows. The
+// next item's Q is issued as soon as consumer 0's loop over this item's tiles is done (so are its
+// S), so it lands under the item's outputs; wait_q waits for it before the item's first S.
+__device__ __forceinline__ void issue_q(const Params& p, u8* smem, i64 row, i64 head0, int tid) {
+    const int warp = tid >> 5, lane = tid & 31;
 #pragma unroll 4
-    for (int i = 0; i < HT * CHUNKS / 256; ++i) {  // 16 warp-steps of 8 heads x 4 chunks
-        const int pair = i * 8 + warp, h = (pair & 7) * 8 + (lane & 7), c = (pair >> 3) * 4 + (lane >> 3);
+    for (int i = 0; i < HT * CHUNKS / 128; ++i) {  // 32 warp-steps of 8 heads x 4 chunks
+        const int pair = i * 4 + warp, h = (pair & 7) * 8 + (lane & 7), c = (pair >> 3) * 4 + (lane >> 3);
         u8* const dst = smem + SM_Q + c * Q_GROUP_STRIDE + h * 16;
         const i64 head = head0 + h;
         if (head < p.num_heads)
@@ -592,75 +619,111 @@ __device__ __forceinline__ void load_q(const Params& p, u8* smem, i64 row, i64 h
         else
             *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
     }
-    cp_async_wait_all();
-    fence_proxy_async();  // Q is read by wgmma
 }
 
-// The outputs leave through shared memory. Each consumer stages its half of every row (BF16 times
-// the row's factor without splits, the raw fp32 with) into the Q and K/V buffers, which both
-// loops are done with; then the 256 consumer threads copy whole rows out, a warp's store 512
-// contiguous bytes of a row. (Stores straight from the fragment layout touch 8 rows an
-// instruction: a block's 128 KB of fp32 partials took 3.7 us, against 2.1 us at the 60 GB/s one
-// SM stores.) Rows STAGE_STRIDE apart: a fragment store's 8 rows start 4 banks apart (fp32: 2
-// wavefronts for 256 bytes, BF16: 1 for 128).
-constexpr int SM_STAGE = SM_Q;
-constexpr int STAGE_STRIDE = HEAD_DIM * 4 + 16;
-static_assert(SM_STAGE + HT * STAGE_STRIDE <= SM_P && STAGE_STRIDE % 16 == 0, "staged rows fit Q and the K/V buffers");
+__device__ __forceinline__ void wait_q() {
+    cp_async_wait_all();
+    fence_proxy_async();    // Q is read by wgmma
+    named_barrier(1, 256);  // every thread's copies (consumer 1 passes it at its item's start too)
+}
 
-// A consumer's O (its 256 dims from d0) into the staged rows.
+// The outputs leave through shared memory: each consumer stages its half of every row (BF16 times
+// the row's factor without splits, the raw fp32 with), then the 256 consumer threads copy whole
+// rows out, a warp's store 512 contiguous bytes of a row. (Stores straight from the fragment
+// layout touch 8 rows an instruction: a block's 128 KB of fp32 partials took 3.7 us, against
+// 2.1 us at the 60 GB/s one SM stores.) The rows are staged in the K/V buffer of the item's last
+// tile, which the consumers hold until the rows are out (the producer fills the other buffer with
+// the next item's first tile meanwhile, and Q's buffer takes the next item's Q): 64 rows of 1 KB,
+// each the row's BF16, or in two passes one consumer's fp32 half. Chunk c (16 bytes) of staged row
+// r lies at (c ^ (r & 7)) * 16 within its 128 bytes: a fragment store's 8 rows hit 8 different
+// chunk columns (fp32: 2 wavefronts for 256 bytes, BF16: 1 for 128), and a warp reads a row
+// conflict-free. The staging code is unrolled over the 128 accumulators, so it is kept to one
+// store an accumulator pair (the addresses precomputed, NaNs made torch's in the copy loop): the
+// kernel's instruction footprint costs issue slots (ncu: "no instruction" stalls).
 template <bool SPLIT>
-__device__ __forceinline__ void stage_rows(const float (&o)[4 * O_BLOCKS], u8* smem, int d0, int row_lo, int quad,
+__device__ __forceinline__ void stage_rows(const float (&o)[4 * O_BLOCKS], u8* region, int byte0, int row_lo, int quad,
                                            float factor_lo, float factor_hi) {
+    // Pair j of a fragment row (dims j * 8 + quad * 2, + 1) is at byte j * 16 + quad * 4 of a BF16
+    // row, j * 32 + quad * 8 of an fp32 half: chunk j (BF16) or 2 j + quad / 2 (fp32), whose
+    // swizzled column depends on j & 7 (BF16) or j & 3 (fp32) and the row's r & 7 = row_lo & 7.
+    constexpr int COLUMNS = SPLIT ? 4 : 8;
+    u8* at[2][COLUMNS];
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int k = 0; k < COLUMNS; ++k) {
+            const int chunk = SPLIT ? 2 * k + (quad >> 1) : k, in_chunk = SPLIT ? (quad & 1) * 8 : quad * 4;
+            at[half][k] = region + (row_lo + 8 * half) * 1024 + byte0 + ((chunk ^ row_lo) & 7) * 16 + in_chunk;
+        }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        u8* const at = smem + SM_STAGE + (row_lo + 8 * half) * STAGE_STRIDE;
         const float factor = half ? factor_hi : factor_lo;
 #pragma unroll
         for (int j = 0; j < O_BLOCKS; ++j) {
-            const int dim = d0 + j * 8 + quad * 2;
             const float x = o[4 * j + 2 * half], y = o[4 * j + 2 * half + 1];
             if constexpr (SPLIT)
-                *reinterpret_cast<float2*>(at + dim * 4) = make_float2(x, y);
-            else
-                *reinterpret_cast<u32*>(at + dim * 2) = bf16x2_bits(x * factor, y * factor);
+                *reinterpret_cast<float2*>(at[half][j & 3] + (j >> 2) * 128) = make_float2(x, y);
+            else  // torch's NaN in copy_rows_out
+                *reinterpret_cast<u32*>(at[half][j & 7] + (j >> 3) * 128) = bf16x2_rn(x * factor, y * factor);
         }
     }
 }
 
-// Every consumer thread (ctid 0..255), once it staged its rows: the block's rows (heads below
-// num_heads) to out, or to the split's partial outputs.
+// Every consumer thread (ctid 0..255), once the rows are staged in `region`: the staged rows to
+// dims d0.. of the block's rows (heads below num_heads) of out, or of the split's partial outputs.
 template <bool SPLIT>
-__device__ __forceinline__ void copy_rows_out(const Params& p, const u8* smem, i64 row, i64 head0, i64 split, int ctid) {
+__device__ __forceinline__ void copy_rows_out(const Params& p, const u8* region, i64 row, i64 head0, i64 split, int d0,
+                                              int ctid) {
     named_barrier(1, 256);  // every row is staged
-    constexpr int ROW_CHUNKS = HEAD_DIM * (SPLIT ? 4 : 2) / 16;  // 16-byte chunks of a row
     const i64 num_heads = p.num_heads, num_splits = p.num_splits;
     const int rows = static_cast<int>(min(static_cast<i64>(HT), num_heads - head0));
-#pragma unroll 4
-    for (int i = ctid; i < rows * ROW_CHUNKS; i += 256) {
-        const int r = i / ROW_CHUNKS, c = i % ROW_CHUNKS;
-        const uint4 v = *reinterpret_cast<const uint4*>(smem + SM_STAGE + r * STAGE_STRIDE + c * 16);
+    const int warp = ctid >> 5, lane = ctid & 31;
+    for (int r = warp; r < rows; r += 8) {  // a warp a row
         const i64 entry = row * num_heads + head0 + r;
-        uint4* const dst = SPLIT ? reinterpret_cast<uint4*>(p.partial_o + (entry * num_splits + split) * HEAD_DIM)
-                                 : reinterpret_cast<uint4*>(p.out + entry * (HEAD_DIM / 2));
-        dst[c] = v;
+        uint4* const dst = (SPLIT ? reinterpret_cast<uint4*>(p.partial_o + (entry * num_splits + split) * HEAD_DIM + d0)
+                                  : reinterpret_cast<uint4*>(p.out + entry * (HEAD_DIM / 2))) + lane;
+        const u8* const src = region + r * 1024 + (((lane ^ r) & 7) | (lane & ~7)) * 16;
+        uint4 v[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) v[c] = *reinterpret_cast<const uint4*>(src + c * 512);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            if constexpr (!SPLIT)
+                v[c] = make_uint4(torch_nan_halves(v[c].x), torch_nan_halves(v[c].y), torch_nan_halves(v[c].z),
+                                  torch_nan_halves(v[c].w));
+            dst[c * 32] = v[c];  // a warp's store: 512 contiguous bytes
+        }
     }
 }
 
-// A consumer's half of the outputs (after both loops: named barrier 1).
+// A consumer's half of the outputs, its dims from d0 (after both loops: named barrier 1), staged
+// in K/V buffer `held`. Both consumers pass the same barriers.
 __device__ __forceinline__ void write_rows(const Params& p, const float (&o)[4 * O_BLOCKS], u8* smem, i64 row, i64 head0,
-                                           i64 split, int d0, int row_lo, int quad, float factor_lo, float factor_hi, int ctid) {
-    if (p.num_splits > 1) {
-        stage_rows<true>(o, smem, d0, row_lo, quad, factor_lo, factor_hi);
-        copy_rows_out<true>(p, smem, row, head0, split, ctid);
-    } else {
-        stage_rows<false>(o, smem, d0, row_lo, quad, factor_lo, factor_hi);
-        copy_rows_out<false>(p, smem, row, head0, split, ctid);
+                                           i64 split, int held, int d0, int row_lo, int quad, float factor_lo,
+                                           float factor_hi, int ctid) {
+    u8* const region = smem + SM_KV + held * KV_BYTES;
+    if (p.num_splits == 1) {
+        stage_rows<false>(o, region, d0 * 2, row_lo, quad, factor_lo, factor_hi);
+        copy_rows_out<false>(p, region, row, head0, split, 0, ctid);
+        return;
+    }
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {  // consumer 0's dims, then consumer 1's: one copy of the staging code
+        if (pass > 0) named_barrier(1, 256);  // the first half is read out
+        if (d0 == pass * HALF_DIMS) stage_rows<true>(o, region, 0, row_lo, quad, factor_lo, factor_hi);
+        copy_rows_out<true>(p, region, row, head0, split, pass * HALF_DIMS, ctid);
     }
 }
 
-// Consumer 0: S, the softmax, P, and O over dims 0..255. Returns through the block's outputs.
-__device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int num_tiles,
-                                          int tid, u32 peer_bars) {
+// Consumer 0, one item: S, the softmax, P, and O over dims 0..255, then its half of the outputs.
+// The item's tiles (at least one) are the block's tiles tile0 .. tile0 + num_tiles - 1 (their
+// buffers and phases); the last one's buffer is held for the outputs. `processed` counts the
+// block's tiles with a live token (the phases of P); `first`: the block's first item (its Q is
+// not issued yet); `last`: the block has no item after this one, else next_row and next_head0
+// are the next item's (its Q is issued here).
+__device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int tile0,
+                                              int num_tiles, bool first, bool last, i64 next_row, i64 next_head0,
+                                              u32& processed, int tid, u32 peer_bars) {
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
     const int row_lo = warp * 16 + g, row_hi = row_lo + 8;  // the thread's rows of every fragment
     const u32 bars = shared_address(smem + SM_BARRIERS);
@@ -679,21 +742,21 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
 #pragma unroll
     for (int i = 0; i < 4 * O_BLOCKS; ++i) o[i] = 0.0f;
     float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.0f, l_hi = 0.0f;
-    load_q(p, smem, row, head0, tid);
-    named_barrier(1, 256);
+    if (first) issue_q(p, smem, row, head0, tid);
+    wait_q();
 
     // The live tiles in order. A tile's S is issued right behind the previous tile's P.V, so the
     // tensor cores run both (and consumer 1's half of P.V) while this warpgroup waits once.
     float s[4 * S_BLOCKS];
     u64 live = 0;
-    int tile = next_live_tile(bars, peer_bars, tile_masks, 0, num_tiles, lane, live);
-    if (tile < num_tiles) {
+    const int tile_end = tile0 + num_tiles, hold = tile_end - 1;
+    int tile = next_live_tile(bars, peer_bars, tile_masks, tile0, tile_end, hold, lane, live);
+    if (tile < tile_end) {
         issue_scores(s, desc_q, desc_k0 + (tile & 1) * KV_STEP);
         wgmma_wait_all();
         fence_registers(s);
     }
-    int processed = 0;
-    while (tile < num_tiles) {
+    while (tile < tile_end) {
         const int b = tile & 1;
 
         // The online softmax of rows lo (elements 0, 1 of an n-block) and hi (2, 3); the quad's 4
@@ -764,7 +827,7 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
         // wait for this tile's buffer).
         int next = tile + 1;
         u64 next_live = 0;
-        if (next < num_tiles) next_live = acquire_tile(bars, tile_masks, next, lane);
+        if (next < tile_end) next_live = acquire_tile(bars, tile_masks, next, lane);
         if (next_live != 0) {
             issue_scores(s, desc_q, desc_k0 + (next & 1) * KV_STEP);
             wgmma_wait<1>();  // P.V done (S may still run): this tile's buffer goes back to the producer now
@@ -772,14 +835,14 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
             wgmma_wait_all();
         }
         fence_registers(o);
-        release_tile(bars, peer_bars, b, lane);
+        if (tile != hold) release_tile(bars, peer_bars, b, lane);
         wgmma_wait_all();
         fence_registers(s);
         ++processed;
-        if (next < num_tiles && next_live == 0) {  // nothing live in tile + 1: on to the next live tile, unpipelined
-            release_tile(bars, peer_bars, next & 1, lane);
-            next = next_live_tile(bars, peer_bars, tile_masks, next + 1, num_tiles, lane, next_live);
-            if (next < num_tiles) {
+        if (next < tile_end && next_live == 0) {  // nothing live in tile + 1: on to the next live tile, unpipelined
+            if (next != hold) release_tile(bars, peer_bars, next & 1, lane);
+            next = next_live_tile(bars, peer_bars, tile_masks, next + 1, tile_end, hold, lane, next_live);
+            if (next < tile_end) {
                 issue_scores(s, desc_q, desc_k0 + (next & 1) * KV_STEP);
                 wgmma_wait_all();
                 fence_registers(s);
@@ -788,6 +851,8 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
         tile = next;
         live = next_live;
     }
+
+    if (!last) issue_q(p, smem, next_row, next_head0, tid);  // Q is free: this item's S are done
 
     // The rows' factors for consumer 1, then this half of the outputs.
     const i64 num_heads = p.num_heads, num_splits = p.num_splits;
@@ -802,7 +867,7 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
             factors[row_hi] = factor_hi;
         }
     }
-    named_barrier(1, 256);  // both consumers' loops are done (Q and K/V are free), the factors are in
+    named_barrier(1, 256);  // both consumers' loops are done (the held buffer is free), the factors are in
     if (quad == 0) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -815,12 +880,16 @@ __device__ __forceinline__ void consumer0(const Params& p, u8* smem, i64 row, i6
                     half ? make_float2(m_hi, l_hi) : make_float2(m_lo, l_lo);
         }
     }
-    write_rows(p, o, smem, row, head0, split, 0, row_lo, quad, factor_lo, factor_hi, tid);
+    write_rows(p, o, smem, row, head0, split, hold & 1, 0, row_lo, quad, factor_lo, factor_hi, tid);
+    mbar_arrive(bars + (BAR_HELD + (hold & 1)) * 8);  // this thread's reads of the staged rows are done
+    release_tile(bars, peer_bars, hold & 1, lane);
 }
 
-// Consumer 1: O over dims 256..511 with consumer 0's P and rescale factors.
-__device__ __forceinline__ void consumer1(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int num_tiles,
-                                          int tid, u32 peer_bars) {
+// Consumer 1, one item: O over dims 256..511 with consumer 0's P and rescale factors (the
+// arguments as consume_item0's).
+__device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int tile0,
+                                              int num_tiles, u32& processed, int tid, u32 peer_bars) {
+    const int hold = tile0 + num_tiles - 1;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
     const int row_lo = warp * 16 + g, row_hi = row_lo + 8;
     const u32 bars = shared_address(smem + SM_BARRIERS);
@@ -835,15 +904,12 @@ __device__ __forceinline__ void consumer1(const Params& p, u8* smem, i64 row, i6
     float o[4 * O_BLOCKS];
 #pragma unroll
     for (int i = 0; i < 4 * O_BLOCKS; ++i) o[i] = 0.0f;
-    load_q(p, smem, row, head0, tid + 128);
-    named_barrier(1, 256);
-
-    int processed = 0;
-    for (int tile = 0; tile < num_tiles; ++tile) {
+    named_barrier(1, 256);  // consumer 0's wait_q
+    for (int tile = tile0; tile < tile0 + num_tiles; ++tile) {
         const int b = tile & 1;
         const u64 live = acquire_tile(bars, tile_masks, tile, lane);
         if (live == 0) {
-            release_tile(bars, peer_bars, b, lane);
+            if (tile != hold) release_tile(bars, peer_bars, b, lane);
             continue;
         }
         mbar_wait(bars + BAR_P_FULL * 8, processed & 1);
@@ -858,14 +924,38 @@ __device__ __forceinline__ void consumer1(const Params& p, u8* smem, i64 row, i6
         wgmma_wait_all();
         fence_registers(o);
         mbar_arrive(bars + BAR_P_EMPTY * 8);  // every thread: its reads of the factors come before consumer 0's next writes
-        release_tile(bars, peer_bars, b, lane);
+        if (tile != hold) release_tile(bars, peer_bars, b, lane);
         ++processed;
     }
 
-    named_barrier(1, 256);  // both consumers' loops are done (Q and K/V are free), consumer 0's factors are in
+    named_barrier(1, 256);  // both consumers' loops are done (the held buffer is free), consumer 0's factors are in
     const bool split_outputs = p.num_splits > 1;  // then no factors were written: raw fp32 rows
     const float factor_lo = split_outputs ? 0.0f : factors[row_lo], factor_hi = split_outputs ? 0.0f : factors[row_hi];
-    write_rows(p, o, smem, row, head0, split, HALF_DIMS, row_lo, quad, factor_lo, factor_hi, tid + 128);
+    write_rows(p, o, smem, row, head0, split, hold & 1, HALF_DIMS, row_lo, quad, factor_lo, factor_hi, tid + 128);
+    mbar_arrive(bars + (BAR_HELD + (hold & 1)) * 8);  // this thread's reads of the staged rows are done
+    release_tile(bars, peer_bars, hold & 1, lane);
+}
+
+// The block's work items: (query row, head tile, split) in the order of a grid of a block each
+// (the head tile fastest), item blockIdx.x, then every gridDim.x-th. The host launches at most as
+// many blocks as the GPU holds at once, so a block that finishes an item goes on to the next one
+// with its barriers, buffers and scale table set up and its producer already gathering: the fill
+// and the output phase of a block's items overlap. With a cluster the grid is even, so both blocks
+// of a cluster walk the two head tiles of the same (row, split) items.
+struct Item {
+    i64 row, head0, split;
+    int tile_begin, num_tiles;
+};
+
+__device__ __forceinline__ Item item_at(const Params& p, u32 item, u32 head_tiles, int total_tiles) {
+    const u32 num_splits = static_cast<u32>(p.num_splits);
+    Item it;
+    it.head0 = static_cast<i64>(item % head_tiles * HT);
+    it.split = static_cast<i64>(item / head_tiles % num_splits);
+    it.row = static_cast<i64>(item / head_tiles / num_splits);  // batch * q_len + position
+    it.tile_begin = static_cast<int>(it.split * p.tiles_per_split);
+    it.num_tiles = max(min(it.tile_begin + static_cast<int>(p.tiles_per_split), total_tiles) - it.tile_begin, 0);
+    return it;
 }
 
 #if CLUSTER == 2
@@ -877,15 +967,12 @@ __device__ __forceinline__ void consumer1(const Params& p, u8* smem, i64 row, i6
 extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_decode_sm90(const Params p) {
     extern __shared__ __align__(128) u8 smem[];
     const int tid = threadIdx.x;
-    const i64 num_heads = p.num_heads, num_splits = p.num_splits;
-    const i64 head_tiles = (num_heads + HT - 1) / HT;
-    const i64 head0 = static_cast<i64>(blockIdx.x % head_tiles) * HT;
-    const i64 split = static_cast<i64>(blockIdx.x / head_tiles) % num_splits;
-    const i64 row = static_cast<i64>(blockIdx.x / head_tiles) / num_splits;  // batch * q_len + position
+    // Items fit 31 bits: at 2^31 items q alone would pass 2 TB (a row has at least 1 KB), and with
+    // splits the workspace (2 KB an item).
+    const u32 head_tiles = static_cast<u32>((p.num_heads + HT - 1) / HT);
+    const u32 items = static_cast<u32>(p.rows) * head_tiles * static_cast<u32>(p.num_splits);
     // Tile indices fit an int: the host caps a table's width (validation.decode).
     const int total_tiles = static_cast<int>((p.swa.k + p.extra.k + BN - 1) / BN);
-    const int tile_begin = static_cast<int>(split * p.tiles_per_split);
-    const int num_tiles = max(min(tile_begin + static_cast<int>(p.tiles_per_split), total_tiles) - tile_begin, 0);
 
     u32* const scale_pairs = reinterpret_cast<u32*>(smem + SM_SCALES);
     for (int byte = tid; byte < 256; byte += THREADS) scale_pairs[byte] = e4m3_bf16x2(byte);
@@ -898,6 +985,8 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
         for (int i = 0; i < 8; ++i) mbar_init(bars + (BAR_RAW + i) * 8, RAW_ARRIVALS);
         mbar_init(bars + BAR_P_FULL * 8, 128);
         mbar_init(bars + BAR_P_EMPTY * 8, 128);
+        mbar_init(bars + (BAR_HELD + 0) * 8, 256);
+        mbar_init(bars + (BAR_HELD + 1) * 8, 256);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     const u32 rank = CLUSTER == 2 ? cluster_rank() : 0u;  // the head tile's parity
@@ -908,15 +997,40 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
         __syncthreads();
 
     const int warpgroup = tid >> 7;
+    // The block's tiles of its earlier items, modulo 4: a tile's K/V buffer and phase, and a unit's
+    // raw buffer and phase, are the low two bits of their counts. And the consumers' count of live
+    // tiles, whose parity is the phase of P.
+    int tiles_before = 0;
+    u32 processed = 0;
     if (warpgroup == 2) {
         regs_decrease<REGS_PRODUCER>();
-        producer(p, smem, row, tile_begin, num_tiles, tid - 256, rank);
+        u32 held = 0;
+        for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
+            const Item it = item_at(p, item, head_tiles, total_tiles);
+            produce_item(p, smem, it.row, it.tile_begin, it.num_tiles, UNITS_PER_TILE * tiles_before, tiles_before,
+                         tid - 256, rank, held);
+            tiles_before = (tiles_before + it.num_tiles) & 3;
+            held |= 1u << ((tiles_before + 3) & 1);  // the item's last tile (at least one) holds its outputs
+        }
     } else if (warpgroup == 0) {
         regs_increase<REGS_CONSUMER0>();
-        consumer0(p, smem, row, head0, split, num_tiles, tid, peer_bars);
+        Item it = item_at(p, blockIdx.x, head_tiles, total_tiles);
+        for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
+            const bool last = item + gridDim.x >= items;
+            const Item next = last ? it : item_at(p, item + gridDim.x, head_tiles, total_tiles);
+            consume_item0(p, smem, it.row, it.head0, it.split, tiles_before, it.num_tiles, item == blockIdx.x, last,
+                          next.row, next.head0, processed, tid, peer_bars);
+            tiles_before = (tiles_before + it.num_tiles) & 3;
+            it = next;
+        }
     } else {
         regs_decrease<REGS_CONSUMER1>();
-        consumer1(p, smem, row, head0, split, num_tiles, tid - 128, peer_bars);
+        for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
+            const Item it = item_at(p, item, head_tiles, total_tiles);
+            consume_item1(p, smem, it.row, it.head0, it.split, tiles_before, it.num_tiles, processed, tid - 128,
+                          peer_bars);
+            tiles_before = (tiles_before + it.num_tiles) & 3;
+        }
     }
     if constexpr (CLUSTER == 2) cluster_sync();  // the peer may still store into this block or arrive on its barriers
 }

@@ -34,11 +34,16 @@ __device__ __forceinline__ u32 bf16x2_rn(float lo, float hi) {
     return r;
 }
 
-// bf16x2_rn with torch's NaN: a pair with a NaN takes bf16_bits.
-__device__ __forceinline__ u32 bf16x2_bits(float lo, float hi) {
-    if (lo != lo || hi != hi) return bf16_bits(lo) | (bf16_bits(hi) << 16);
-    return bf16x2_rn(lo, hi);
+// A bf16x2_rn pair with torch's NaN: each NaN half (cvt gives 0x7FFF or 0xFFFF) becomes 0x7FC0.
+// Branch-free: a half is NaN when its low 15 bits pass 0x7F80 (adding 0x7F sets its bit 15).
+__device__ __forceinline__ u32 torch_nan_halves(u32 pair) {
+    const u32 nan = ((pair & 0x7FFF7FFFu) + 0x007F007Fu) & 0x80008000u;
+    const u32 mask = nan | (nan - (nan >> 15));  // 0xFFFF in each NaN half
+    return (pair & ~mask) | (0x7FC07FC0u & mask);
 }
+
+// bf16x2_rn with torch's NaN (bf16_bits of each half).
+__device__ __forceinline__ u32 bf16x2_bits(float lo, float hi) { return torch_nan_halves(bf16x2_rn(lo, hi)); }
 
 // GPT-J RoPE of one pair: one rounded product, one fused multiply-add.
 __device__ __forceinline__ u32 rope_pair_bits(u32 pair, float c, float s) {

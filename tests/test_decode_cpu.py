@@ -80,8 +80,18 @@ def test_a_forced_head_tile_needs_the_mma_sync_kernel(monkeypatch):
         decode.plan(nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_head_tile=64), 0, 16, 1, 128, 0)
 
 
+def test_a_block_cap_needs_the_wgmma_kernel(monkeypatch):
+    """Only the wgmma kernel's blocks walk their items: capping the mma.sync kernel's grid (a block
+    an item) must not be ignored silently."""
+    monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[90])
+    with pytest.raises(ValueError, match="decode_blocks=4 caps the wgmma_sm90 kernel's blocks"):
+        decode.plan(nvfp4_mla.KernelLibrary(decode_blocks=4), 0, 16, 1, 128, 0)  # the rule: mma_sync
+    with pytest.raises(ValueError, match="runs the mma_sync backend"):
+        decode.plan(nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_blocks=4), 0, 64, 64, 128, 0)
+
+
 def test_the_wgmma_kernel_fits_the_hopper_block():
-    assert decode_sm90.shared_bytes() == 232_112 <= FAKE_GPUS[90].shared_optin
+    assert decode_sm90.shared_bytes() == 232_128 <= FAKE_GPUS[90].shared_optin
     assert decode_sm90.WgmmaAttentionSpec.of(2).template.threads == 384
 
 

@@ -7,10 +7,11 @@ fp32 only absolute errors are meaningful: a peaked softmax can leave an output e
 exactly 0 and +inf. Every check prints its measured maxima (``pytest -s`` shows them) and a failure
 names the worst element. Cases: every mask kind, one and two pools, sinks, lonely rows, every
 head count, q_len 1 and > 1, int32/int64 slots, page sizes and layouts, NaN records at masked
-positions, every head tile and split (both epilogues), determinism, CUDA graphs, ``out=``,
-torch.compile. The semantic and execution tests run on every backend of this GPU (``backend``:
-the default library, whose rule picks by architecture and shape, and a library that forces each
-backend of this GPU: the mma.sync kernel, and on sm_90 the Hopper wgmma kernel).
+positions, every head tile and split (both epilogues), the Hopper kernel's blocks walking several
+items, determinism, CUDA graphs, ``out=``, torch.compile. The semantic and execution tests run on
+every backend of this GPU (``backend``: the default library, whose rule picks by architecture and
+shape, and a library that forces each backend of this GPU: the mma.sync kernel, and on sm_90 the
+Hopper wgmma kernel).
 """
 
 from __future__ import annotations
@@ -281,6 +282,24 @@ def test_nan_records_in_masked_positions_do_not_leak(backend, seed):
     assert torch.isnan(out).any()
 
 
+def test_nan_outputs_are_torchs_nan(seed):
+    """NaN records at live positions make NaN outputs, stored as torch's 0x7FC0 like the
+    reference's, on every backend, without splits (the attention kernel's epilogue) and with (the
+    combine's)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = Pool(8, 64, g)
+    for slot in range(0, pool.capacity, 7):
+        pool.poison(slot)
+    q = queries(2, 2, 64, g)
+    pools = [(pool, pool.slots((2, 2, 200), g), None)]
+    gpu = device_info(q.get_device())
+    for name in [n for n, b in decode.BACKENDS.items() if b.supports(gpu.capability)]:
+        for num_splits in (1, 3):
+            out, _ = run(q, pools, library=nvfp4_mla.KernelLibrary(decode_backend=name, decode_splits=num_splits))
+            nan = torch.isnan(out)
+            assert nan.any() and bool((out.view(torch.int16)[nan] == 0x7FC0).all()), f"{name}, {num_splits} splits"
+
+
 def test_decode_shapes_of_the_benchmark(backend, seed):
     """128 window + 1024 compressed selections, 128 heads, q_len 2, with lengths."""
     g = torch.Generator().manual_seed(seed)
@@ -446,6 +465,38 @@ def test_wgmma_clusters_give_the_bits_of_single_blocks(seed, heads):
         got, reference = run(q, pools, sinks=sinks, library=paired), run(q, pools, sinks=sinks, library=single)
         assert bits_equal(got[0], reference[0]) and bits_equal(got[1], reference[1]), f"{num_splits} splits"
         check(got, want, f"clusters, heads {heads}, {num_splits} splits")
+
+
+@pytest.mark.parametrize("heads", [16, 64, 100, 128])
+def test_wgmma_blocks_walking_items_give_the_bits_of_a_block_an_item(seed, heads):
+    """The Hopper kernel's blocks walk their items (query row, head tile, split) in turn: a block's
+    producer gathers an item's first tiles while its consumers finish the item before, the ring
+    phases run on across items, and fp32 partials leave in halves while a next item is in flight.
+    With the grid capped at 2, 3 and 6 blocks (whole clusters: 2, 2 and 6 at 100 and 128 heads) against
+    a block an item: the same arithmetic, so the same bits, over 1 to many splits, lengths, invalid
+    slots, sinks and rows with nothing live (their items' tiles all dead)."""
+    gpu = device_info(torch.cuda.current_device())
+    if not decode.BACKENDS["wgmma_sm90"].supports(gpu.capability):
+        pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
+    q, pools, sinks, _ = split_case(seed, heads, 300)
+    (_, _, swa_lens), (_, extra_slots, _) = pools
+    swa_lens[0, 1] = 0  # row 1: its window empty, its extra entries all invalid: nothing live
+    extra_slots[0, 1] = -1
+    want = exact(q, pools, sinks=sinks)
+    rows, device = q.shape[0] * q.shape[1], q.get_device()
+    for num_splits in (1, 3, 7):
+        wide = nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_splits=num_splits)
+        items = decode.plan(wide, device, heads, rows, 128, 300).blocks  # a block an item
+        assert items == rows * -(-heads // decode_sm90.HEAD_TILE) * num_splits
+        reference = run(q, pools, sinks=sinks, library=wide)
+        for cap in (2, 3, 6):
+            narrow = nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_splits=num_splits, decode_blocks=cap)
+            cluster = decode_sm90.cluster_of(heads)
+            assert decode.plan(narrow, device, heads, rows, 128, 300).blocks == min(cap - cap % cluster, items)
+            got = run(q, pools, sinks=sinks, library=narrow)
+            what = f"heads {heads}, {num_splits} splits, {cap} blocks"
+            assert bits_equal(got[0], reference[0]) and bits_equal(got[1], reference[1]), what
+        check(got, want, f"blocks walking items, heads {heads}, {num_splits} splits")
 
 
 # ---------------------------------------------------------------- execution contract

@@ -2,8 +2,9 @@
 declaration of a backend, and what a backend decides for a call.
 
 An attention kernel (``nvfp4_mla_decode`` in any of its backends' files) takes the ``Params`` of
-:data:`ATTEND_PARAMS` and runs a block per (query row, head tile, split of the selected tokens),
-the head tile fastest: it writes ``out`` and ``lse`` itself without splits, else unnormalized
+:data:`ATTEND_PARAMS` and works on items (query row, head tile, split of the selected tokens), the
+head tile fastest, a block each or (``Attention.max_blocks``) walked by at most that many blocks in
+turn: it writes ``out`` and ``lse`` itself without splits, else unnormalized
 fp32 partial outputs that the op's combine kernel merges in split order. A backend is one module
 that declares :class:`DecodeBackend`; ``ops.decode`` lists the backends and holds the rule that
 picks one.
@@ -26,9 +27,9 @@ if TYPE_CHECKING:
 DECODE_HEADER = "nvfp4_mla_decode.cuh"  # what the attention kernels share, beside the numerics header
 
 # The attention kernels' Params (their static_asserts check the size): 6 pointers (q, out, lse,
-# partial_o, partial_ml, sinks), two pools (3 pointers and 6 int64 each), 3 int64 (heads, splits,
-# tiles a split) and sm_scale * log2(e) as a double.
-ATTEND_PARAMS = struct.Struct("<6Q3Q6q3Q6q3qd")
+# partial_o, partial_ml, sinks), two pools (3 pointers and 6 int64 each), 4 int64 (rows, heads,
+# splits, tiles a split) and sm_scale * log2(e) as a double.
+ATTEND_PARAMS = struct.Struct("<6Q3Q6q3Q6q4qd")
 
 
 class Attention(NamedTuple):
@@ -38,6 +39,9 @@ class Attention(NamedTuple):
     shared_bytes: int  # dynamic shared memory a launch asks for
     head_tile: int  # heads a block
     tile_tokens: int  # selected tokens a tile (splits are whole tiles)
+    # The most blocks of a launch, each walking items in turn (block b: items b, b + grid, ...);
+    # 0: a block an item.
+    max_blocks: int = 0
 
 
 class DecodeBackend(NamedTuple):

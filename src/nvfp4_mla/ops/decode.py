@@ -9,8 +9,9 @@ CUDA tensors go to a backend's kernels, other devices to the reference.
 (its GPUs, its kernels, its attention kernel for a call): :data:`BACKENDS`, in order of
 preference. :func:`select_backend` is the one rule that picks among them.
 
-**Execution.** One launch of the attention kernel (a block per query row, head tile and split of
-the selected tokens), plus one launch of the combine kernel (``kernels/nvfp4_mla_decode.cu``,
+**Execution.** One launch of the attention kernel (its work items are the query rows, head tiles
+and splits of the selected tokens: a block each, or blocks that walk them in turn), plus one
+launch of the combine kernel (``kernels/nvfp4_mla_decode.cu``,
 shared by every backend) when the tokens are split across blocks. The split is a pure function
 of the shapes and the device (never of the data), and the combine adds the splits in a fixed
 order, so equal inputs give equal bits on every run. A warm call does the checks of
@@ -135,7 +136,7 @@ class DecodePlan(NamedTuple):
     attend: Launcher
     shared_bytes: int  # the attention launch's dynamic shared memory
     head_tile: int
-    blocks: int
+    blocks: int  # of the attention launch
     num_splits: int
     tiles_per_split: int
     combine: Launcher | None  # None: no split
@@ -161,6 +162,11 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
             f"decode_head_tile={lib.decode_head_tile} is the mma_sync kernel's head tile, but this call runs the "
             f"{backend.name} backend: force decode_backend='mma_sync' with it"
         )
+    if lib.decode_blocks is not None and backend is BACKENDS["mma_sync"]:
+        raise ValueError(
+            f"decode_blocks={lib.decode_blocks} caps the wgmma_sm90 kernel's blocks, which walk their items, but this "
+            "call runs the mma_sync backend (a block an item)"
+        )
     attention = backend.attention(lib, gpu, num_heads)
     blocks = rows * -(-num_heads // attention.head_tile)
     num_tiles = -(-(k_swa + k_extra) // attention.tile_tokens)
@@ -174,12 +180,13 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
         combine = lib.launcher(device_index, lib.spec(CombineSpec.of(COMBINE_PREFETCH)))
         if rows * num_heads > combine.resident_blocks:  # more than one wave of its blocks: the plain build
             combine = lib.launcher(device_index, lib.spec(CombineSpec.of(0)))
+    items = blocks * num_splits
     found = DecodePlan(
         backend.name,
         attention.launcher,
         attention.shared_bytes,
         attention.head_tile,
-        blocks * num_splits,
+        min(items, attention.max_blocks) if attention.max_blocks else items,
         num_splits,
         tiles_per_split,
         combine,
@@ -262,6 +269,7 @@ def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool)
         sinks_ptr,
         *_pool_params(*swa_pool),
         *_pool_params(*extra_pool),
+        q.shape[0] * q.shape[1],
         num_heads,
         plan.num_splits,
         plan.tiles_per_split,

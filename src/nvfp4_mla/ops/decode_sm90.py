@@ -28,7 +28,7 @@ BLOCK_N = 64  # selected tokens a tile
 THREADS = 3 * 128  # consumer 0, consumer 1, the producer
 GATHER_UNIT = 32  # tokens the producer copies at once (two units a tile)
 RAW_RECORD_BYTES = abi.RECORD_BYTES + 16  # a copied record in shared memory, padded: conflict-free reads
-MBARRIERS = 14  # two per K/V buffer, two per producer warp (its raw units), two for P
+MBARRIERS = 16  # three per K/V buffer, two per producer warp (its raw units), two for P
 
 
 def shared_bytes() -> int:
@@ -84,9 +84,13 @@ def cluster_of(num_heads: int) -> int:
 
 def attention(lib: KernelLibrary, device: Device, num_heads: int) -> Attention:
     """The attention kernel of a call: 64 heads a block, in clusters of two head tiles where
-    :func:`cluster_of` says so."""
-    spec = lib.spec(WgmmaAttentionSpec.of(cluster_of(num_heads)))
-    return Attention(lib.launcher(device.index, spec), shared_bytes(), spec.head_tile, BLOCK_N)
+    :func:`cluster_of` says so. Its blocks are persistent: at most as many as the GPU holds at
+    once (``lib.decode_blocks`` lowers that), a whole number of clusters, each walking its items."""
+    cluster = cluster_of(num_heads)
+    spec = lib.spec(WgmmaAttentionSpec.of(cluster))
+    launcher = lib.launcher(device.index, spec)
+    blocks = launcher.resident_blocks if lib.decode_blocks is None else min(lib.decode_blocks, launcher.resident_blocks)
+    return Attention(launcher, shared_bytes(), spec.head_tile, BLOCK_N, max(blocks - blocks % cluster, cluster))
 
 
 BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention)

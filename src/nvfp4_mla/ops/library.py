@@ -47,9 +47,22 @@ class KernelLibrary:
         Heads a block and splits of the selected tokens for the decode; None: the backend's choice.
         A head tile is the ``mma_sync`` kernel's (16, 32 or 64): a call that runs another backend
         with one set is refused.
+    decode_blocks
+        The most blocks of a decode launch whose blocks walk their work items in turn (the
+        ``wgmma_sm90`` kernel's; rounded down to whole clusters); None: as many as the GPU holds
+        at once. A call that runs the ``mma_sync`` kernel (a block an item) with it is refused.
     """
 
-    __slots__ = ("_cache", "decode_backend", "decode_head_tile", "decode_splits", "plans", "tune", "writer_grid")
+    __slots__ = (
+        "_cache",
+        "decode_backend",
+        "decode_blocks",
+        "decode_head_tile",
+        "decode_splits",
+        "plans",
+        "tune",
+        "writer_grid",
+    )
 
     def __init__(
         self,
@@ -60,6 +73,7 @@ class KernelLibrary:
         decode_backend: str | None = None,
         decode_head_tile: int | None = None,
         decode_splits: int | None = None,
+        decode_blocks: int | None = None,
     ):
         self._cache = cache
         self.tune = tune
@@ -67,6 +81,7 @@ class KernelLibrary:
         self.decode_backend = decode_backend
         self.decode_head_tile = decode_head_tile
         self.decode_splits = decode_splits
+        self.decode_blocks = decode_blocks
         # Keyed by (op name, ...): the one lookup a warm call does. Read directly on the hot path.
         self.plans: dict[Hashable, Any] = {}
 
