@@ -470,9 +470,9 @@ def test_wgmma_clusters_give_the_bits_of_single_blocks(seed, heads):
 @pytest.mark.parametrize("heads", [16, 64, 100, 128])
 def test_wgmma_blocks_walking_items_give_the_bits_of_a_block_an_item(seed, heads):
     """The Hopper kernel's blocks walk their items (query row, head tile, split) in turn: a block's
-    producer gathers an item's first tiles while its consumers finish the item before, the ring
-    phases run on across items, and fp32 partials leave in halves while a next item is in flight.
-    With the grid capped at 2, 3 and 6 blocks (whole clusters: 2, 2 and 6 at 100 and 128 heads) against
+    producer gathers an item's first tile while its consumers stage the item before's outputs in
+    the other K/V buffer, and every barrier phase runs on across items. With the grid capped at 2,
+    3 and 6 blocks (whole clusters: 2, 2 and 6 at 100 and 128 heads) against
     a block an item: the same arithmetic, so the same bits, over 1 to many splits, lengths, invalid
     slots, sinks and rows with nothing live (their items' tiles all dead)."""
     gpu = device_info(torch.cuda.current_device())
