@@ -565,6 +565,14 @@ __device__ __forceinline__ void release_tile(u32 bars, u32 peer_bars, int b, int
     }
 }
 
+// Every consumer thread, once the outputs staged in K/V buffer b (the item's last tile) are out:
+// its reads are done (the held barrier, which the producer waits on before it stores there again),
+// and the warp gives the buffer back like a tile.
+__device__ __forceinline__ void release_held(u32 bars, u32 peer_bars, int b, int lane) {
+    mbar_arrive(bars + (BAR_HELD + b) * 8);
+    release_tile(bars, peer_bars, b, lane);
+}
+
 // Scales a consumer's output rows g and g + 8 (its accumulators of the C fragment layout: rows
 // g in elements 0, 1 of each 4, g + 8 in 2, 3) by their rescale factors (the softmax base moved).
 __device__ __forceinline__ void rescale_rows(float (&o)[4 * O_BLOCKS], float alpha_lo, float alpha_hi) {
@@ -881,8 +889,7 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
         }
     }
     write_rows(p, o, smem, row, head0, split, hold & 1, 0, row_lo, quad, factor_lo, factor_hi, tid);
-    mbar_arrive(bars + (BAR_HELD + (hold & 1)) * 8);  // this thread's reads of the staged rows are done
-    release_tile(bars, peer_bars, hold & 1, lane);
+    release_held(bars, peer_bars, hold & 1, lane);
 }
 
 // Consumer 1, one item: O over dims 256..511 with consumer 0's P and rescale factors (the
@@ -932,8 +939,7 @@ __device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row
     const bool split_outputs = p.num_splits > 1;  // then no factors were written: raw fp32 rows
     const float factor_lo = split_outputs ? 0.0f : factors[row_lo], factor_hi = split_outputs ? 0.0f : factors[row_hi];
     write_rows(p, o, smem, row, head0, split, hold & 1, HALF_DIMS, row_lo, quad, factor_lo, factor_hi, tid + 128);
-    mbar_arrive(bars + (BAR_HELD + (hold & 1)) * 8);  // this thread's reads of the staged rows are done
-    release_tile(bars, peer_bars, hold & 1, lane);
+    release_held(bars, peer_bars, hold & 1, lane);
 }
 
 // The block's work items: (query row, head tile, split) in the order of a grid of a block each

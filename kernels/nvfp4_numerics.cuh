@@ -17,13 +17,6 @@ typedef unsigned long long u64;
 // in a cubin's bytes before it runs the file, so a kernel saved under another key's name is refused.
 extern "C" __device__ const char nvfp4_mla_key[] = NVFP4_MLA_KEY;
 
-// bf16(x): round to nearest even, NaN -> 0x7FC0 (torch's conversion).
-__device__ __forceinline__ u32 bf16_bits(float x) {
-    const u32 u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0u;
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
-
 __device__ __forceinline__ float bf16_value(u32 bits16) { return __uint_as_float(bits16 << 16); }
 
 // bf16(lo) | bf16(hi) << 16 in one conversion (cvt.rn.bf16x2.f32, sm_80+: nearest even, no flush,
@@ -42,7 +35,7 @@ __device__ __forceinline__ u32 torch_nan_halves(u32 pair) {
     return (pair & ~mask) | (0x7FC07FC0u & mask);
 }
 
-// bf16x2_rn with torch's NaN (bf16_bits of each half).
+// bf16(lo) | bf16(hi) << 16 as torch converts: nearest even, every NaN 0x7FC0.
 __device__ __forceinline__ u32 bf16x2_bits(float lo, float hi) { return torch_nan_halves(bf16x2_rn(lo, hi)); }
 
 // GPT-J RoPE of one pair: one rounded product, one fused multiply-add.

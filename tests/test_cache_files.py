@@ -312,7 +312,7 @@ def test_the_size_cap():
 def test_the_project_header_declares_the_proof_as_these_kernels_do():
     header = (Path(__file__).resolve().parents[1] / "kernels" / "nvfp4_numerics.cuh").read_text()
     assert PROOF_LINE in header
-    source = '#include "nvfp4_numerics.cuh"\nextern "C" __global__ void k(u32* x) { x[0] = bf16_bits(1.0f); }\n'
+    source = '#include "nvfp4_numerics.cuh"\nextern "C" __global__ void k(u32* x) { x[0] = bf16x2_bits(1.0f, 2.0f); }\n'
     program = compiled(source, "sm_90", KEY, {"nvfp4_numerics.cuh": header})
     try:
         cubin = jit.whole_cubin(program)
