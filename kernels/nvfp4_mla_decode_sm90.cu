@@ -33,8 +33,9 @@
 //     p <= 2^8; row sums of the fp32 p), P rounded to BF16 in registers, then O[:, 0:256] += P.V
 //     with wgmma m64n256k16 (P from registers, fp32 accumulation). S of the next tile is issued
 //     right behind this tile's P.V, and the tile's buffer goes back as soon as its P.V is done.
-//     It also stores P (BF16) and each row's rescale factor in shared memory for consumer 1, and
-//     loads Q: the next item's as soon as its loop over this item's tiles is done (issue_q).
+//     While its P.V runs it stores P (BF16) and each row's rescale factor in shared memory for
+//     consumer 1. It also loads Q: the next item's as soon as its loop over this item's tiles is
+//     done (issue_q).
 //   warpgroup 1, consumer 1: O[:, 256:512] += P.V with wgmma m64n256k16, P from shared memory.
 //
 // One shared layout serves as K (Q.K^T's B operand, K-major: dims contiguous) and V (P.V's B
@@ -599,15 +600,20 @@ __device__ __forceinline__ int next_live_tile(u32 bars, u32 peer_bars, const u32
     return tile;
 }
 
-// Issues S = Q.K^T of the tile in K/V buffer b (32 k-steps of 16 dims) as one wgmma group.
+// Issues k-steps K0 .. K1 - 1 (16 dims each) of S = Q.K^T of a tile as one wgmma group (from
+// K0 = 0: S starts at zero). The whole S, or in the loop its first QK_EARLY k-steps and then the rest.
+constexpr int QK_EARLY = 8;
+template <int K0 = 0, int K1 = QK_STEPS>
 __device__ __forceinline__ void issue_scores(float (&s)[4 * S_BLOCKS], u64 desc_q, u64 desc_k) {
     constexpr u64 QK_K_STEP = (2 * GROUP_STRIDE) >> 4;
+    if constexpr (K0 == 0) {
 #pragma unroll
-    for (int i = 0; i < 4 * S_BLOCKS; ++i) s[i] = 0.0f;
+        for (int i = 0; i < 4 * S_BLOCKS; ++i) s[i] = 0.0f;
+    }
     fence_registers(s);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < QK_STEPS; ++k) wgmma_m64n64<0>(s, desc_q + k * QK_K_STEP, desc_k + k * QK_K_STEP, 1);
+    for (int k = K0; k < K1; ++k) wgmma_m64n64<0>(s, desc_q + k * QK_K_STEP, desc_k + k * QK_K_STEP, 1);
     wgmma_commit();
 }
 
@@ -808,13 +814,31 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
         l_lo = l_lo * alpha_lo + sum_lo;
         l_hi = l_hi * alpha_hi + sum_hi;
 
+        // Consumer 1's copy of P: the P.V wgmma reads pa until it completes, and PTX forbids touching
+        // a running wgmma's registers, so P is stored for consumer 1 from this copy while it runs.
+        u32 pc[PV_STEPS][4];
+#pragma unroll
+        for (int k = 0; k < PV_STEPS; ++k)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(pc[k][i]) : "r"(pa[k][i]));
+
+        // O[:, 0:256] += P.V, issued before P is handed over: the tensor cores start on it without
+        // waiting for consumer 1 to be done with the last P, nor for P's stores.
+        // Rare once the max settles.
+        if (__any_sync(NVFP4_FULL_MASK, move_lo || move_hi)) rescale_rows(o, alpha_lo, alpha_hi);
+        fence_registers(o);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < PV_STEPS; ++k) wgmma_m64n256_rs<1>(o, pa[k], desc_v0 + b * KV_STEP + k * PV_K_STEP, 1);
+        wgmma_commit();
+
         // P and the rescale factors for consumer 1 (once it is done with the last ones).
         mbar_wait(bars + BAR_P_EMPTY * 8, (processed & 1) ^ 1);
 #pragma unroll
         for (int j = 0; j < S_BLOCKS; ++j) {
             u8* const at = sp + j * P_GROUP_STRIDE + quad * 4;
-            *reinterpret_cast<u32*>(at + row_lo * 16) = pa[j / 2][(j & 1) * 2];
-            *reinterpret_cast<u32*>(at + row_hi * 16) = pa[j / 2][(j & 1) * 2 + 1];
+            *reinterpret_cast<u32*>(at + row_lo * 16) = pc[j / 2][(j & 1) * 2];
+            *reinterpret_cast<u32*>(at + row_hi * 16) = pc[j / 2][(j & 1) * 2 + 1];
         }
         if (quad == 0) {
             alphas[row_lo] = alpha_lo;
@@ -823,27 +847,23 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
         fence_proxy_async();
         mbar_arrive(bars + BAR_P_FULL * 8);
 
-        // O[:, 0:256] += P.V.
-        // Rare once the max settles.
-        if (__any_sync(NVFP4_FULL_MASK, move_lo || move_hi)) rescale_rows(o, alpha_lo, alpha_hi);
-        fence_registers(o);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < PV_STEPS; ++k) wgmma_m64n256_rs<1>(o, pa[k], desc_v0 + b * KV_STEP + k * PV_K_STEP, 1);
-        wgmma_commit();
-        // The next tile's S behind it: only tile + 1, whose buffer is the other one (tile + 2 would
-        // wait for this tile's buffer).
+        // The next tile's S behind the P.V: only tile + 1, whose buffer is the other one (tile + 2
+        // would wait for this tile's buffer). Its first k-steps queue behind the P.V; the rest are
+        // issued once the P.V is done and this tile's buffer is back with the producer, which can
+        // then refill it while S runs (issuing all of S first kept consumer 0 issuing, and the
+        // buffer held, until the tensor cores had taken most of S: some 1,100 cycles at 128 heads).
         int next = tile + 1;
         u64 next_live = 0;
         if (next < tile_end) next_live = acquire_tile(bars, tile_masks, next, lane);
         if (next_live != 0) {
-            issue_scores(s, desc_q, desc_k0 + (next & 1) * KV_STEP);
+            issue_scores<0, QK_EARLY>(s, desc_q, desc_k0 + (next & 1) * KV_STEP);
             wgmma_wait<1>();  // P.V done (S may still run): this tile's buffer goes back to the producer now
         } else {
             wgmma_wait_all();
         }
         fence_registers(o);
         if (tile != hold) release_tile(bars, peer_bars, b, lane);
+        if (next_live != 0) issue_scores<QK_EARLY, QK_STEPS>(s, desc_q, desc_k0 + (next & 1) * KV_STEP);
         wgmma_wait_all();
         fence_registers(s);
         ++processed;
