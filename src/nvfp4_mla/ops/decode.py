@@ -247,11 +247,12 @@ def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool)
     layout)``, all None for a missing extra pool. With splits, the fp32 workspace comes from
     torch's caching allocator on the current stream."""
     num_heads, device = q.shape[2], q.get_device()
+    rows = q.shape[0] * q.shape[1]  # batch * q_len
     stream = current_raw_stream(device)
     sinks_ptr = 0 if sinks is None else sinks.data_ptr()
     partial_o = partial_ml = 0
     if plan.combine is not None:
-        entries = q.shape[0] * q.shape[1] * num_heads * plan.num_splits
+        entries = rows * num_heads * plan.num_splits
         workspace = new_output(q, (entries * (abi.HEAD_DIM + 2),), (1,), torch.float32, device)
         partial_o = workspace.data_ptr()
         partial_ml = partial_o + entries * abi.HEAD_DIM * 4
@@ -269,16 +270,15 @@ def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool)
         sinks_ptr,
         *_pool_params(*swa_pool),
         *_pool_params(*extra_pool),
-        q.shape[0] * q.shape[1],
+        rows,
         num_heads,
         plan.num_splits,
         plan.tiles_per_split,
         float(sm_scale) * _LOG2E,  # type: ignore[arg-type]  # Params' double: struct packs it with "d"
     )
     if plan.combine is not None:
-        rows_heads = q.shape[0] * q.shape[1] * num_heads
         plan.combine.launch(
-            rows_heads,
+            rows * num_heads,
             1,
             1,
             0,
