@@ -760,7 +760,7 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
     wait_q();
 
     // The live tiles in order. A tile's S is issued right behind the previous tile's P.V, so the
-    // tensor cores run both (and consumer 1's half of P.V) while this warpgroup waits once.
+    // tensor cores run both (and consumer 1's half of P.V) back to back.
     float s[4 * S_BLOCKS];
     u64 live = 0;
     const int tile_end = tile0 + num_tiles, hold = tile_end - 1;
@@ -823,8 +823,8 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
             for (int i = 0; i < 4; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(pc[k][i]) : "r"(pa[k][i]));
 
         // O[:, 0:256] += P.V, issued before P is handed over: the tensor cores start on it without
-        // waiting for consumer 1 to be done with the last P, nor for P's stores.
-        // Rare once the max settles.
+        // waiting for consumer 1 to be done with the last P, nor for P's stores. The rescale first
+        // (rare once the max settles).
         if (__any_sync(NVFP4_FULL_MASK, move_lo || move_hi)) rescale_rows(o, alpha_lo, alpha_hi);
         fence_registers(o);
         wgmma_fence();
