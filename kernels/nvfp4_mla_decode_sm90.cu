@@ -2,8 +2,8 @@
 // The semantics, Params and outputs of kernels/nvfp4_mla_decode.cu (whose split combine kernel
 // merges this kernel's partial outputs unchanged); the blocks and their insides differ.
 //
-// Work items (query row, head tile of 64 heads, split), the head tile fastest, then split, then
-// row; the grid holds at most as many blocks as the GPU at once, and block b takes items b,
+// Work items (query row, head tile of 64 heads, split, dim part), the head tile fastest, then the
+// part, the split and the row; the grid holds at most as many blocks as the GPU at once, and block b takes items b,
 // b + gridDim.x, ... in turn (item_at). Heads past num_heads are zero rows of Q whose outputs are
 // never written. For an item the block walks its split's tiles of BLOCK_N = 64 selected tokens
 // (the sliding-window table's entries, then the extra pool's; tiles_per_split counts these
@@ -68,8 +68,14 @@
 // whole rows (write_rows). Meanwhile the producer gathers and dequantizes the next item's first
 // tile, and the next item's Q lands: a block's fill and outputs overlap its next item's.
 //
+// With DIM_PARTS 2 an item's output rows are one half of the 512 dims (its part): both parts of a
+// (row, head tile, split) gather the same tiles and compute the same S, softmax and (m, l), and each
+// adds P.V over its 256 dims only (a consumer 128: wgmma m64n128k16), so a block writes half the
+// output bytes. The host takes it where the doubled items still fit the GPU at once (1-2 query
+// rows): there a block's output rows, not its tiles, take most of the time.
+//
 // -D constants: BLOCK_N (64), SMEM_BYTES (232128, the host's count of the shared layout below,
-// checked: ops/decode_sm90.py counts it too), CLUSTER (1 or 2); THREADS (384) and the record ABI
+// checked: ops/decode_sm90.py counts it too), CLUSTER (1 or 2), DIM_PARTS (1 or 2); THREADS (384) and the record ABI
 // come from jit.py/abi.py. What the attention kernels share (Params, the row finish, the softmax
 // helpers) is in nvfp4_mla_decode.cuh.
 #include "nvfp4_mla_decode.cuh"
@@ -86,7 +92,9 @@ constexpr int GROUP_STRIDE = BN * 16;            // K/V: bytes between 8-dim gro
 constexpr int KV_BYTES = BN * HEAD_DIM * 2;      // a K/V tile buffer
 constexpr int Q_GROUP_STRIDE = HT * 16;          // Q: bytes between 8-dim groups
 constexpr int P_GROUP_STRIDE = HT * 16;          // P: bytes between 8-token groups
-constexpr int HALF_DIMS = HEAD_DIM / 2;          // output dims of a consumer
+constexpr int OUT_DIMS = HEAD_DIM / DIM_PARTS;   // output dims of an item: all 512, or one of two parts
+constexpr int HALF_DIMS = OUT_DIMS / 2;          // output dims of a consumer
+constexpr int STAGED_ROW = 1024;                 // bytes of an output row staged in a K/V buffer (64 rows)
 constexpr int QK_STEPS = HEAD_DIM / 16;          // k-steps of Q.K^T
 constexpr int PV_STEPS = BN / 16;                // k-steps of P.V
 constexpr int S_BLOCKS = BN / 8;                 // n-blocks of 8 tokens in S
@@ -99,6 +107,7 @@ constexpr int REGS_CONSUMER0 = 240, REGS_CONSUMER1 = 160, REGS_PRODUCER = 104;
 
 static_assert(THREADS == 384, "three warpgroups: consumer 0, consumer 1, producer");
 static_assert(CLUSTER == 1 || CLUSTER == 2, "a block alone, or the two head tiles of a row");
+static_assert(DIM_PARTS == 1 || DIM_PARTS == 2, "whole output rows, or halves");
 static_assert(BN == 64 && BN == 2 * UNIT, "a tile is two gather units of 32 tokens");
 static_assert(CHUNKS == 64 && NOPE_CHUNKS == 56 && NOPE_BYTES == 224 && DATA_BYTES == 352,
               "dequantize: thread chunks 4 i + lane / 8, RoPE from 56, the scale slot's 28 bytes after the data row");
@@ -259,18 +268,19 @@ __device__ __forceinline__ void wgmma_m64n64(float (&d)[32], u64 desc_a, u64 des
         : "memory");
 }
 
-// A thread's 128 accumulators of a 64 x 256 fp32 product, as wgmma's register list and as asm
-// outputs (operands 0-127 of both m64n256 products below).
-#define WGMMA_D128_LIST \
+// A thread's accumulators of a consumer's O (64 heads x HALF_DIMS, fp32) as wgmma's register list
+// and as asm outputs: operands 0-63, and 64-127 for 256 dims.
+#define WGMMA_D_LO_LIST \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WGMMA_D_HI_LIST \
     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-#define WGMMA_D128_OUTPUTS \
+#define WGMMA_D_LO_OUTPUTS \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
     "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
     "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
@@ -278,7 +288,8 @@ __device__ __forceinline__ void wgmma_m64n64(float (&d)[32], u64 desc_a, u64 des
     "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
     "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define WGMMA_D_HI_OUTPUTS \
     "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
     "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
     "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
@@ -287,33 +298,43 @@ __device__ __forceinline__ void wgmma_m64n64(float (&d)[32], u64 desc_a, u64 des
     "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
     "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
     "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+#if DIM_PARTS == 1  // a consumer's 256 dims: m64n256k16, 128 accumulators; the other operands from 128
+#define PV_SHAPE "m64n256k16"
+#define PV_LIST WGMMA_D_LO_LIST ", " WGMMA_D_HI_LIST
+#define PV_OUTPUTS WGMMA_D_LO_OUTPUTS, WGMMA_D_HI_OUTPUTS
+#define PV_SS_OPERANDS "%128, %129, p"                    // desc_a, desc_b, scale_d (1: accumulate)
+#define PV_SS_SCALE "%130"
+#define PV_RS_OPERANDS "{%128, %129, %130, %131}, %132, p"  // a, desc_b, scale_d
+#define PV_RS_SCALE "%133"
+#else  // a consumer's 128 dims (half rows): m64n128k16, 64 accumulators; the other operands from 64
+#define PV_SHAPE "m64n128k16"
+#define PV_LIST WGMMA_D_LO_LIST
+#define PV_OUTPUTS WGMMA_D_LO_OUTPUTS
+#define PV_SS_OPERANDS "%64, %65, p"
+#define PV_SS_SCALE "%66"
+#define PV_RS_OPERANDS "{%64, %65, %66, %67}, %68, p"
+#define PV_RS_SCALE "%69"
+#endif
 
-// d (64 x 256, fp32) += A (64 x 16, shared, K-major) * B (16 x 256, shared; TRANS_B 1: MN-major).
-template <int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n256_ss(float (&d)[128], u64 desc_a, u64 desc_b, int scale_d) {
+// O (64 x HALF_DIMS, fp32) += A (64 x 16, shared, K-major) * V (16 x HALF_DIMS, shared, MN-major:
+// wgmma's transposed B).
+__device__ __forceinline__ void wgmma_pv_ss(float (&d)[4 * O_BLOCKS], u64 desc_a, u64 desc_b) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        WGMMA_D128_LIST
-        "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
-        :
-          WGMMA_D128_OUTPUTS
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B)
+        "{\n.reg .pred p;\nsetp.ne.b32 p, " PV_SS_SCALE ", 0;\n"
+        "wgmma.mma_async.sync.aligned." PV_SHAPE ".f32.bf16.bf16 {" PV_LIST "}, " PV_SS_OPERANDS ", 1, 1, 0, 1;\n}\n"
+        : PV_OUTPUTS
+        : "l"(desc_a), "l"(desc_b), "r"(1)
         : "memory");
 }
 
-// d (64 x 256, fp32) += A (64 x 16, registers: the m16n8k16 A fragment of the warp's 16 rows) *
-// B (16 x 256, shared; TRANS_B 1: MN-major).
-template <int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n256_rs(float (&d)[128], const u32 (&a)[4], u64 desc_b, int scale_d) {
+// O (64 x HALF_DIMS, fp32) += A (64 x 16, registers: the m16n8k16 A fragment of the warp's 16 rows) *
+// V (16 x HALF_DIMS, shared, MN-major).
+__device__ __forceinline__ void wgmma_pv_rs(float (&d)[4 * O_BLOCKS], const u32 (&a)[4], u64 desc_b) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        WGMMA_D128_LIST
-        "}, {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
-        :
-          WGMMA_D128_OUTPUTS
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B)
+        "{\n.reg .pred p;\nsetp.ne.b32 p, " PV_RS_SCALE ", 0;\n"
+        "wgmma.mma_async.sync.aligned." PV_SHAPE ".f32.bf16.bf16 {" PV_LIST "}, " PV_RS_OPERANDS ", 1, 1, 1;\n}\n"
+        : PV_OUTPUTS
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
         : "memory");
 }
 
@@ -667,7 +688,7 @@ __device__ __forceinline__ void stage_rows(const float (&o)[4 * O_BLOCKS], u8* r
 #pragma unroll
         for (int k = 0; k < COLUMNS; ++k) {
             const int chunk = SPLIT ? 2 * k + (quad >> 1) : k, in_chunk = SPLIT ? (quad & 1) * 8 : quad * 4;
-            at[half][k] = region + (row_lo + 8 * half) * 1024 + byte0 + ((chunk ^ row_lo) & 7) * 16 + in_chunk;
+            at[half][k] = region + (row_lo + 8 * half) * STAGED_ROW + byte0 + ((chunk ^ row_lo) & 7) * 16 + in_chunk;
         }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -688,6 +709,7 @@ __device__ __forceinline__ void stage_rows(const float (&o)[4 * O_BLOCKS], u8* r
 template <bool SPLIT>
 __device__ __forceinline__ void copy_rows_out(const Params& p, const u8* region, i64 row, i64 head0, i64 split, int d0,
                                               int ctid) {
+    constexpr int WARP_STORES = (SPLIT ? STAGED_ROW : OUT_DIMS * 2) / 512;  // of a staged row
     named_barrier(1, 256);  // every row is staged
     const i64 num_heads = p.num_heads, num_splits = p.num_splits;
     const int rows = static_cast<int>(min(static_cast<i64>(HT), num_heads - head0));
@@ -695,13 +717,13 @@ __device__ __forceinline__ void copy_rows_out(const Params& p, const u8* region,
     for (int r = warp; r < rows; r += 8) {  // a warp a row
         const i64 entry = row * num_heads + head0 + r;
         uint4* const dst = (SPLIT ? reinterpret_cast<uint4*>(p.partial_o + (entry * num_splits + split) * HEAD_DIM + d0)
-                                  : reinterpret_cast<uint4*>(p.out + entry * (HEAD_DIM / 2))) + lane;
-        const u8* const src = region + r * 1024 + (((lane ^ r) & 7) | (lane & ~7)) * 16;
-        uint4 v[2];
+                                  : reinterpret_cast<uint4*>(p.out + entry * (HEAD_DIM / 2) + d0 / 2)) + lane;
+        const u8* const src = region + r * STAGED_ROW + (((lane ^ r) & 7) | (lane & ~7)) * 16;
+        uint4 v[WARP_STORES];
 #pragma unroll
-        for (int c = 0; c < 2; ++c) v[c] = *reinterpret_cast<const uint4*>(src + c * 512);
+        for (int c = 0; c < WARP_STORES; ++c) v[c] = *reinterpret_cast<const uint4*>(src + c * 512);
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
+        for (int c = 0; c < WARP_STORES; ++c) {
             if constexpr (!SPLIT)
                 v[c] = make_uint4(torch_nan_halves(v[c].x), torch_nan_halves(v[c].y), torch_nan_halves(v[c].z),
                                   torch_nan_halves(v[c].w));
@@ -710,33 +732,40 @@ __device__ __forceinline__ void copy_rows_out(const Params& p, const u8* region,
     }
 }
 
-// A consumer's half of the outputs, its dims from d0 (after both loops: named barrier 1), staged
-// in K/V buffer `held`. Both consumers pass the same barriers.
+// A consumer's half of the item's outputs, its dims from d0 of the item's (after both loops: named
+// barrier 1; the item's dims from part * OUT_DIMS), staged in K/V buffer `held`. Both consumers pass
+// the same barriers. fp32 partials leave 256 dims (a staged row of 1 KB) a pass: both consumers'
+// halves at once with half rows (DIM_PARTS 2), else each consumer's in a pass of its own.
 __device__ __forceinline__ void write_rows(const Params& p, const float (&o)[4 * O_BLOCKS], u8* smem, i64 row, i64 head0,
-                                           i64 split, int held, int d0, int row_lo, int quad, float factor_lo,
+                                           i64 split, int part, int held, int d0, int row_lo, int quad, float factor_lo,
                                            float factor_hi, int ctid) {
     u8* const region = smem + SM_KV + held * KV_BYTES;
+    const int item_d0 = part * OUT_DIMS;
     if (p.num_splits == 1) {
         stage_rows<false>(o, region, d0 * 2, row_lo, quad, factor_lo, factor_hi);
-        copy_rows_out<false>(p, region, row, head0, split, 0, ctid);
+        copy_rows_out<false>(p, region, row, head0, split, item_d0, ctid);
         return;
     }
+    constexpr int PASS_DIMS = STAGED_ROW / 4, PASSES = OUT_DIMS / PASS_DIMS;
 #pragma unroll 1
-    for (int pass = 0; pass < 2; ++pass) {  // consumer 0's dims, then consumer 1's: one copy of the staging code
-        if (pass > 0) named_barrier(1, 256);  // the first half is read out
-        if (d0 == pass * HALF_DIMS) stage_rows<true>(o, region, 0, row_lo, quad, factor_lo, factor_hi);
-        copy_rows_out<true>(p, region, row, head0, split, pass * HALF_DIMS, ctid);
+    for (int pass = 0; pass < PASSES; ++pass) {  // one copy of the staging code
+        if (pass > 0) named_barrier(1, 256);  // the pass before is read out
+        const int pass_d0 = pass * PASS_DIMS;
+        if (d0 >= pass_d0 && d0 < pass_d0 + PASS_DIMS)
+            stage_rows<true>(o, region, (d0 - pass_d0) * 4, row_lo, quad, factor_lo, factor_hi);
+        copy_rows_out<true>(p, region, row, head0, split, item_d0 + pass_d0, ctid);
     }
 }
 
-// Consumer 0, one item: S, the softmax, P, and O over dims 0..255, then its half of the outputs.
+// Consumer 0, one item: S, the softmax, P, and O over the first half of the item's dims (0..255 of
+// whole rows), then its half of the outputs.
 // The item's tiles (at least one) are the block's tiles tile0 .. tile0 + num_tiles - 1 (their
 // buffers and phases); the last one's buffer is held for the outputs. `processed` counts the
 // block's tiles with a live token (the phases of P); `first`: the block's first item (its Q is
 // not issued yet); `last`: the block has no item after this one, else next_row and next_head0
 // are the next item's (its Q is issued here).
-__device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int tile0,
-                                              int num_tiles, bool first, bool last, i64 next_row, i64 next_head0,
+__device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int part,
+                                              int tile0, int num_tiles, bool first, bool last, i64 next_row, i64 next_head0,
                                               u32& processed, int tid, u32 peer_bars) {
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
     const int row_lo = warp * 16 + g, row_hi = row_lo + 8;  // the thread's rows of every fragment
@@ -749,7 +778,7 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
     const u32 base = shared_address(smem);
     const u64 desc_q = matrix_descriptor(base + SM_Q, Q_GROUP_STRIDE, 128);
     const u64 desc_k0 = matrix_descriptor(base + SM_KV, GROUP_STRIDE, 128);
-    const u64 desc_v0 = matrix_descriptor(base + SM_KV, 128, GROUP_STRIDE);
+    const u64 desc_v0 = matrix_descriptor(base + SM_KV + part * (OUT_DIMS / 8) * GROUP_STRIDE, 128, GROUP_STRIDE);
     constexpr u64 KV_STEP = KV_BYTES >> 4, PV_K_STEP = (16 * 16) >> 4;
 
     float o[4 * O_BLOCKS];
@@ -822,14 +851,14 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
 #pragma unroll
             for (int i = 0; i < 4; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(pc[k][i]) : "r"(pa[k][i]));
 
-        // O[:, 0:256] += P.V, issued before P is handed over: the tensor cores start on it without
+        // O += P.V, issued before P is handed over: the tensor cores start on it without
         // waiting for consumer 1 to be done with the last P, nor for P's stores. The rescale first
         // (rare once the max settles).
         if (__any_sync(NVFP4_FULL_MASK, move_lo || move_hi)) rescale_rows(o, alpha_lo, alpha_hi);
         fence_registers(o);
         wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < PV_STEPS; ++k) wgmma_m64n256_rs<1>(o, pa[k], desc_v0 + b * KV_STEP + k * PV_K_STEP, 1);
+        for (int k = 0; k < PV_STEPS; ++k) wgmma_pv_rs(o, pa[k], desc_v0 + b * KV_STEP + k * PV_K_STEP);
         wgmma_commit();
 
         // P and the rescale factors for consumer 1 (once it is done with the last ones).
@@ -896,7 +925,7 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
         }
     }
     named_barrier(1, 256);  // both consumers' loops are done (the held buffer is free), the factors are in
-    if (quad == 0) {
+    if (quad == 0 && part == 0) {  // both parts of a row have the same (m, l)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const i64 head = head0 + (half ? row_hi : row_lo);
@@ -908,14 +937,14 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
                     half ? make_float2(m_hi, l_hi) : make_float2(m_lo, l_lo);
         }
     }
-    write_rows(p, o, smem, row, head0, split, hold & 1, 0, row_lo, quad, factor_lo, factor_hi, tid);
+    write_rows(p, o, smem, row, head0, split, part, hold & 1, 0, row_lo, quad, factor_lo, factor_hi, tid);
     release_held(bars, peer_bars, hold & 1, lane);
 }
 
-// Consumer 1, one item: O over dims 256..511 with consumer 0's P and rescale factors (the
-// arguments as consume_item0's).
-__device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int tile0,
-                                              int num_tiles, u32& processed, int tid, u32 peer_bars) {
+// Consumer 1, one item: O over the second half of the item's dims (256..511 of whole rows) with
+// consumer 0's P and rescale factors (the arguments as consume_item0's).
+__device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int part,
+                                              int tile0, int num_tiles, u32& processed, int tid, u32 peer_bars) {
     const int hold = tile0 + num_tiles - 1;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
     const int row_lo = warp * 16 + g, row_hi = row_lo + 8;
@@ -925,7 +954,8 @@ __device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row
     const float* const factors = reinterpret_cast<const float*>(smem + SM_FACTOR);
     const u32 base = shared_address(smem);
     const u64 desc_p = matrix_descriptor(base + SM_P, P_GROUP_STRIDE, 128);
-    const u64 desc_v0 = matrix_descriptor(base + SM_KV + HALF_DIMS / 8 * GROUP_STRIDE, 128, GROUP_STRIDE);
+    const u64 desc_v0 =
+        matrix_descriptor(base + SM_KV + (part * OUT_DIMS + HALF_DIMS) / 8 * GROUP_STRIDE, 128, GROUP_STRIDE);
     constexpr u64 KV_STEP = KV_BYTES >> 4, P_K_STEP = (2 * P_GROUP_STRIDE) >> 4, PV_K_STEP = (16 * 16) >> 4;
 
     float o[4 * O_BLOCKS];
@@ -946,7 +976,7 @@ __device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < PV_STEPS; ++k)
-            wgmma_m64n256_ss<1>(o, desc_p + k * P_K_STEP, desc_v0 + b * KV_STEP + k * PV_K_STEP, 1);
+            wgmma_pv_ss(o, desc_p + k * P_K_STEP, desc_v0 + b * KV_STEP + k * PV_K_STEP);
         wgmma_commit();
         wgmma_wait_all();
         fence_registers(o);
@@ -958,27 +988,29 @@ __device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row
     named_barrier(1, 256);  // both consumers' loops are done (the held buffer is free), consumer 0's factors are in
     const bool split_outputs = p.num_splits > 1;  // then no factors were written: raw fp32 rows
     const float factor_lo = split_outputs ? 0.0f : factors[row_lo], factor_hi = split_outputs ? 0.0f : factors[row_hi];
-    write_rows(p, o, smem, row, head0, split, hold & 1, HALF_DIMS, row_lo, quad, factor_lo, factor_hi, tid + 128);
+    write_rows(p, o, smem, row, head0, split, part, hold & 1, HALF_DIMS, row_lo, quad, factor_lo, factor_hi, tid + 128);
     release_held(bars, peer_bars, hold & 1, lane);
 }
 
-// The block's work items: (query row, head tile, split) in the order of a grid of a block each
-// (the head tile fastest), item blockIdx.x, then every gridDim.x-th. The host launches at most as
+// The block's work items: (query row, head tile, split, dim part) in the order of a grid of a block
+// each (the head tile fastest, then the part), item blockIdx.x, then every gridDim.x-th. The host launches at most as
 // many blocks as the GPU holds at once, so a block that finishes an item goes on to the next one
 // with its barriers, buffers and scale table set up and its producer already gathering: the fill
 // and the output phase of a block's items overlap. With a cluster the grid is even, so both blocks
-// of a cluster walk the two head tiles of the same (row, split) items.
+// of a cluster walk the two head tiles of the same (row, split, part) items.
 struct Item {
     i64 row, head0, split;
-    int tile_begin, num_tiles;
+    int part, tile_begin, num_tiles;
 };
 
 __device__ __forceinline__ Item item_at(const Params& p, u32 item, u32 head_tiles, int total_tiles) {
     const u32 num_splits = static_cast<u32>(p.num_splits);
     Item it;
+    const u32 rest = item / head_tiles;  // (row, split, part), the part fastest
     it.head0 = static_cast<i64>(item % head_tiles * HT);
-    it.split = static_cast<i64>(item / head_tiles % num_splits);
-    it.row = static_cast<i64>(item / head_tiles / num_splits);  // batch * q_len + position
+    it.part = static_cast<int>(rest % DIM_PARTS);
+    it.split = static_cast<i64>(rest / DIM_PARTS % num_splits);
+    it.row = static_cast<i64>(rest / DIM_PARTS / num_splits);  // batch * q_len + position
     it.tile_begin = static_cast<int>(it.split * p.tiles_per_split);
     it.num_tiles = max(min(it.tile_begin + static_cast<int>(p.tiles_per_split), total_tiles) - it.tile_begin, 0);
     return it;
@@ -993,10 +1025,10 @@ __device__ __forceinline__ Item item_at(const Params& p, u32 item, u32 head_tile
 extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_decode_sm90(const Params p) {
     extern __shared__ __align__(128) u8 smem[];
     const int tid = threadIdx.x;
-    // Items fit 31 bits: at 2^31 items q alone would pass 2 TB (a row has at least 1 KB), and with
-    // splits the workspace (2 KB an item).
+    // Items fit 31 bits: at 2^31 items q alone would pass 1 TB (a row has at least 1 KB; two dim
+    // parts double the items), and with splits the workspace.
     const u32 head_tiles = static_cast<u32>((p.num_heads + HT - 1) / HT);
-    const u32 items = static_cast<u32>(p.rows) * head_tiles * static_cast<u32>(p.num_splits);
+    const u32 items = static_cast<u32>(p.rows) * head_tiles * DIM_PARTS * static_cast<u32>(p.num_splits);
     // Tile indices fit an int: the host caps a table's width (validation.decode).
     const int total_tiles = static_cast<int>((p.swa.k + p.extra.k + BN - 1) / BN);
 
@@ -1044,7 +1076,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
         for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
             const bool last = item + gridDim.x >= items;
             const Item next = last ? it : item_at(p, item + gridDim.x, head_tiles, total_tiles);
-            consume_item0(p, smem, it.row, it.head0, it.split, tiles_before, it.num_tiles, item == blockIdx.x, last,
+            consume_item0(p, smem, it.row, it.head0, it.split, it.part, tiles_before, it.num_tiles, item == blockIdx.x, last,
                           next.row, next.head0, processed, tid, peer_bars);
             tiles_before = (tiles_before + it.num_tiles) & 3;
             it = next;
@@ -1053,8 +1085,8 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
         regs_decrease<REGS_CONSUMER1>();
         for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
             const Item it = item_at(p, item, head_tiles, total_tiles);
-            consume_item1(p, smem, it.row, it.head0, it.split, tiles_before, it.num_tiles, processed, tid - 128,
-                          peer_bars);
+            consume_item1(p, smem, it.row, it.head0, it.split, it.part, tiles_before, it.num_tiles, processed,
+                          tid - 128, peer_bars);
             tiles_before = (tiles_before + it.num_tiles) & 3;
         }
     }

@@ -26,10 +26,12 @@ def test_specs_and_names():
     combines = (decode.CombineSpec.of(0), decode.CombineSpec.of(decode.COMBINE_PREFETCH))  # plain, prefetching
     assert specs[-2:] == combines and len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 2
     assert [c.defines()["PREFETCH"] for c in combines] == [0, 16] and decode.CombineSpec.of(0) is combines[0]
-    hopper = {decode_sm90.WgmmaAttentionSpec.of(1), decode_sm90.WgmmaAttentionSpec.of(2)}  # alone, and in pairs
-    assert set(decode.specs("sm_90")) == {*specs, *hopper} and len(hopper) == 2  # the Hopper kernels too
+    # Alone and in pairs, each with whole output rows and with half rows.
+    hopper = {decode_sm90.WgmmaAttentionSpec.of(c, parts) for c in (1, 2) for parts in (1, 2)}
+    assert set(decode.specs("sm_90")) == {*specs, *hopper} and len(hopper) == 4  # the Hopper kernels too
     assert {s.template.arch for s in hopper} == {"sm_90a"}
-    assert {s.defines()["CLUSTER"] for s in hopper} == {1, 2}
+    assert {(s.defines()["CLUSTER"], s.defines()["DIM_PARTS"]) for s in hopper} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert decode_sm90.WgmmaAttentionSpec.of(2, 2).describe().endswith("clusters of two head tiles, half rows")
     assert decode_mma.MmaAttentionSpec.of(32) is decode_mma.MmaAttentionSpec.of(32)  # memoized: the plans' keys
     assert decode_mma.MmaAttentionSpec.of(32).describe() == "decode attention (mma.sync), 32 heads a block"
     assert {c.template.function for c in combines} == {"nvfp4_mla_decode_combine"}
@@ -88,6 +90,54 @@ def test_a_block_cap_needs_the_wgmma_kernel(monkeypatch):
         decode.plan(nvfp4_mla.KernelLibrary(decode_blocks=4), 0, 16, 1, 128, 0)  # the rule: mma_sync
     with pytest.raises(ValueError, match="runs the mma_sync backend"):
         decode.plan(nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_blocks=4), 0, 64, 64, 128, 0)
+
+
+def test_a_forced_dim_split_needs_a_backend_that_has_it(monkeypatch):
+    """Only the wgmma kernel splits a row's output dims over two items: asking the mma.sync kernel
+    for it, or for parts no kernel has, must not be ignored silently."""
+    monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[90])
+    with pytest.raises(
+        ValueError, match=r"decode_dim_parts=2 is not a form of the mma_sync backend's kernel \(its forms: \(1,\)\)"
+    ):
+        decode.plan(nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_dim_parts=2), 0, 64, 1, 128, 0)
+    with pytest.raises(ValueError, match="decode_dim_parts=4 is not a form of the wgmma_sm90 backend's kernel"):
+        decode.plan(nvfp4_mla.KernelLibrary(decode_dim_parts=4), 0, 64, 1, 128, 0)
+
+
+@pytest.mark.parametrize(
+    ("parts", "items", "max_blocks", "want"),
+    [
+        ((1, 2), 10, 132, 2),  # batch 1, 64 heads, 10 splits: 20 blocks
+        ((1, 2), 52, 132, 2),  # 104 blocks: within HALF_ROWS_SHARE of the H200's 132
+        ((1, 2), 53, 132, 1),
+        ((1, 2), 65, 132, 1),  # 130 blocks: measured slower than whole rows
+        ((1, 2), 3, 4, 1),  # a capped grid
+        ((1,), 10, 132, 1),  # a backend with whole rows only
+        ((1,), 10, 0, 1),  # a block an item (no cap)
+    ],
+)
+def test_half_rows_where_twice_the_items_fit_at_once(parts, items, max_blocks, want):
+    assert decode.choose_dim_parts(parts, items, max_blocks) == want
+
+
+@pytest.mark.parametrize(
+    ("parts", "blocks", "num_tiles", "want"),
+    [
+        ((1, 2), 2, 10, (10, 1, 2)),  # batch 1, 128 heads, 640 tokens: half rows at the same split
+        ((1, 2), 4, 18, (9, 2, 2)),  # 2 rows, 128 heads, 1,152 tokens: 144 blocks would not fit, 72 do
+        ((1, 2), 8, 10, (5, 2, 2)),  # 4 rows, 128 heads, 640 tokens
+        ((1, 2), 16, 10, (5, 2, 1)),  # 8 rows: splits of two tiles already, too many for half rows
+        ((1, 2), 64, 10, (2, 5, 1)),  # 32 rows: whole rows
+        ((1, 2), 128, 10, (1, 10, 1)),  # 64 rows: no split
+        ((1, 2), 1, 130, (65, 2, 1)),  # batch 1, 64 heads, the long pool: 130 blocks would not fit
+        ((1,), 2, 10, (10, 1, 1)),  # the mma.sync kernel: whole rows, the split as before
+    ],
+)
+def test_the_split_and_the_parts_chosen_together(parts, blocks, num_tiles, want):
+    got = decode.choose_split_and_parts(parts, blocks, num_tiles, 132, 132 if 2 in parts else 0)
+    assert got == want
+    splits, per_split, _ = got
+    assert (splits - 1) * per_split < num_tiles <= splits * per_split  # every tile once
 
 
 def test_the_wgmma_kernel_fits_the_hopper_block():

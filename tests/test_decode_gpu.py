@@ -16,6 +16,7 @@ Hopper wgmma kernel).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -456,8 +457,12 @@ def test_wgmma_clusters_give_the_bits_of_single_blocks(seed, heads):
     q, pools, sinks, want = split_case(seed, heads, 300)
 
     def alone(spec):
-        single = decode_sm90.WgmmaAttentionSpec.of(1)
-        return single if isinstance(spec, decode_sm90.WgmmaAttentionSpec) else spec
+        single = (
+            decode_sm90.WgmmaAttentionSpec.of(1, spec.dim_parts)
+            if isinstance(spec, decode_sm90.WgmmaAttentionSpec)
+            else None
+        )
+        return single or spec
 
     for num_splits in (1, 3, 7):
         paired = nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_splits=num_splits)
@@ -485,18 +490,67 @@ def test_wgmma_blocks_walking_items_give_the_bits_of_a_block_an_item(seed, heads
     want = exact(q, pools, sinks=sinks)
     rows, device = q.shape[0] * q.shape[1], q.get_device()
     for num_splits in (1, 3, 7):
-        wide = nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_splits=num_splits)
+        whole = functools.partial(
+            nvfp4_mla.KernelLibrary, decode_backend="wgmma_sm90", decode_splits=num_splits, decode_dim_parts=1
+        )
+        wide = whole()
         items = decode.plan(wide, device, heads, rows, 128, 300).blocks  # a block an item
         assert items == rows * -(-heads // decode_sm90.HEAD_TILE) * num_splits
         reference = run(q, pools, sinks=sinks, library=wide)
         for cap in (2, 3, 6):
-            narrow = nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_splits=num_splits, decode_blocks=cap)
+            narrow = whole(decode_blocks=cap)
             cluster = decode_sm90.cluster_of(heads)
             assert decode.plan(narrow, device, heads, rows, 128, 300).blocks == min(cap - cap % cluster, items)
             got = run(q, pools, sinks=sinks, library=narrow)
             what = f"heads {heads}, {num_splits} splits, {cap} blocks"
             assert bits_equal(got[0], reference[0]) and bits_equal(got[1], reference[1]), what
         check(got, want, f"blocks walking items, heads {heads}, {num_splits} splits")
+
+
+@pytest.mark.parametrize("heads", [16, 64, 100, 128])
+def test_wgmma_half_rows_give_the_bits_of_whole_rows(seed, heads):
+    """The Hopper kernel with each item's output rows in two halves (a block each: the same S,
+    softmax and (m, l), P.V over its half of the dims) against whole rows: the same arithmetic, so
+    the same bits, over 1 to many splits (both epilogues), blocks walking their items, clusters,
+    heads that leave a head tile partly empty, lengths, invalid slots, sinks and a row with nothing
+    live."""
+    gpu = device_info(torch.cuda.current_device())
+    if not decode.BACKENDS["wgmma_sm90"].supports(gpu.capability):
+        pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
+    q, pools, sinks, _ = split_case(seed, heads, 300)
+    (_, _, swa_lens), (_, extra_slots, _) = pools
+    swa_lens[1, 0] = 0  # row 2: nothing live
+    extra_slots[1, 0] = -1
+    want = exact(q, pools, sinks=sinks)
+    rows, device = q.shape[0] * q.shape[1], q.get_device()
+    for num_splits in (1, 3, 7):
+        forced = functools.partial(nvfp4_mla.KernelLibrary, decode_backend="wgmma_sm90", decode_splits=num_splits)
+        whole = forced(decode_dim_parts=1)
+        reference = run(q, pools, sinks=sinks, library=whole)
+        items = decode.plan(whole, device, heads, rows, 128, 300).blocks * 2
+        for cap in (None, 3):
+            halves = forced(decode_dim_parts=2, decode_blocks=cap)
+            plan = decode.plan(halves, device, heads, rows, 128, 300)
+            assert plan.dim_parts == 2 and plan.blocks == (
+                items if cap is None else 3 - 3 % decode_sm90.cluster_of(heads)
+            )
+            got = run(q, pools, sinks=sinks, library=halves)
+            what = f"heads {heads}, {num_splits} splits, {cap} blocks"
+            assert bits_equal(got[0], reference[0]) and bits_equal(got[1], reference[1]), what
+        check(got, want, f"half rows, heads {heads}, {num_splits} splits")
+
+
+def test_the_plan_takes_half_rows_where_twice_the_items_fit_the_gpu():
+    """Batch 1 (and 2) on the wgmma kernel: half rows; 64 rows: whole rows (they fill the GPU)."""
+    gpu = device_info(torch.cuda.current_device())
+    if not decode.BACKENDS["wgmma_sm90"].supports(gpu.capability):
+        pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
+    library = nvfp4_mla.KernelLibrary()
+    for heads in (64, 128):
+        one = decode.plan(library, gpu.index, heads, 1, 128, 512)
+        assert one.backend == "wgmma_sm90" and one.dim_parts == 2 and one.num_splits > 1
+        assert one.blocks == 2 * -(-heads // decode_sm90.HEAD_TILE) * one.num_splits <= gpu.sms
+        assert decode.plan(library, gpu.index, heads, 64, 128, 512).dim_parts == 1
 
 
 # ---------------------------------------------------------------- execution contract

@@ -2,12 +2,12 @@
 declaration of a backend, and what a backend decides for a call.
 
 An attention kernel (``nvfp4_mla_decode`` in any of its backends' files) takes the ``Params`` of
-:data:`ATTEND_PARAMS` and works on items (query row, head tile, split of the selected tokens), the
-head tile fastest, a block each or (``Attention.max_blocks``) walked by at most that many blocks in
-turn: it writes ``out`` and ``lse`` itself without splits, else unnormalized
-fp32 partial outputs that the op's combine kernel merges in split order. A backend is one module
-that declares :class:`DecodeBackend`; ``ops.decode`` lists the backends and holds the rule that
-picks one.
+:data:`ATTEND_PARAMS` and works on items (query row, head tile, split of the selected tokens, and
+where a backend splits them, a part of the 512 output dims), the head tile fastest, a block each
+or (``Attention.max_blocks``) walked by at most that many blocks in turn: it writes ``out`` and
+``lse`` itself without splits, else unnormalized fp32 partial outputs that the op's combine kernel
+merges in split order. A backend is one module that declares :class:`DecodeBackend`;
+``ops.decode`` lists the backends and holds the rule that picks one.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Attention(NamedTuple):
     # The most blocks of a launch, each walking items in turn (block b: items b, b + grid, ...);
     # 0: a block an item.
     max_blocks: int = 0
+    dim_parts: int = 1  # the parts of a row's output dims, an item each
 
 
 class DecodeBackend(NamedTuple):
@@ -51,8 +52,10 @@ class DecodeBackend(NamedTuple):
     min_capability: int  # the GPUs it runs on: compute capability in [min, max] (90 for sm_90)
     max_capability: int
     specs: Callable[[str], tuple[KernelSpec, ...]]  # every kernel it may launch on a GPU of this arch
-    # (library, device, num_heads) -> its attention kernel for a call (loaded through the library)
-    attention: Callable[[KernelLibrary, Device, int], Attention]
+    # (library, device, num_heads, dim_parts) -> its attention kernel for a call (loaded through
+    # the library), each item's output dims in dim_parts parts (one of the dim_parts below)
+    attention: Callable[[KernelLibrary, Device, int, int], Attention]
+    dim_parts: tuple[int, ...] = (1,)  # the parts it may split a row's output dims into
 
     def supports(self, capability: int) -> bool:
         return self.min_capability <= capability <= self.max_capability

@@ -10,9 +10,10 @@ CUDA tensors go to a backend's kernels, other devices to the reference.
 preference. :func:`select_backend` is the one rule that picks among them.
 
 **Execution.** One launch of the attention kernel (its work items are the query rows, head tiles
-and splits of the selected tokens: a block each, or blocks that walk them in turn), plus one
-launch of the combine kernel (``kernels/nvfp4_mla_decode.cu``,
-shared by every backend) when the tokens are split across blocks. The split is a pure function
+and splits of the selected tokens, on the Hopper kernel at 1-4 query rows also halves of the
+output dims: a block each, or blocks that walk them in turn), plus one launch of the combine
+kernel (``kernels/nvfp4_mla_decode.cu``, shared by every backend) when the tokens are split across
+blocks. The split and the parts are a pure function
 of the shapes and the device (never of the data), and the combine adds the splits in a fixed
 order, so equal inputs give equal bits on every run. A warm call does the checks of
 :mod:`nvfp4_mla.validation`, one plan lookup and its allocations (the outputs and, with splits,
@@ -52,6 +53,9 @@ COMBINE_PREFETCH = 16
 _BLOCK_COST = 1
 _COMBINE_COST = 1
 _LOG2E = 1.0 / math.log(2.0)
+# The share of a launch's blocks that half rows may fill (H200, against whole rows at the same
+# split: 1.06-1.19x up to 80 blocks of 132, 1.03-1.07x at 88-104, 0.94x at 130).
+HALF_ROWS_SHARE = 0.8
 
 # kernels/nvfp4_mla_decode.cu's combine Params (its static_assert checks the size): 5 pointers and 2 int64.
 COMBINE_PARAMS = struct.Struct("<5Q2q")
@@ -129,6 +133,30 @@ def choose_split(blocks: int, num_tiles: int, concurrent_blocks: int) -> tuple[i
     return best[1], best[2]
 
 
+def choose_dim_parts(parts: tuple[int, ...], items: int, max_blocks: int) -> int:
+    """The parts of a row's 512 output dims, an item each, for ``items`` (query row, head tile,
+    split) items: two where the backend has them (``parts``) and twice the items fill at most
+    :data:`HALF_ROWS_SHARE` of its launch's ``max_blocks`` (1-4 query rows: there a block's output
+    rows, not its tiles, take most of its time, and other SMs would idle), else whole rows."""
+    return 2 if 2 in parts and 2 * items <= HALF_ROWS_SHARE * max_blocks else 1
+
+
+def choose_split_and_parts(
+    parts: tuple[int, ...], blocks: int, num_tiles: int, concurrent_blocks: int, max_blocks: int
+) -> tuple[int, int, int]:
+    """``(num_splits, tiles_per_split, dim_parts)``: :func:`choose_split`'s split, in half rows
+    where :func:`choose_dim_parts` takes them. Splits of one tile too many for half rows become
+    splits of two tiles in half rows where those fit (H200, 2-4 query rows: 1.07-1.09x at 128
+    heads, 1.00-1.02x at 64)."""
+    num_splits, tiles_per_split = choose_split(blocks, num_tiles, concurrent_blocks)
+    dim_parts = choose_dim_parts(parts, blocks * num_splits, max_blocks)
+    if tiles_per_split == 1 and dim_parts == 1:
+        wider = -(-num_tiles // 2)
+        if choose_dim_parts(parts, blocks * wider, max_blocks) == 2:
+            return wider, 2, 2
+    return num_splits, tiles_per_split, dim_parts
+
+
 class DecodePlan(NamedTuple):
     """The launches of one call shape on one device."""
 
@@ -139,13 +167,15 @@ class DecodePlan(NamedTuple):
     blocks: int  # of the attention launch
     num_splits: int
     tiles_per_split: int
+    dim_parts: int  # of a row's output dims, an item each
     combine: Launcher | None  # None: no split
 
 
 def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa: int, k_extra: int) -> DecodePlan:
     """The plan of a call on ``device_index`` (compiling or loading its kernels on a miss):
     ``rows`` query rows (batch * q_len) of ``num_heads`` heads over tables of ``k_swa`` and
-    ``k_extra`` entries. ``lib``'s decode fields override the backend, head tile and split."""
+    ``k_extra`` entries. ``lib``'s decode fields override the backend, head tile, split, block
+    count and dim parts."""
     key = ("decode", device_index, num_heads, rows, k_swa, k_extra)
     found = lib.plans.get(key)
     if found is not None:
@@ -167,20 +197,33 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
             f"decode_blocks={lib.decode_blocks} caps the wgmma_sm90 kernel's blocks, which walk their items, but this "
             "call runs the mma_sync backend (a block an item)"
         )
-    attention = backend.attention(lib, gpu, num_heads)
+    if lib.decode_dim_parts is not None and lib.decode_dim_parts not in backend.dim_parts:
+        raise ValueError(
+            f"decode_dim_parts={lib.decode_dim_parts} is not a form of the {backend.name} backend's kernel "
+            f"(its forms: {backend.dim_parts})"
+        )
+    attention = backend.attention(lib, gpu, num_heads, 1)
     blocks = rows * -(-num_heads // attention.head_tile)
     num_tiles = -(-(k_swa + k_extra) // attention.tile_tokens)
+    parts = backend.dim_parts if lib.decode_dim_parts is None else (lib.decode_dim_parts,)
     if lib.decode_splits is None:
-        num_splits, tiles_per_split = choose_split(blocks, num_tiles, attention.launcher.resident_blocks)
+        resident = attention.launcher.resident_blocks
+        num_splits, tiles_per_split, dim_parts = choose_split_and_parts(
+            parts, blocks, num_tiles, resident, attention.max_blocks
+        )
     else:
         tiles_per_split = -(-num_tiles // min(lib.decode_splits, MAX_SPLITS))
         num_splits = -(-num_tiles // tiles_per_split)
+        dim_parts = choose_dim_parts(parts, blocks * num_splits, attention.max_blocks)
+    dim_parts = lib.decode_dim_parts or dim_parts
+    if dim_parts != 1:
+        attention = backend.attention(lib, gpu, num_heads, dim_parts)
     combine = None
     if num_splits > 1:
         combine = lib.launcher(device_index, lib.spec(CombineSpec.of(COMBINE_PREFETCH)))
         if rows * num_heads > combine.resident_blocks:  # more than one wave of its blocks: the plain build
             combine = lib.launcher(device_index, lib.spec(CombineSpec.of(0)))
-    items = blocks * num_splits
+    items = blocks * num_splits * attention.dim_parts
     found = DecodePlan(
         backend.name,
         attention.launcher,
@@ -189,6 +232,7 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
         min(items, attention.max_blocks) if attention.max_blocks else items,
         num_splits,
         tiles_per_split,
+        attention.dim_parts,
         combine,
     )
     return lib.remember(key, found)

@@ -101,9 +101,9 @@ def specs(arch: str) -> tuple[MmaAttentionSpec, ...]:
     return tuple(MmaAttentionSpec.of(t) for t in HEAD_TILES)
 
 
-def attention(lib: KernelLibrary, device: Device, num_heads: int) -> Attention:
+def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int) -> Attention:
     """The attention kernel of a call with ``num_heads`` heads (``lib.decode_head_tile`` overrides
-    the head tile)."""
+    the head tile); ``dim_parts`` is 1, this kernel's one form: its items are whole output rows."""
     head_tile = lib.decode_head_tile or choose_head_tile(num_heads, device.shared_optin)
     spec = lib.spec(MmaAttentionSpec.of(head_tile))
     return Attention(lib.launcher(device.index, spec), spec.shared_bytes, spec.head_tile, BLOCK_N)

@@ -29,6 +29,7 @@ THREADS = 3 * 128  # consumer 0, consumer 1, the producer
 GATHER_UNIT = 32  # tokens the producer copies at once (two units a tile)
 RAW_RECORD_BYTES = abi.RECORD_BYTES + 16  # a copied record in shared memory, padded: conflict-free reads
 MBARRIERS = 16  # three per K/V buffer, two per producer warp (its raw units), two for P
+DIM_PARTS = (1, 2)  # an item's output rows: whole, or in two halves (a block each)
 
 
 def shared_bytes() -> int:
@@ -47,15 +48,17 @@ def shared_bytes() -> int:
 
 class WgmmaAttentionSpec(NamedTuple):
     """A build of the Hopper attention kernel (64 heads a block): alone, or as clusters of the
-    two head tiles of a query row (``cluster`` 2)."""
+    two head tiles of a query row (``cluster`` 2); each item's output rows whole, or one of their
+    two halves (``dim_parts`` 2: twice the items, each block writing half the bytes)."""
 
     head_tile: int = HEAD_TILE
     cluster: int = 1
+    dim_parts: int = 1
 
     @staticmethod
     @functools.cache
-    def of(cluster: int) -> WgmmaAttentionSpec:
-        return WgmmaAttentionSpec(HEAD_TILE, cluster)
+    def of(cluster: int, dim_parts: int = 1) -> WgmmaAttentionSpec:
+        return WgmmaAttentionSpec(HEAD_TILE, cluster, dim_parts)
 
     @property
     def template(self) -> Template:
@@ -64,15 +67,16 @@ class WgmmaAttentionSpec(NamedTuple):
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""
-        return {"BLOCK_N": BLOCK_N, "SMEM_BYTES": shared_bytes(), "CLUSTER": self.cluster}
+        return {"BLOCK_N": BLOCK_N, "SMEM_BYTES": shared_bytes(), "CLUSTER": self.cluster, "DIM_PARTS": self.dim_parts}
 
     def describe(self) -> str:
         pairs = ", clusters of two head tiles" if self.cluster == 2 else ""
-        return f"decode attention (wgmma, sm_90a), {self.head_tile} heads a block{pairs}"
+        halves = ", half rows" if self.dim_parts == 2 else ""
+        return f"decode attention (wgmma, sm_90a), {self.head_tile} heads a block{pairs}{halves}"
 
 
 def specs(arch: str) -> tuple[WgmmaAttentionSpec, ...]:
-    return (WgmmaAttentionSpec.of(1), WgmmaAttentionSpec.of(2))
+    return tuple(WgmmaAttentionSpec.of(cluster, parts) for parts in DIM_PARTS for cluster in (1, 2))
 
 
 def cluster_of(num_heads: int) -> int:
@@ -82,15 +86,17 @@ def cluster_of(num_heads: int) -> int:
     return 2 if -(-num_heads // HEAD_TILE) % 2 == 0 else 1
 
 
-def attention(lib: KernelLibrary, device: Device, num_heads: int) -> Attention:
+def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int) -> Attention:
     """The attention kernel of a call: 64 heads a block, in clusters of two head tiles where
-    :func:`cluster_of` says so. Its blocks are persistent: at most as many as the GPU holds at
-    once (``lib.decode_blocks`` lowers that), a whole number of clusters, each walking its items."""
+    :func:`cluster_of` says so, each item's output rows in ``dim_parts`` parts. Its blocks are
+    persistent: at most as many as the GPU holds at once (``lib.decode_blocks`` lowers that), a
+    whole number of clusters, each walking its items."""
     cluster = cluster_of(num_heads)
-    spec = lib.spec(WgmmaAttentionSpec.of(cluster))
+    spec = lib.spec(WgmmaAttentionSpec.of(cluster, dim_parts))
     launcher = lib.launcher(device.index, spec)
     blocks = launcher.resident_blocks if lib.decode_blocks is None else min(lib.decode_blocks, launcher.resident_blocks)
-    return Attention(launcher, shared_bytes(), spec.head_tile, BLOCK_N, max(blocks - blocks % cluster, cluster))
+    max_blocks = max(blocks - blocks % cluster, cluster)
+    return Attention(launcher, shared_bytes(), spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts)
 
 
-BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention)
+BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, DIM_PARTS)

@@ -51,12 +51,17 @@ class KernelLibrary:
         The most blocks of a decode launch whose blocks walk their work items in turn (the
         ``wgmma_sm90`` kernel's; rounded down to whole clusters); None: as many as the GPU holds
         at once. A call that runs the ``mma_sync`` kernel (a block an item) with it is refused.
+    decode_dim_parts
+        The parts of a row's 512 output dims for the decode, an item (and block) each: 1, or 2
+        (the ``wgmma_sm90`` kernel's half rows); None: the plan's choice. A call whose backend
+        has no such form is refused.
     """
 
     __slots__ = (
         "_cache",
         "decode_backend",
         "decode_blocks",
+        "decode_dim_parts",
         "decode_head_tile",
         "decode_splits",
         "plans",
@@ -74,6 +79,7 @@ class KernelLibrary:
         decode_head_tile: int | None = None,
         decode_splits: int | None = None,
         decode_blocks: int | None = None,
+        decode_dim_parts: int | None = None,
     ):
         self._cache = cache
         self.tune = tune
@@ -82,6 +88,7 @@ class KernelLibrary:
         self.decode_head_tile = decode_head_tile
         self.decode_splits = decode_splits
         self.decode_blocks = decode_blocks
+        self.decode_dim_parts = decode_dim_parts
         # Keyed by (op name, ...): the one lookup a warm call does. Read directly on the hot path.
         self.plans: dict[Hashable, Any] = {}
 
