@@ -3,9 +3,9 @@
 // merges this kernel's partial outputs unchanged); the blocks and their insides differ.
 //
 // Work items (query row, head tile of 64 heads, split, dim part), the head tile fastest, then the
-// part, the split and the row; the grid holds at most as many blocks as the GPU at once, and block b takes items b,
-// b + gridDim.x, ... in turn (item_at). Heads past num_heads are zero rows of Q whose outputs are
-// never written. For an item the block walks its split's tiles of BLOCK_N = 64 selected tokens
+// part, the split and the row; the grid holds at most as many blocks as the GPU at once, and block
+// b takes items b, b + gridDim.x, ... in turn (item_at). Heads past num_heads are zero rows of Q
+// whose outputs are never written. For an item the block walks its split's tiles of BLOCK_N = 64 selected tokens
 // (the sliding-window table's entries, then the extra pool's; tiles_per_split counts these
 // 64-token tiles), 384 threads in three warpgroups, split by setmaxnreg (168 registers a thread
 // at launch; 240 for consumer 0, 160 for consumer 1, 104 for the producer). With CLUSTER 2 (an
@@ -71,12 +71,12 @@
 // With DIM_PARTS 2 an item's output rows are one half of the 512 dims (its part): both parts of a
 // (row, head tile, split) gather the same tiles and compute the same S, softmax and (m, l), and each
 // adds P.V over its 256 dims only (a consumer 128: wgmma m64n128k16), so a block writes half the
-// output bytes. The host takes it where the doubled items still fit the GPU at once (1-2 query
-// rows): there a block's output rows, not its tiles, take most of the time.
+// output bytes. The host takes it where the doubled items fill at most 80% of the GPU's blocks
+// (1-4 query rows): there a block's output rows, not its tiles, take most of its time.
 //
 // -D constants: BLOCK_N (64), SMEM_BYTES (232128, the host's count of the shared layout below,
-// checked: ops/decode_sm90.py counts it too), CLUSTER (1 or 2), DIM_PARTS (1 or 2); THREADS (384) and the record ABI
-// come from jit.py/abi.py. What the attention kernels share (Params, the row finish, the softmax
+// checked: ops/decode_sm90.py counts it too), CLUSTER (1 or 2), DIM_PARTS (1 or 2); THREADS (384)
+// and the record ABI come from jit.py/abi.py. What the attention kernels share (Params, the row finish, the softmax
 // helpers) is in nvfp4_mla_decode.cuh.
 #include "nvfp4_mla_decode.cuh"
 
@@ -993,11 +993,11 @@ __device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row
 }
 
 // The block's work items: (query row, head tile, split, dim part) in the order of a grid of a block
-// each (the head tile fastest, then the part), item blockIdx.x, then every gridDim.x-th. The host launches at most as
-// many blocks as the GPU holds at once, so a block that finishes an item goes on to the next one
-// with its barriers, buffers and scale table set up and its producer already gathering: the fill
-// and the output phase of a block's items overlap. With a cluster the grid is even, so both blocks
-// of a cluster walk the two head tiles of the same (row, split, part) items.
+// each (the head tile fastest, then the part), item blockIdx.x, then every gridDim.x-th. The host
+// launches at most as many blocks as the GPU holds at once, so a block that finishes an item goes
+// on to the next one with its barriers, buffers and scale table set up and its producer already
+// gathering: the fill and the output phase of a block's items overlap. With a cluster the grid is
+// even, so both blocks of a cluster walk the two head tiles of the same (row, split, part) items.
 struct Item {
     i64 row, head0, split;
     int part, tile_begin, num_tiles;
