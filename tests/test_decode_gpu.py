@@ -457,12 +457,9 @@ def test_wgmma_clusters_give_the_bits_of_single_blocks(seed, heads):
     q, pools, sinks, want = split_case(seed, heads, 300)
 
     def alone(spec):
-        single = (
-            decode_sm90.WgmmaAttentionSpec.of(1, spec.dim_parts)
-            if isinstance(spec, decode_sm90.WgmmaAttentionSpec)
-            else None
-        )
-        return single or spec
+        if isinstance(spec, decode_sm90.WgmmaAttentionSpec):
+            return decode_sm90.WgmmaAttentionSpec.of(1, spec.dim_parts)
+        return spec
 
     for num_splits in (1, 3, 7):
         paired = nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_splits=num_splits)
