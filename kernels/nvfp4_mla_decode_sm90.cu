@@ -34,8 +34,9 @@
 //     with wgmma m64n256k16 (P from registers, fp32 accumulation). S of the next tile is issued
 //     right behind this tile's P.V, and the tile's buffer goes back as soon as its P.V is done.
 //     While its P.V runs it stores P (BF16) and each row's rescale factor in shared memory for
-//     consumer 1. It also loads Q: the next item's as soon as its loop over this item's tiles is
-//     done (issue_q).
+//     consumer 1. Its thread 0 also loads Q, with tensor copies (TMA) that no other instruction
+//     waits behind: the next item's as soon as both consumers' loops over this item's tiles are done
+//     (issue_q).
 //   warpgroup 1, consumer 1: O[:, 256:512] += P.V with wgmma m64n256k16, P from shared memory.
 //
 // One shared layout serves as K (Q.K^T's B operand, K-major: dims contiguous) and V (P.V's B
@@ -44,8 +45,10 @@
 // (d / 8) * 1024 + t * 16 + (d % 8) * 2. For K a core matrix is 8 tokens x 8 dims (leading byte
 // offset 1024 between the two along k, stride byte offset 128 between 8-token groups); for V it
 // is 8 tokens (k) x 8 dims (leading byte offset 128 between 8-token groups along k, stride byte
-// offset 1024 between 8-dim groups). Q and the shared copy of P use the same K-major form with
-// heads in place of tokens.
+// offset 1024 between 8-dim groups). The shared copy of P uses the same K-major form with heads
+// in place of tokens. Q lies as the tensor copies write it, in the 128-byte swizzle layout: slab
+// d / 64 (8 KB) holds 64 dims of every head, head h's 128 bytes at h * 128 with 16-byte chunk c
+// at (c ^ h % 8) * 16.
 //
 // Synchronization: mbarriers full[2] / empty[2] (the K/V buffers: the producer's 128 threads
 // arrive after fence.proxy.async, with a cluster thread 0 also expecting the peer's st.async
@@ -54,7 +57,9 @@
 // copies land), p_full / p_empty (the shared P and rescale factors: every thread of the writing
 // or reading consumer arrives), held[2] (a K/V buffer that held an item's staged outputs: every
 // consumer thread arrives once they are out, and the producer waits before it stores there
-// again), named barrier 1 (the two consumers: Q loaded, final factors, staged outputs), and with
+// again), q (an item's Q: consumer 0's thread 0 expects its bytes, the tensor copies complete
+// them), named barrier 1 (the two consumers: Q loaded, loops done (so Q's buffer may take the next
+// Q), final factors, staged outputs), and with
 // a cluster a cluster barrier at the start (the peer's barriers are initialized) and at the end
 // (the peer no longer stores into or arrives on this block). Every phase runs on across the
 // block's items: a buffer's phase is the block's count of tiles (raw units) before it, and P's its
@@ -74,7 +79,7 @@
 // output bytes. The host takes it where the doubled items fill at most 80% of the GPU's blocks
 // (1-4 query rows): there a block's output rows, not its tiles, take most of its time.
 //
-// -D constants: BLOCK_N (64), SMEM_BYTES (232128, the host's count of the shared layout below,
+// -D constants: BLOCK_N (64), SMEM_BYTES (232136, the host's count of the shared layout below,
 // checked: ops/decode_sm90.py counts it too), CLUSTER (1 or 2), DIM_PARTS (1 or 2); THREADS (384)
 // and the record ABI come from jit.py/abi.py. What the attention kernels share (Params, the row finish, the softmax
 // helpers) is in nvfp4_mla_decode.cuh.
@@ -90,7 +95,7 @@ constexpr int NOPE_CHUNKS = NOPE_DIM / 8;        // 16-byte chunks (8 BF16) of a
 constexpr int CHUNKS = HEAD_DIM / 8;             // 64
 constexpr int GROUP_STRIDE = BN * 16;            // K/V: bytes between 8-dim groups (1024)
 constexpr int KV_BYTES = BN * HEAD_DIM * 2;      // a K/V tile buffer
-constexpr int Q_GROUP_STRIDE = HT * 16;          // Q: bytes between 8-dim groups
+constexpr int Q_SLAB = HT * 128;                 // Q: bytes of 64 dims of the 64 heads (128-byte swizzled rows)
 constexpr int P_GROUP_STRIDE = HT * 16;          // P: bytes between 8-token groups
 constexpr int OUT_DIMS = HEAD_DIM / DIM_PARTS;   // output dims of an item: all 512, or one of two parts
 constexpr int HALF_DIMS = OUT_DIMS / 2;          // output dims of a consumer
@@ -114,7 +119,7 @@ static_assert(CHUNKS == 64 && NOPE_CHUNKS == 56 && NOPE_BYTES == 224 && DATA_BYT
 static_assert(REGS_CONSUMER0 + REGS_CONSUMER1 + REGS_PRODUCER <= 3 * REGS_AT_LAUNCH, "the block's registers");
 
 // Shared memory, in bytes.
-constexpr int SM_Q = 0;                                // BF16 Q [64 heads, 512], K-major core matrices
+constexpr int SM_Q = 0;                                // BF16 Q [8 slabs of 64 dims][64 heads][64 dims], 128-byte swizzle
 constexpr int SM_P = SM_Q + HT * HEAD_DIM * 2;         // BF16 P [64 heads, 64 tokens], K-major core matrices
 constexpr int SM_KV = SM_P + HT * BN * 2;              // BF16 K = V [2][64 tokens, 512]
 constexpr int SM_RAW = SM_KV + 2 * KV_BYTES;           // u8 [2][32][RAW_STRIDE]: raw records (data row, scale slot)
@@ -122,17 +127,23 @@ constexpr int SM_SCALES = SM_RAW + 2 * UNIT * RAW_STRIDE;  // u32 [256]: e4m3_bf
 constexpr int SM_ALPHA = SM_SCALES + 256 * 4;          // float [64]: a row's rescale factor this tile
 constexpr int SM_FACTOR = SM_ALPHA + HT * 4;           // float [64]: a row's output factor
 constexpr int SM_TILE_MASK = SM_FACTOR + HT * 4;       // u32 [2][2][4]: a K/V buffer's live tokens (per half, per producer warp)
-constexpr int SM_BARRIERS = SM_TILE_MASK + 64;         // u64 [16]: mbarriers
+constexpr int SM_BARRIERS = SM_TILE_MASK + 64;         // u64 [17]: mbarriers
 // BAR_RAW + 2 w + h: producer warp w's raw unit h (each warp gathers and dequantizes its own 8 tokens).
 // BAR_HELD + b: K/V buffer b held for an item's outputs is free again (every consumer thread of the
-// block arrives once its rows are out).
-constexpr int BAR_FULL = 0, BAR_EMPTY = 2, BAR_RAW = 4, BAR_P_FULL = 12, BAR_P_EMPTY = 13, BAR_HELD = 14,
-              NUM_BARRIERS = 16;
+// block arrives once its rows are out). BAR_Q: an item's Q has landed (its tensor copies' bytes).
+constexpr int BAR_FULL = 0, BAR_EMPTY = 2, BAR_RAW = 4, BAR_P_FULL = 12, BAR_P_EMPTY = 13, BAR_HELD = 14, BAR_Q = 16,
+              NUM_BARRIERS = 17;
 static_assert(SM_BARRIERS + NUM_BARRIERS * 8 == SMEM_BYTES, "shared layout must match the host's count");
 static_assert(SM_RAW % 16 == 0 && RAW_STRIDE % 16 == 0 && SM_BARRIERS % 8 == 0, "aligned regions");
 
-using Params = AttendParams;
-static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's struct format (attention.ATTEND_PARAMS)");
+// The attention Params, then q as a tensor map (the host's cuTensorMapEncodeTiled: BF16 [rows,
+// num_heads, 512] as dims (512, num_heads, rows), boxes of 64 dims x 64 heads x 1 row, 128-byte
+// swizzle, zeros past num_heads), so one thread's tensor copies load an item's Q (no copy
+// instructions of every thread for the consumers' other work to wait behind).
+struct Params : AttendParams {
+    alignas(64) u8 q_map[128];
+};
+static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's struct format (decode_sm90.PARAMS)");
 
 // ---------------------------------------------------------------- PTX wrappers
 
@@ -248,6 +259,23 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
 __device__ __forceinline__ u64 matrix_descriptor(u32 address, u32 leading, u32 stride) {
     return static_cast<u64>((address & 0x3FFFFu) >> 4) | static_cast<u64>(leading >> 4) << 16 |
            static_cast<u64>(stride >> 4) << 32;
+}
+
+// The descriptor of a K-major operand in the 128-byte swizzle layout (what the tensor copies of Q
+// write): rows of 128 bytes (64 dims) whose 16-byte chunks are swizzled by the row's index mod 8,
+// 1024 bytes between 8-row groups (the leading offset is unused: a k-step's 32 bytes lie in one
+// row), layout type 1. The region starts on a 1024-byte boundary (the swizzle's period).
+__device__ __forceinline__ u64 swizzled_descriptor(u32 address) {
+    return matrix_descriptor(address, 16, 1024) | 1ull << 62;
+}
+
+// One thread: a tensor copy of box (x, y, z) of the tensor map `map` (a generic address of the
+// kernel's Params) into this block's shared memory at `dst`, counting its bytes on barrier `bar`.
+__device__ __forceinline__ void tensor_copy3(u32 dst, const void* map, int x, int y, int z, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+        ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
+        : "memory");
 }
 
 // d (64 x 64, fp32) += A (64 x 16, shared, K-major) * B (16 x 64, shared; TRANS_B 0: K-major).
@@ -623,6 +651,7 @@ __device__ __forceinline__ int next_live_tile(u32 bars, u32 peer_bars, const u32
 
 // Issues k-steps K0 .. K1 - 1 (16 dims each) of S = Q.K^T of a tile as one wgmma group (from
 // K0 = 0: S starts at zero). The whole S, or in the loop its first QK_EARLY k-steps and then the rest.
+// Q's k-step k is 32 bytes into the rows of slab k / 4; K's is 2 groups of 8 dims further.
 constexpr int QK_EARLY = 8;
 template <int K0 = 0, int K1 = QK_STEPS>
 __device__ __forceinline__ void issue_scores(float (&s)[4 * S_BLOCKS], u64 desc_q, u64 desc_k) {
@@ -634,32 +663,28 @@ __device__ __forceinline__ void issue_scores(float (&s)[4 * S_BLOCKS], u64 desc_
     fence_registers(s);
     wgmma_fence();
 #pragma unroll
-    for (int k = K0; k < K1; ++k) wgmma_m64n64<0>(s, desc_q + k * QK_K_STEP, desc_k + k * QK_K_STEP, 1);
+    for (int k = K0; k < K1; ++k)
+        wgmma_m64n64<0>(s, desc_q + (((k >> 2) * Q_SLAB + (k & 3) * 32) >> 4), desc_k + k * QK_K_STEP, 1);
     wgmma_commit();
 }
 
-// Consumer 0 (tid 0..127) issues the copies of Q of an item's heads into shared memory: 16-byte
-// chunks (head h, dims 8c..8c+7) at c * 1024 + h * 16; heads past num_heads are zero rows. The
-// next item's Q is issued as soon as consumer 0's loop over this item's tiles is done (so are its
-// S), so it lands under the item's outputs; wait_q waits for it before the item's first S.
-__device__ __forceinline__ void issue_q(const Params& p, u8* smem, i64 row, i64 head0, int tid) {
-    const int warp = tid >> 5, lane = tid & 31;
-#pragma unroll 4
-    for (int i = 0; i < HT * CHUNKS / 128; ++i) {  // 32 warp-steps of 8 heads x 4 chunks
-        const int pair = i * 4 + warp, h = (pair & 7) * 8 + (lane & 7), c = (pair >> 3) * 4 + (lane >> 3);
-        u8* const dst = smem + SM_Q + c * Q_GROUP_STRIDE + h * 16;
-        const i64 head = head0 + h;
-        if (head < p.num_heads)
-            cp_async16(dst, p.q + (row * p.num_heads + head) * HEAD_DIM + c * 8);
-        else
-            *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-    }
+// Consumer 0's thread 0 loads the Q of an item's heads (64 heads from head0 of query row `row`)
+// with 8 tensor copies, a slab of 64 dims each; heads past num_heads come as zero rows (outside
+// the map). The next item's Q is issued as soon as both consumers' loops over this item's tiles are
+// done (so are its S), so it lands under the item's outputs; wait_q waits for it before the item's
+// first S.
+__device__ __forceinline__ void issue_q(const Params& p, u32 smem_q, u32 bar_q, i64 row, i64 head0) {
+    mbar_arrive_expect_bytes(bar_q, HT * HEAD_DIM * 2);
+#pragma unroll
+    for (int slab = 0; slab < HEAD_DIM / 64; ++slab)
+        tensor_copy3(smem_q + slab * Q_SLAB, p.q_map, slab * 64, static_cast<int>(head0), static_cast<int>(row), bar_q);
 }
 
-__device__ __forceinline__ void wait_q() {
-    cp_async_wait_all();
-    fence_proxy_async();    // Q is read by wgmma
-    named_barrier(1, 256);  // every thread's copies (consumer 1 passes it at its item's start too)
+// Consumer 0: the item's Q has landed (phase: the block's count of items before it, mod 2); then
+// both consumers meet (consumer 1 passes the barrier at its item's start too).
+__device__ __forceinline__ void wait_q(u32 bar_q, u32 phase) {
+    mbar_wait(bar_q, phase);
+    named_barrier(1, 256);
 }
 
 // The outputs leave through shared memory: each consumer stages its half of every row (BF16 times
@@ -761,11 +786,11 @@ __device__ __forceinline__ void write_rows(const Params& p, const float (&o)[4 *
 // whole rows), then its half of the outputs.
 // The item's tiles (at least one) are the block's tiles tile0 .. tile0 + num_tiles - 1 (their
 // buffers and phases); the last one's buffer is held for the outputs. `processed` counts the
-// block's tiles with a live token (the phases of P); `first`: the block's first item (its Q is
-// not issued yet); `last`: the block has no item after this one, else next_row and next_head0
-// are the next item's (its Q is issued here).
+// block's tiles with a live token (the phases of P); `ordinal`: the block's items before this one
+// (0: its Q is not issued yet); `last`: the block has no item after this one, else next_row and
+// next_head0 are the next item's (its Q is issued here).
 __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int part,
-                                              int tile0, int num_tiles, bool first, bool last, i64 next_row, i64 next_head0,
+                                              int tile0, int num_tiles, u32 ordinal, bool last, i64 next_row, i64 next_head0,
                                               u32& processed, int tid, u32 peer_bars) {
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
     const int row_lo = warp * 16 + g, row_hi = row_lo + 8;  // the thread's rows of every fragment
@@ -776,7 +801,7 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
     u8* const sp = smem + SM_P;
     const float score_scale = static_cast<float>(p.score_scale);
     const u32 base = shared_address(smem);
-    const u64 desc_q = matrix_descriptor(base + SM_Q, Q_GROUP_STRIDE, 128);
+    const u64 desc_q = swizzled_descriptor(base + SM_Q);
     const u64 desc_k0 = matrix_descriptor(base + SM_KV, GROUP_STRIDE, 128);
     const u64 desc_v0 = matrix_descriptor(base + SM_KV + part * (OUT_DIMS / 8) * GROUP_STRIDE, 128, GROUP_STRIDE);
     constexpr u64 KV_STEP = KV_BYTES >> 4, PV_K_STEP = (16 * 16) >> 4;
@@ -785,8 +810,9 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
 #pragma unroll
     for (int i = 0; i < 4 * O_BLOCKS; ++i) o[i] = 0.0f;
     float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.0f, l_hi = 0.0f;
-    if (first) issue_q(p, smem, row, head0, tid);
-    wait_q();
+    const u32 bar_q = bars + BAR_Q * 8;
+    if (ordinal == 0 && tid == 0) issue_q(p, base + SM_Q, bar_q, row, head0);
+    wait_q(bar_q, ordinal & 1);
 
     // The live tiles in order. A tile's S is issued right behind the previous tile's P.V, so the
     // tensor cores run both (and consumer 1's half of P.V) back to back.
@@ -909,8 +935,6 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
         live = next_live;
     }
 
-    if (!last) issue_q(p, smem, next_row, next_head0, tid);  // Q is free: this item's S are done
-
     // The rows' factors for consumer 1, then this half of the outputs.
     const i64 num_heads = p.num_heads, num_splits = p.num_splits;
     float factor_lo = 0.0f, factor_hi = 0.0f, lse_lo = 0.0f, lse_hi = 0.0f;
@@ -925,6 +949,7 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
         }
     }
     named_barrier(1, 256);  // both consumers' loops are done (the held buffer is free), the factors are in
+    if (!last && tid == 0) issue_q(p, base + SM_Q, bar_q, next_row, next_head0);  // every S is done: Q is free
     if (quad == 0 && part == 0) {  // both parts of a row have the same (m, l)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -1022,8 +1047,8 @@ __device__ __forceinline__ Item item_at(const Params& p, u32 item, u32 head_tile
 #define CLUSTER_DIMS
 #endif
 
-extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_decode_sm90(const Params p) {
-    extern __shared__ __align__(128) u8 smem[];
+extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_decode_sm90(const __grid_constant__ Params p) {
+    extern __shared__ __align__(1024) u8 smem[];  // Q's swizzle: 1024-byte periods
     const int tid = threadIdx.x;
     // Items fit 31 bits: at 2^31 items q alone would pass 1 TB (a row has at least 1 KB; two dim
     // parts double the items), and with splits the workspace.
@@ -1045,6 +1070,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
         mbar_init(bars + BAR_P_EMPTY * 8, 128);
         mbar_init(bars + (BAR_HELD + 0) * 8, 256);
         mbar_init(bars + (BAR_HELD + 1) * 8, 256);
+        mbar_init(bars + BAR_Q * 8, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     const u32 rank = CLUSTER == 2 ? cluster_rank() : 0u;  // the head tile's parity
@@ -1073,10 +1099,11 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
     } else if (warpgroup == 0) {
         regs_increase<REGS_CONSUMER0>();
         Item it = item_at(p, blockIdx.x, head_tiles, total_tiles);
-        for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
+        u32 ordinal = 0;
+        for (u32 item = blockIdx.x; item < items; item += gridDim.x, ++ordinal) {
             const bool last = item + gridDim.x >= items;
             const Item next = last ? it : item_at(p, item + gridDim.x, head_tiles, total_tiles);
-            consume_item0(p, smem, it.row, it.head0, it.split, it.part, tiles_before, it.num_tiles, item == blockIdx.x, last,
+            consume_item0(p, smem, it.row, it.head0, it.split, it.part, tiles_before, it.num_tiles, ordinal, last,
                           next.row, next.head0, processed, tid, peer_bars);
             tiles_before = (tiles_before + it.num_tiles) & 3;
             it = next;

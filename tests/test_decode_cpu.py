@@ -2,13 +2,15 @@
 shared-memory and split plans, the CPU path (= the reference), validation of ``out``, and the
 custom op's fake implementation and tracing. Its kernels compile in tests/test_ops_compile.py."""
 
+import ctypes
+
 import pytest
 import torch
 
 import nvfp4_mla
 from nvfp4_mla import abi, jit, launch, reference
 from nvfp4_mla.device import Device
-from nvfp4_mla.ops import decode, decode_mma, decode_sm90
+from nvfp4_mla.ops import attention, decode, decode_mma, decode_sm90
 from nvfp4_mla.testing import make_cache
 
 BF16 = torch.bfloat16
@@ -140,8 +142,44 @@ def test_the_split_and_the_parts_chosen_together(parts, blocks, num_tiles, want)
     assert (splits - 1) * per_split < num_tiles <= splits * per_split  # every tile once
 
 
+def test_the_q_tensor_map_is_encoded_once_then_moved(monkeypatch):
+    """The Hopper kernel's map of q: q's [rows, heads, 512] as dims (512, heads, rows), boxes of
+    64 dims x 64 heads x 1 row, 128-byte swizzle, zeros outside; encoded (here by a fake driver
+    that writes the address into the map) for the first address, for another one a copy of that
+    map with the address replaced, kept while q does not move; at the end of the Params, on a
+    64-byte boundary."""
+    calls: list[tuple] = []
+
+    def pattern(address):
+        return address.to_bytes(8, "little") * 16
+
+    def encode(at, dtype, rank, address, dims, strides, box, steps, interleave, swizzle, promotion, fill):
+        calls.append(("encode", address, dims[:rank], strides[: rank - 1], box[:rank], steps[:rank], swizzle, fill))
+        ctypes.memmove(at, pattern(address), launch.TENSOR_MAP_BYTES)
+        return 0
+
+    def replace(at, address):
+        calls.append(("replace", address, ctypes.string_at(at, launch.TENSOR_MAP_BYTES)))  # what it was given
+        ctypes.memmove(at, pattern(address), launch.TENSOR_MAP_BYTES)
+        return 0 if address else 1  # the driver refuses address 0 here
+
+    monkeypatch.setattr(launch, "_tensor_map_calls", lambda: (encode, replace))
+    q_map = decode_sm90.q_tensor_map(100, 7)
+    first, moved = 0x7F0000000010, 0x7F0000100000
+    mapped = q_map(first)
+    assert mapped == pattern(first) and q_map(first) is mapped
+    assert q_map(moved) == pattern(moved) and q_map(first) == mapped
+    shape = ([512, 100, 7], [1024, 100 * 1024], [64, 64, 1], [1, 1, 1], 3, 0)
+    assert calls == [("encode", first, *shape), ("replace", moved, mapped), ("replace", first, mapped)]
+    with pytest.raises(RuntimeError, match="cuTensorMapReplaceAddress failed"):
+        q_map(0)
+    params = decode_sm90.PARAMS
+    assert params.size == 256 + launch.TENSOR_MAP_BYTES and params.format.startswith(attention.ATTEND_PARAMS.format)
+    assert decode_sm90.WgmmaAttentionSpec.of(1).template.params is params and params.size <= launch.PARAMS_CAPACITY
+
+
 def test_the_wgmma_kernel_fits_the_hopper_block():
-    assert decode_sm90.shared_bytes() == 232_128 <= FAKE_GPUS[90].shared_optin
+    assert decode_sm90.shared_bytes() == 232_136 <= FAKE_GPUS[90].shared_optin
     assert decode_sm90.WgmmaAttentionSpec.of(2).template.threads == 384
 
 

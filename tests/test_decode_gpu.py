@@ -568,6 +568,26 @@ def test_out_argument(backend, seed):
         run(q, pools, out=out.float(), library=backend)
 
 
+@pytest.mark.parametrize("heads", [64, 100, 128])
+def test_q_at_a_new_address_each_call(backend, seed, heads):
+    """One call shape (one plan) on q at a new address each call, once 16 bytes into a larger
+    buffer: each call reads its own q (the Hopper kernel loads q through a tensor map of q's
+    address, which the plan encodes again when q moves), and the first q again gives the first
+    call's bits."""
+    g = torch.Generator().manual_seed(seed)
+    pool = Pool(16, 64, g)
+    pools = [(pool, pool.slots((3, 1, 200), g, invalid=0.1), None)]
+    first = queries(3, 1, heads, g)
+    buffer = torch.empty(first.numel() + 8, dtype=BF16, device=DEVICE)
+    moved = buffer[8:].view(first.shape)  # 16 bytes in: aligned for the loads, at no round address
+    moved.copy_(queries(3, 1, heads, g))
+    want = run(first, pools, library=backend)
+    check(want, exact(first, pools), f"heads {heads}, first q")
+    check(run(moved, pools, library=backend), exact(moved, pools), f"heads {heads}, moved q")
+    again = run(first, pools, library=backend)
+    assert bits_equal(again[0], want[0]) and bits_equal(again[1], want[1])
+
+
 @pytest.mark.parametrize("heads", [16, 100])
 def test_out_inside_a_larger_buffer_is_all_that_is_written(seed, heads):
     """``out`` a slice of a canary-filled buffer, on every backend of this GPU, without and with

@@ -27,6 +27,7 @@ the host's speed drifts within a run.
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ def calls(device: torch.device) -> list[tuple[str, Callable[[], object], float |
     kv_args = (kv, kv_cache, slots, positions, cos_sin)
     decode_q = random_rows((1, 1, DECODE_HEADS, 512), device)
     decode_slots = torch.randint(0, 64 * 256, (1, 1, DECODE_K), dtype=torch.int32, device=device)
+    moving_q = itertools.cycle([decode_q, decode_q.clone()])  # q at another address each call
 
     main = nvfp4_mla.cake_dsv4_nvfp4_rope_quantize_insert
     main(*main_args, q_head_padded=16)  # loads the kernel: the plan below is the warm call's
@@ -106,6 +108,11 @@ def calls(device: torch.device) -> list[tuple[str, Callable[[], object], float |
         (
             f"sparse_mla_decode, 1 row, {DECODE_HEADS} heads, k={DECODE_K}",
             lambda: nvfp4_mla.sparse_mla_decode(decode_q, cache, decode_slots, sm_scale=0.04),
+            None,
+        ),
+        (
+            f"sparse_mla_decode, 1 row, {DECODE_HEADS} heads, k={DECODE_K}, q at another address each call",
+            lambda: nvfp4_mla.sparse_mla_decode(next(moving_q), cache, decode_slots, sm_scale=0.04),
             None,
         ),
         (

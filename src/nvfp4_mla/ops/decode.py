@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -169,6 +170,7 @@ class DecodePlan(NamedTuple):
     tiles_per_split: int
     dim_parts: int  # of a row's output dims, an item each
     combine: Launcher | None  # None: no split
+    q_map: Callable[[int], bytes] | None  # q's address -> the tensor map that ends the attention Params
 
 
 def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa: int, k_extra: int) -> DecodePlan:
@@ -234,6 +236,7 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
         tiles_per_split,
         attention.dim_parts,
         combine,
+        None if attention.q_map is None else attention.q_map(num_heads, rows),
     )
     return lib.remember(key, found)
 
@@ -290,7 +293,7 @@ def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool)
     """The launches of ``plan`` on checked arguments; each pool is ``(cache, slots, lens,
     layout)``, all None for a missing extra pool. With splits, the fp32 workspace comes from
     torch's caching allocator on the current stream."""
-    num_heads, device = q.shape[2], q.get_device()
+    num_heads, device, q_ptr = q.shape[2], q.get_device(), q.data_ptr()
     rows = q.shape[0] * q.shape[1]  # batch * q_len
     stream = current_raw_stream(device)
     sinks_ptr = 0 if sinks is None else sinks.data_ptr()
@@ -306,7 +309,7 @@ def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool)
         1,
         plan.shared_bytes,
         stream,
-        q.data_ptr(),
+        q_ptr,
         out.data_ptr(),
         lse.data_ptr(),
         partial_o,
@@ -319,6 +322,7 @@ def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool)
         plan.num_splits,
         plan.tiles_per_split,
         float(sm_scale) * _LOG2E,  # type: ignore[arg-type]  # Params' double: struct packs it with "d"
+        *(() if plan.q_map is None else (plan.q_map(q_ptr),)),
     )
     if plan.combine is not None:
         plan.combine.launch(

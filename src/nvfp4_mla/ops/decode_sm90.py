@@ -12,11 +12,13 @@ comment describes the block's work.
 from __future__ import annotations
 
 import functools
+import struct
 from typing import TYPE_CHECKING, NamedTuple
 
 from .. import abi
 from ..device import Device
 from ..jit import NUMERICS_HEADER, Template
+from ..launch import TENSOR_MAP_BYTES, Bf16TensorMap
 from .attention import ATTEND_PARAMS, DECODE_HEADER, Attention, DecodeBackend
 
 if TYPE_CHECKING:
@@ -28,7 +30,10 @@ BLOCK_N = 64  # selected tokens a tile
 THREADS = 3 * 128  # consumer 0, consumer 1, the producer
 GATHER_UNIT = 32  # tokens the producer copies at once (two units a tile)
 RAW_RECORD_BYTES = abi.RECORD_BYTES + 16  # a copied record in shared memory, padded: conflict-free reads
-MBARRIERS = 16  # three per K/V buffer, two per producer warp (its raw units), two for P
+MBARRIERS = 17  # three per K/V buffer, two per producer warp (its raw units), two for P, one for Q
+Q_SLAB_DIMS = 64  # dims of q a tensor copy loads (128-byte rows, the swizzle's width)
+# The attention Params, then (at the next 64 bytes) the tensor map of q.
+PARAMS = struct.Struct(f"{ATTEND_PARAMS.format}{-ATTEND_PARAMS.size % 64}x{TENSOR_MAP_BYTES}s")
 DIM_PARTS = (1, 2)  # an item's output rows: whole, or in two halves (a block each)
 
 
@@ -63,7 +68,7 @@ class WgmmaAttentionSpec(NamedTuple):
     @property
     def template(self) -> Template:
         headers = (NUMERICS_HEADER, DECODE_HEADER)
-        return Template(SOURCE, "nvfp4_mla_decode_sm90", ATTEND_PARAMS, THREADS, shared_bytes(), headers, "sm_90a")
+        return Template(SOURCE, "nvfp4_mla_decode_sm90", PARAMS, THREADS, shared_bytes(), headers, "sm_90a")
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""
@@ -86,6 +91,15 @@ def cluster_of(num_heads: int) -> int:
     return 2 if -(-num_heads // HEAD_TILE) % 2 == 0 else 1
 
 
+def q_tensor_map(num_heads: int, rows: int) -> Bf16TensorMap:
+    """The map of q (BF16 [rows, num_heads, 512], contiguous) that the kernel loads an item's Q
+    through: dims (512, num_heads, rows), boxes of 64 dims x 64 heads x 1 row (heads past
+    num_heads load as zeros)."""
+    row_bytes = abi.HEAD_DIM * 2
+    dims, strides = (abi.HEAD_DIM, num_heads, rows), (row_bytes, num_heads * row_bytes)
+    return Bf16TensorMap(dims, strides, (Q_SLAB_DIMS, HEAD_TILE, 1))
+
+
 def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int) -> Attention:
     """The attention kernel of a call: 64 heads a block, in clusters of two head tiles where
     :func:`cluster_of` says so, each item's output rows in ``dim_parts`` parts. Its blocks are
@@ -96,7 +110,7 @@ def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int
     launcher = lib.launcher(device.index, spec)
     blocks = launcher.resident_blocks if lib.decode_blocks is None else min(lib.decode_blocks, launcher.resident_blocks)
     max_blocks = max(blocks - blocks % cluster, cluster)
-    return Attention(launcher, shared_bytes(), spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts)
+    return Attention(launcher, shared_bytes(), spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts, q_tensor_map)
 
 
 BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, DIM_PARTS)
