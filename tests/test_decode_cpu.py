@@ -10,7 +10,7 @@ import torch
 import nvfp4_mla
 from nvfp4_mla import abi, jit, launch, reference
 from nvfp4_mla.device import Device
-from nvfp4_mla.ops import attention, decode, decode_mma, decode_sm90
+from nvfp4_mla.ops import attention, decode, decode_mma, decode_sm90, decode_split
 from nvfp4_mla.testing import make_cache
 
 BF16 = torch.bfloat16
@@ -119,7 +119,7 @@ def test_a_forced_dim_split_needs_a_backend_that_has_it(monkeypatch):
     ],
 )
 def test_half_rows_where_twice_the_items_fit_at_once(parts, items, max_blocks, want):
-    assert decode.choose_dim_parts(parts, items, max_blocks) == want
+    assert decode_split.choose_dim_parts(parts, items, max_blocks) == want
 
 
 @pytest.mark.parametrize(
@@ -136,7 +136,7 @@ def test_half_rows_where_twice_the_items_fit_at_once(parts, items, max_blocks, w
     ],
 )
 def test_the_split_and_the_parts_chosen_together(parts, blocks, num_tiles, want):
-    got = decode.choose_split_and_parts(parts, blocks, num_tiles, 132, 132 if 2 in parts else 0)
+    got = decode_split.choose_split_and_parts(parts, blocks, num_tiles, 132, 132 if 2 in parts else 0)
     assert got == want
     splits, per_split, _ = got
     assert (splits - 1) * per_split < num_tiles <= splits * per_split  # every tile once
@@ -218,20 +218,20 @@ def test_head_tile_choice(heads, optin, tile):
 @pytest.mark.parametrize("num_tokens", [1, 31, 32, 33, 640, 1152, 2176, 10_000])
 def test_split_covers_every_tile_once(blocks, num_tokens):
     num_tiles = -(-num_tokens // decode_mma.BLOCK_N)
-    splits, per_split = decode.choose_split(blocks, num_tiles, 132)
+    splits, per_split = decode_split.choose_split(blocks, num_tiles, 132)
     assert 1 <= splits <= min(num_tiles, decode.MAX_SPLITS)  # the combine takes at most MAX_SPLITS
     assert (splits - 1) * per_split < num_tiles <= splits * per_split  # no empty split, no tile left over
     if blocks % 132 == 0:
         assert splits == 1  # whole waves already: no combine
-    assert decode.choose_split(blocks, num_tiles, 132) == (splits, per_split)
+    assert decode_split.choose_split(blocks, num_tiles, 132) == (splits, per_split)
 
 
 def test_small_batches_are_split_to_fill_the_gpu():
     # batch 1, 128 heads in 2 tiles of 64, 128 + 512 tokens (20 tiles), 132 SMs of one block each
-    splits, per_split = decode.choose_split(2, 20, 132)
+    splits, per_split = decode_split.choose_split(2, 20, 132)
     assert (splits, per_split) == (20, 1)
     # batch 64, q_len 2, 4 tiles of 32 heads, 2 blocks an SM: 512 blocks already fill it
-    assert decode.choose_split(512, 36, 264) == (1, 36)
+    assert decode_split.choose_split(512, 36, 264) == (1, 36)
 
 
 # ---------------------------------------------------------------- the CPU path and validation
