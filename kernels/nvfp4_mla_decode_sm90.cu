@@ -380,7 +380,8 @@ constexpr SlotWords NO_SLOT = {~0u, ~0u};
 
 __device__ __forceinline__ SlotWords load_slot(const Params& p, i64 row, i64 n, i64 swa_live, i64 extra_live) {
     const bool in_swa = n < p.swa.k;
-    // Fields picked one by one: a reference to a Params member would copy Params to the stack.
+    // Fields picked one by one, as in the mma.sync kernel, whose Params are not __grid_constant__
+    // (there a reference to a Params member copies Params to the stack).
     const i64 j = in_swa ? n : n - p.swa.k;
     const bool int64 = in_swa ? p.swa.slot_int64 : p.extra.slot_int64;
     const u32* const words = reinterpret_cast<const u32*>(static_cast<const u8*>(in_swa ? p.swa.slots : p.extra.slots) +
