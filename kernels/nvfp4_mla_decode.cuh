@@ -96,3 +96,20 @@ __device__ __forceinline__ i64 live_count(const void* lens, i64 lens_int64, i64 
 }
 
 __device__ __forceinline__ u32 shared_address(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+// Programmatic dependent launch (sm_90 on; the host launches these kernels with it there, see
+// launch.Launcher): a kernel's blocks may start while the stream's previous kernel still runs, so
+// each thread waits for that kernel (its completion and its memory) before its first global
+// access, read or write. Both are no-ops in a kernel launched without it, and below sm_90.
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the stream's next kernel launch before this one ends (it waits as above).
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

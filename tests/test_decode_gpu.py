@@ -588,6 +588,61 @@ def test_q_at_a_new_address_each_call(backend, seed, heads):
     assert bits_equal(again[0], want[0]) and bits_equal(again[1], want[1])
 
 
+@pytest.mark.parametrize("how", ["eager", "graph"])  # the sanitizers run without torch's caching allocator: eager only
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("name", list(decode.BACKENDS))
+@pytest.mark.parametrize("heads", [16, 128])
+def test_a_chain_of_calls_each_on_the_last_ones_out(seed, heads, name, num_splits, how):
+    """Calls in one stream, each one's q the previous one's out, no other kernel between them:
+    from sm_90 a kernel may start while the stream's previous kernel still runs (programmatic
+    dependent launch), so it must read q only once the previous call wrote it, and write its split
+    workspace (the previous call's, freed and handed out again) only once the previous combine read
+    it. Each backend, forced, without and with splits, queued behind a sleeping kernel (so that the
+    GPU, not the host, paces the calls) or replayed as one graph: the bits of the same calls with
+    the GPU synchronised between them."""
+    g = torch.Generator().manual_seed(seed)
+    pool = Pool(16, 64, g)
+    slots = pool.slots((1, 2, 640), g, invalid=0.05)
+    first = queries(1, 2, heads, g)
+    gpu = device_info(first.get_device())
+    if not decode.BACKENDS[name].supports(gpu.capability):
+        pytest.skip(f"the {name} backend does not run on {gpu.arch}")
+    library = nvfp4_mla.KernelLibrary(decode_backend=name, decode_splits=num_splits)
+
+    def chain(synchronize):
+        q, calls = first, []
+        for _ in range(8):
+            q, lse = nvfp4_mla.sparse_mla_decode(q, pool.cache, slots, sm_scale=SM_SCALE, library=library)
+            calls.append((q, lse))
+            if synchronize:
+                torch.cuda.synchronize()
+        return calls
+
+    def same(got, want):
+        for step, ((out, lse), (want_out, want_lse)) in enumerate(zip(got, want, strict=True)):
+            assert bits_equal(out, want_out) and bits_equal(lse, want_lse), f"{how}, call {step}"
+
+    plan = decode.plan(library, first.get_device(), heads, 2, 640, 0)
+    launchers = [plan.attend] if plan.combine is None else [plan.attend, plan.combine]
+    assert [x.dependent_launch for x in launchers] == [gpu.capability >= 90] * len(launchers)
+    want = chain(synchronize=True)
+    check(want[0], exact(first, [(pool, slots, None)]), "the first call")
+    if how == "eager":
+        torch.cuda._sleep(10_000_000)  # about 5 ms: the host queues every call meanwhile
+        same(chain(synchronize=False), want)
+        return
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        captured = chain(synchronize=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        same(captured, want)
+
+
 @pytest.mark.parametrize("heads", [16, 100])
 def test_out_inside_a_larger_buffer_is_all_that_is_written(seed, heads):
     """``out`` a slice of a canary-filled buffer, on every backend of this GPU, without and with

@@ -37,6 +37,10 @@ class Template(NamedTuple):
     max_shared_bytes: int = 0  # dynamic shared memory a launch may ask for (above 48 KiB needs opting in)
     headers: tuple[str, ...] = (NUMERICS_HEADER,)  # the files of kernels/ it includes, all in its key
     arch: str | None = None  # the architecture it is built for (e.g. "sm_90a"); None: the GPU's own
+    # It waits for the stream's previous kernel before its first global access (the decode
+    # header's wait_for_prior_grids), so from sm_90 it is launched with programmatic dependent
+    # launch: its start overlaps that kernel's end.
+    dependent_launch: bool = False
 
 
 class KernelSpec(Protocol):

@@ -71,7 +71,8 @@ class CombineSpec(NamedTuple):
     @property
     def template(self) -> Template:
         headers = (NUMERICS_HEADER, DECODE_HEADER)
-        return Template(decode_mma.SOURCE, "nvfp4_mla_decode_combine", COMBINE_PARAMS, COMBINE_THREADS, 0, headers)
+        function = "nvfp4_mla_decode_combine"
+        return Template(decode_mma.SOURCE, function, COMBINE_PARAMS, COMBINE_THREADS, 0, headers, dependent_launch=True)
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""

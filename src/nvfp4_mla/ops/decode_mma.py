@@ -72,7 +72,9 @@ class MmaAttentionSpec(NamedTuple):
     @property
     def template(self) -> Template:
         headers = (NUMERICS_HEADER, DECODE_HEADER)
-        return Template(SOURCE, "nvfp4_mla_decode", ATTEND_PARAMS, self.threads, self.shared_bytes, headers)
+        return Template(
+            SOURCE, "nvfp4_mla_decode", ATTEND_PARAMS, self.threads, self.shared_bytes, headers, dependent_launch=True
+        )
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""

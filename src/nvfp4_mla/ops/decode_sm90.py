@@ -68,7 +68,9 @@ class WgmmaAttentionSpec(NamedTuple):
     @property
     def template(self) -> Template:
         headers = (NUMERICS_HEADER, DECODE_HEADER)
-        return Template(SOURCE, "nvfp4_mla_decode_sm90", PARAMS, THREADS, shared_bytes(), headers, "sm_90a")
+        return Template(
+            SOURCE, "nvfp4_mla_decode_sm90", PARAMS, THREADS, shared_bytes(), headers, "sm_90a", dependent_launch=True
+        )
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""
