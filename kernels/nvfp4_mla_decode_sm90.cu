@@ -8,11 +8,13 @@
 // whose outputs are never written. For an item the block walks its split's tiles of BLOCK_N = 64 selected tokens
 // (the sliding-window table's entries, then the extra pool's; tiles_per_split counts these
 // 64-token tiles), 384 threads in three warpgroups, split by setmaxnreg (168 registers a thread
-// at launch; 240 for consumer 0, 160 for consumer 1, 104 for the producer). With CLUSTER 2 (an
-// even number of head tiles) the two head tiles of a (row, split) run as a cluster of two blocks
-// that share the dequantized tiles: block r of the pair gathers and dequantizes gather unit r of
-// every tile and stores it into both blocks' K/V buffer (the peer's copy with st.async, counted
-// on the peer's full barrier), so each record is read and dequantized once for 128 heads.
+// at launch; 240 for consumer 0, 160 for consumer 1, 104 for the producer). With CLUSTER 2 two
+// neighbouring items that gather the same tiles run as a cluster of two blocks that share the
+// dequantized tiles: the two head tiles of a (row, split) (an even number of head tiles), or with
+// one head tile and DIM_PARTS 2 the two parts of a (row, split). Block r of the pair gathers and
+// dequantizes gather unit r of every tile and stores it into both blocks' K/V buffer (the peer's
+// copy with st.async, counted on the peer's full barrier), so each record is read and dequantized
+// once for both items.
 //
 //   warpgroup 2, the producer: gathers and dequantizes the tiles. A tile is two gather units of
 //     32 tokens (both this block's, or with a cluster the unit of its rank), 4 threads a token,
@@ -77,7 +79,8 @@
 // (row, head tile, split) gather the same tiles and compute the same S, softmax and (m, l), and each
 // adds P.V over its 256 dims only (a consumer 128: wgmma m64n128k16), so a block writes half the
 // output bytes. The host takes it where the doubled items fill at most 80% of the GPU's blocks
-// (1-4 query rows): there a block's output rows, not its tiles, take most of its time.
+// (1-4 query rows): there a block's output rows, not its tiles, take most of its time; and with
+// one head tile, where its cost model prefers the two parts as a cluster to more splits.
 //
 // -D constants: BLOCK_N (64), SMEM_BYTES (232136, the host's count of the shared layout below,
 // checked: ops/decode_sm90.py counts it too), CLUSTER (1 or 2), DIM_PARTS (1 or 2); THREADS (384)
@@ -1075,7 +1078,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
         mbar_init(bars + BAR_Q * 8, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    const u32 rank = CLUSTER == 2 ? cluster_rank() : 0u;  // the head tile's parity
+    const u32 rank = CLUSTER == 2 ? cluster_rank() : 0u;  // the item's parity: its head tile's, or its part's
     const u32 peer_bars = CLUSTER == 2 ? cluster_address(shared_address(smem + SM_BARRIERS), rank ^ 1u) : 0u;
     if constexpr (CLUSTER == 2)
         cluster_sync();

@@ -33,7 +33,7 @@ def test_specs_and_names():
     assert set(decode.specs("sm_90")) == {*specs, *hopper} and len(hopper) == 4  # the Hopper kernels too
     assert {s.template.arch for s in hopper} == {"sm_90a"}
     assert {(s.defines()["CLUSTER"], s.defines()["DIM_PARTS"]) for s in hopper} == {(1, 1), (1, 2), (2, 1), (2, 2)}
-    assert decode_sm90.WgmmaAttentionSpec.of(2, 2).describe().endswith("clusters of two head tiles, half rows")
+    assert decode_sm90.WgmmaAttentionSpec.of(2, 2).describe().endswith("clusters of two blocks, half rows")
     assert decode_mma.MmaAttentionSpec.of(32) is decode_mma.MmaAttentionSpec.of(32)  # memoized: the plans' keys
     assert decode_mma.MmaAttentionSpec.of(32).describe() == "decode attention (mma.sync), 32 heads a block"
     assert {c.template.function for c in combines} == {"nvfp4_mla_decode_combine"}
@@ -53,13 +53,13 @@ FAKE_GPUS = {  # capability -> a Device as the planners see it (SMs, shared-memo
 
 @pytest.mark.parametrize("capability", FAKE_GPUS)
 @pytest.mark.parametrize("heads", [1, 16, 32, 33, 64, 128])
-@pytest.mark.parametrize("rows", [1, 2, 31, 32, 256])
+@pytest.mark.parametrize("rows", [1, 2, 3, 32, 256])
 def test_selection_rule(capability, heads, rows):
-    """By architecture, then shape: the wgmma kernel on sm_90 from 33 heads, or from 32 query rows
+    """By architecture, then shape: the wgmma kernel on sm_90 from 33 heads, or from 2 query rows
     with fewer heads, the mma.sync kernel everywhere else; only backends that support the GPU are
     compiled for it."""
     gpu = FAKE_GPUS[capability]
-    wgmma = capability == 90 and (heads >= 33 or rows >= 32)
+    wgmma = capability == 90 and (heads >= 33 or rows >= 2)
     assert decode.select_backend(gpu, heads, rows).name == ("wgmma_sm90" if wgmma else "mma_sync")
     assert decode.BACKENDS["wgmma_sm90"].supports(gpu.capability) == (capability == 90)
     for spec in decode.specs(gpu.arch):
@@ -123,23 +123,44 @@ def test_half_rows_where_twice_the_items_fit_at_once(parts, items, max_blocks, w
 
 
 @pytest.mark.parametrize(
-    ("parts", "blocks", "num_tiles", "want"),
+    ("parts", "blocks", "num_tiles", "head_rows", "want"),
     [
-        ((1, 2), 2, 10, (10, 1, 2)),  # batch 1, 128 heads, 640 tokens: half rows at the same split
-        ((1, 2), 4, 18, (9, 2, 2)),  # 2 rows, 128 heads, 1,152 tokens: 144 blocks would not fit, 72 do
-        ((1, 2), 8, 10, (5, 2, 2)),  # 4 rows, 128 heads, 640 tokens
-        ((1, 2), 16, 10, (5, 2, 1)),  # 8 rows: splits of two tiles already, too many for half rows
-        ((1, 2), 64, 10, (2, 5, 1)),  # 32 rows: whole rows
-        ((1, 2), 128, 10, (1, 10, 1)),  # 64 rows: no split
-        ((1, 2), 1, 130, (65, 2, 1)),  # batch 1, 64 heads, the long pool: 130 blocks would not fit
-        ((1,), 2, 10, (10, 1, 1)),  # the mma.sync kernel: whole rows, the split as before
+        ((1, 2), 2, 10, 128, (10, 1, 2)),  # batch 1, 128 heads, 640 tokens: half rows at the same split
+        ((1, 2), 4, 18, 256, (9, 2, 2)),  # 2 rows, 128 heads, 1,152 tokens: 144 blocks would not fit, 72 do
+        ((1, 2), 8, 10, 512, (5, 2, 2)),  # 4 rows, 128 heads, 640 tokens
+        ((1, 2), 16, 10, 1024, (5, 2, 1)),  # 8 rows: splits of two tiles already, too many for half rows
+        ((1, 2), 64, 10, 4096, (2, 5, 1)),  # 32 rows: whole rows
+        ((1, 2), 128, 10, 8192, (1, 10, 1)),  # 64 rows: no split
+        ((1, 2), 1, 130, 64, (65, 2, 1)),  # batch 1, 64 heads, the long pool: 130 blocks would not fit
+        ((1, 2), 192, 10, 12288, (1, 10, 1)),  # 96 rows, 128 heads: not 3 waves of 2 splits (50 MB of partials)
+        ((1,), 2, 10, 128, (10, 1, 1)),  # the mma.sync kernel: whole rows, the split as before
     ],
 )
-def test_the_split_and_the_parts_chosen_together(parts, blocks, num_tiles, want):
-    got = decode_split.choose_split_and_parts(parts, blocks, num_tiles, 132, 132 if 2 in parts else 0)
+def test_the_split_and_the_parts_chosen_together(parts, blocks, num_tiles, head_rows, want):
+    got = decode_split.choose_split_and_parts(parts, blocks, num_tiles, 132, 132 if 2 in parts else 0, head_rows)
     assert got == want
     splits, per_split, _ = got
     assert (splits - 1) * per_split < num_tiles <= splits * per_split  # every tile once
+
+
+@pytest.mark.parametrize(
+    ("rows", "heads", "num_tiles", "want"),
+    [
+        (1, 64, 130, (65, 2, 2)),  # the long pool: 130 blocks in pairs, where whole rows take 65
+        (12, 64, 10, (5, 2, 2)),  # not 10 splits of whole rows
+        (32, 64, 10, (2, 5, 2)),  # not 4 splits (3, 3, 3, 1 tiles) of whole rows
+        (64, 64, 10, (1, 10, 2)),  # no split: 128 blocks in pairs, not 2 splits of whole rows
+        (32, 64, 18, (4, 5, 1)),  # 1,152 tokens: whole rows (pairs at 2 splits of 9 tiles: 0.95x)
+        (32, 16, 10, (4, 3, 1)),  # 16 heads: a quarter of the partial bytes, whole rows (pairs 0.97x)
+        (128, 64, 10, (1, 10, 1)),  # 128 rows fill the GPU: whole rows
+    ],
+)
+def test_paired_halves_where_the_cost_model_prefers_them(rows, heads, num_tiles, want):
+    """One head tile (16-64 heads) on the wgmma kernel: a row's two halves as a pair sharing each
+    dequantized tile, where fewer splits (fewer partial rows) pay for doing S twice."""
+    assert decode_split.choose_split_and_parts((1, 2), rows, num_tiles, 132, 132, rows * heads, True) == want
+    if want[2] == 2:  # without pairs, the same call keeps whole rows
+        assert decode_split.choose_split_and_parts((1, 2), rows, num_tiles, 132, 132, rows * heads)[2] == 1
 
 
 def test_the_q_tensor_map_is_encoded_once_then_moved(monkeypatch):
@@ -191,6 +212,13 @@ def test_the_wgmma_kernel_pairs_an_even_number_of_head_tiles(heads, cluster):
     assert decode_sm90.cluster_of(heads) == cluster
 
 
+@pytest.mark.parametrize(("heads", "cluster"), [(1, 2), (16, 2), (64, 2), (65, 2), (128, 2), (129, 1), (192, 1)])
+def test_the_wgmma_kernel_pairs_the_halves_of_a_row_at_one_head_tile(heads, cluster):
+    """In half rows, one head tile pairs the two halves of a row (neighbouring items, the same
+    tiles); an even count still pairs its head tiles, and an odd count above one cannot pair."""
+    assert decode_sm90.cluster_of(heads, 2) == cluster
+
+
 def test_shared_memory_fits_every_gpu_it_is_chosen_for():
     assert decode_mma.shared_bytes(16) <= decode_mma.shared_bytes(32) <= SMALLEST_SHARED_OPTIN  # every sm_80+ GPU
     assert SMALLEST_SHARED_OPTIN < decode_mma.shared_bytes(64) <= SM80_SHARED_OPTIN  # sm_80, sm_90, sm_100
@@ -218,20 +246,20 @@ def test_head_tile_choice(heads, optin, tile):
 @pytest.mark.parametrize("num_tokens", [1, 31, 32, 33, 640, 1152, 2176, 10_000])
 def test_split_covers_every_tile_once(blocks, num_tokens):
     num_tiles = -(-num_tokens // decode_mma.BLOCK_N)
-    splits, per_split = decode_split.choose_split(blocks, num_tiles, 132)
+    splits, per_split = decode_split.choose_split(blocks, num_tiles, 132, 64 * blocks)
     assert 1 <= splits <= min(num_tiles, decode.MAX_SPLITS)  # the combine takes at most MAX_SPLITS
     assert (splits - 1) * per_split < num_tiles <= splits * per_split  # no empty split, no tile left over
     if blocks % 132 == 0:
         assert splits == 1  # whole waves already: no combine
-    assert decode_split.choose_split(blocks, num_tiles, 132) == (splits, per_split)
+    assert decode_split.choose_split(blocks, num_tiles, 132, 64 * blocks) == (splits, per_split)
 
 
 def test_small_batches_are_split_to_fill_the_gpu():
     # batch 1, 128 heads in 2 tiles of 64, 128 + 512 tokens (20 tiles), 132 SMs of one block each
-    splits, per_split = decode_split.choose_split(2, 20, 132)
+    splits, per_split = decode_split.choose_split(2, 20, 132, 128)
     assert (splits, per_split) == (20, 1)
     # batch 64, q_len 2, 4 tiles of 32 heads, 2 blocks an SM: 512 blocks already fill it
-    assert decode_split.choose_split(512, 36, 264) == (1, 36)
+    assert decode_split.choose_split(512, 36, 264, 128 * 128) == (1, 36)
 
 
 # ---------------------------------------------------------------- the CPU path and validation

@@ -445,15 +445,16 @@ def test_both_combine_builds_give_the_same_bits(seed):
     assert one_wave.combine is prefetching and more.combine is not prefetching and more.combine is not None
 
 
-@pytest.mark.parametrize("heads", [65, 128, 256])
-def test_wgmma_clusters_give_the_bits_of_single_blocks(seed, heads):
-    """The Hopper kernel's clusters (two head tiles sharing each dequantized tile, each block
-    dequantizing half of it into both) against the same kernel with every block alone: the same
-    arithmetic, so the same bits, over masks, lengths, sinks, both pools and 1 to many splits."""
+@pytest.mark.parametrize(("heads", "dim_parts"), [(65, 1), (128, 1), (256, 1), (16, 2), (64, 2), (128, 2)])
+def test_wgmma_clusters_give_the_bits_of_single_blocks(seed, heads, dim_parts):
+    """The Hopper kernel's clusters (two items that gather the same tiles: two head tiles, or with
+    one head tile the two halves of a row; each block dequantizes half of every tile into both)
+    against the same kernel with every block alone: the same arithmetic, so the same bits, over
+    masks, lengths, sinks, both pools and 1 to many splits."""
     gpu = device_info(torch.cuda.current_device())
     if not decode.BACKENDS["wgmma_sm90"].supports(gpu.capability):
         pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
-    assert decode_sm90.cluster_of(heads) == 2
+    assert decode_sm90.cluster_of(heads, dim_parts) == 2
     q, pools, sinks, want = split_case(seed, heads, 300)
 
     def alone(spec):
@@ -462,11 +463,13 @@ def test_wgmma_clusters_give_the_bits_of_single_blocks(seed, heads):
         return spec
 
     for num_splits in (1, 3, 7):
-        paired = nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_splits=num_splits)
-        single = nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_splits=num_splits, tune=alone)
+        forced = functools.partial(
+            nvfp4_mla.KernelLibrary, decode_backend="wgmma_sm90", decode_splits=num_splits, decode_dim_parts=dim_parts
+        )
+        paired, single = forced(), forced(tune=alone)
         got, reference = run(q, pools, sinks=sinks, library=paired), run(q, pools, sinks=sinks, library=single)
         assert bits_equal(got[0], reference[0]) and bits_equal(got[1], reference[1]), f"{num_splits} splits"
-        check(got, want, f"clusters, heads {heads}, {num_splits} splits")
+        check(got, want, f"clusters, heads {heads}, {dim_parts} parts, {num_splits} splits")
 
 
 @pytest.mark.parametrize("heads", [16, 64, 100, 128])
@@ -529,7 +532,7 @@ def test_wgmma_half_rows_give_the_bits_of_whole_rows(seed, heads):
             halves = forced(decode_dim_parts=2, decode_blocks=cap)
             plan = decode.plan(halves, device, heads, rows, 128, 300)
             assert plan.dim_parts == 2 and plan.blocks == (
-                items if cap is None else 3 - 3 % decode_sm90.cluster_of(heads)
+                items if cap is None else 3 - 3 % decode_sm90.cluster_of(heads, 2)
             )
             got = run(q, pools, sinks=sinks, library=halves)
             what = f"heads {heads}, {num_splits} splits, {cap} blocks"
@@ -538,7 +541,8 @@ def test_wgmma_half_rows_give_the_bits_of_whole_rows(seed, heads):
 
 
 def test_the_plan_takes_half_rows_where_twice_the_items_fit_the_gpu():
-    """Batch 1 (and 2) on the wgmma kernel: half rows; 64 rows: whole rows (they fill the GPU)."""
+    """Batch 1 on the wgmma kernel: half rows; 64 rows of 128 heads: whole rows (they fill the
+    GPU); 64 rows of 64 heads: a row's halves as a pair sharing each tile, in place of a split."""
     gpu = device_info(torch.cuda.current_device())
     if not decode.BACKENDS["wgmma_sm90"].supports(gpu.capability):
         pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
@@ -547,7 +551,10 @@ def test_the_plan_takes_half_rows_where_twice_the_items_fit_the_gpu():
         one = decode.plan(library, gpu.index, heads, 1, 128, 512)
         assert one.backend == "wgmma_sm90" and one.dim_parts == 2 and one.num_splits > 1
         assert one.blocks == 2 * -(-heads // decode_sm90.HEAD_TILE) * one.num_splits <= gpu.sms
-        assert decode.plan(library, gpu.index, heads, 64, 128, 512).dim_parts == 1
+    assert decode.plan(library, gpu.index, 128, 64, 128, 512).dim_parts == 1
+    if gpu.sms == 132:  # H100 SXM, H200, GH200 (the cost model's choices are tested on the CPU)
+        paired = decode.plan(library, gpu.index, 64, 64, 128, 512)
+        assert (paired.dim_parts, paired.num_splits, paired.blocks) == (2, 1, 128)
 
 
 # ---------------------------------------------------------------- execution contract

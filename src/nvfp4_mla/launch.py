@@ -182,9 +182,10 @@ class Bf16TensorMap:
 
 # cuLaunchKernelEx's CUlaunchConfig (grid, block, shared bytes, stream, its attributes and their
 # count) and the one attribute it points to: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-# (6) set to 1, an id padded to 8 bytes before the value's 64-byte union.
+# (6) set to 1, an id padded to 8 bytes before the value's 64-byte union. The attribute is a
+# constant that the driver only reads: one buffer serves every thread.
 _LAUNCH_CONFIG = struct.Struct("<7I4xQQI4x")
-_DEPENDENT_LAUNCH_ATTRIBUTE = struct.pack("<i4xi60x", 6, 1)
+_DEPENDENT_LAUNCH_ATTRIBUTE = ctypes.create_string_buffer(struct.pack("<i4xi60x", 6, 1), 72)
 
 
 @functools.cache
@@ -204,7 +205,6 @@ class _LaunchStorage(threading.local):
     def __init__(self) -> None:
         buffer = ctypes.create_string_buffer(PARAMS_CAPACITY)
         self._pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
-        self._attribute = ctypes.create_string_buffer(_DEPENDENT_LAUNCH_ATTRIBUTE, len(_DEPENDENT_LAUNCH_ATTRIBUTE))
         config = ctypes.create_string_buffer(_LAUNCH_CONFIG.size)
         # One thread-local read a launch.
         self.launch_state = (
@@ -212,7 +212,7 @@ class _LaunchStorage(threading.local):
             ctypes.addressof(self._pointers),
             config,
             ctypes.addressof(config),
-            ctypes.addressof(self._attribute),
+            ctypes.addressof(_DEPENDENT_LAUNCH_ATTRIBUTE),
         )
 
 

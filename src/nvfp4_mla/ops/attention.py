@@ -43,6 +43,9 @@ class Attention(NamedTuple):
     # 0: a block an item.
     max_blocks: int = 0
     dim_parts: int = 1  # the parts of a row's output dims, an item each
+    # Whether a row's two halves run as a pair of blocks that share each dequantized tile (the
+    # plan weighs half rows by that).
+    halves_pair: bool = False
     # Kernels whose Params end with a tensor map of q: (num_heads, rows) -> that map for q's
     # address (the bytes of the last field).
     q_map: Callable[[int, int], Callable[[int], bytes]] | None = None

@@ -82,14 +82,14 @@ class CombineSpec(NamedTuple):
         return f"decode split combine{', prefetching' if self.prefetch else ''}"
 
 
-# The shape rule's thresholds (H200, `nvfp4-mla bench decode --quick --backends`): on sm_90 the
-# wgmma kernel (64 heads a block, clusters of two head tiles at 65-128 heads) wins from 33 heads,
-# 1.5-2.6x over the mma.sync kernel at 64-128 rows and 0.94-1.19x at 1-2 rows; with 16 heads it
-# wins 1.11-1.16x from 64 rows and loses 2-14% at 1-2 rows, where the mma.sync kernel's 16-head
-# blocks waste no MMA rows (the wgmma kernel pads to 64 heads), so below 33 heads it takes over
-# from 32 rows.
+# The shape rule's thresholds (H200, `nvfp4-mla bench decode --quick --backends` and graph-replayed
+# A/Bs): on sm_90 the wgmma kernel (64 heads a block, in clusters of two blocks that share each
+# dequantized tile) wins from 33 heads, 1.5-2.6x over the mma.sync kernel at 64-128 rows and
+# 1.3-1.5x at 1-2 rows. With 16 heads it pads to 64 heads where the mma.sync kernel's 16-head
+# blocks waste no MMA rows, yet from 2 rows its paired half rows win 1.01-1.27x (2-24 rows, 640
+# and 1,152 tokens); at 1 row they tie (0.98-1.02x), so below 33 heads it takes over from 2 rows.
 WGMMA_MIN_HEADS = 33
-WGMMA_MIN_ROWS = 32  # below WGMMA_MIN_HEADS
+WGMMA_MIN_ROWS = 2  # below WGMMA_MIN_HEADS
 
 
 def select_backend(gpu: Device, num_heads: int, rows: int) -> DecodeBackend:
@@ -165,7 +165,7 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
     if lib.decode_splits is None:
         resident = attention.launcher.resident_blocks
         num_splits, tiles_per_split, dim_parts = choose_split_and_parts(
-            parts, blocks, num_tiles, resident, attention.max_blocks
+            parts, blocks, num_tiles, resident, attention.max_blocks, rows * num_heads, attention.halves_pair
         )
     else:
         tiles_per_split = -(-num_tiles // min(lib.decode_splits, MAX_SPLITS))

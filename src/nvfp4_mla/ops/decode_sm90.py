@@ -3,10 +3,11 @@
 
 64 heads a block (wgmma's M), tiles of 64 selected tokens, three warpgroups: a producer that
 gathers the records and dequantizes them exactly into shared memory, and two consumers that run
-the products and the online softmax. With an even number of head tiles (65-128 heads), the two
-head tiles of a query row run as a cluster of two blocks that share the dequantized tiles: each
-gathers and dequantizes half of every tile into both blocks' shared memory. The kernel's header
-comment describes the block's work.
+the products and the online softmax. Two items that gather the same tiles run as a cluster of two
+blocks that share the dequantized tiles, each gathering and dequantizing half of every tile into
+both blocks' shared memory: the two head tiles of a query row (65-128 heads), or with one head
+tile the two halves of a row's output dims. The kernel's header comment describes the block's
+work.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ def shared_bytes() -> int:
 
 
 class WgmmaAttentionSpec(NamedTuple):
-    """A build of the Hopper attention kernel (64 heads a block): alone, or as clusters of the
-    two head tiles of a query row (``cluster`` 2); each item's output rows whole, or one of their
-    two halves (``dim_parts`` 2: twice the items, each block writing half the bytes)."""
+    """A build of the Hopper attention kernel (64 heads a block): alone, or as clusters of two
+    items that gather the same tiles (``cluster`` 2, see :func:`cluster_of`); each item's output
+    rows whole, or one of their two halves (``dim_parts`` 2: twice the items, each block writing
+    half the bytes)."""
 
     head_tile: int = HEAD_TILE
     cluster: int = 1
@@ -77,7 +79,7 @@ class WgmmaAttentionSpec(NamedTuple):
         return {"BLOCK_N": BLOCK_N, "SMEM_BYTES": shared_bytes(), "CLUSTER": self.cluster, "DIM_PARTS": self.dim_parts}
 
     def describe(self) -> str:
-        pairs = ", clusters of two head tiles" if self.cluster == 2 else ""
+        pairs = ", clusters of two blocks" if self.cluster == 2 else ""
         halves = ", half rows" if self.dim_parts == 2 else ""
         return f"decode attention (wgmma, sm_90a), {self.head_tile} heads a block{pairs}{halves}"
 
@@ -86,11 +88,14 @@ def specs(arch: str) -> tuple[WgmmaAttentionSpec, ...]:
     return tuple(WgmmaAttentionSpec.of(cluster, parts) for parts in DIM_PARTS for cluster in (1, 2))
 
 
-def cluster_of(num_heads: int) -> int:
-    """Blocks of a cluster for ``num_heads`` heads: the head tiles of a row in pairs when their
-    count is even (the grid's head tile is its fastest index, so a pair is two neighbouring
-    blocks), else each block alone. Heads past num_heads are zero rows."""
-    return 2 if -(-num_heads // HEAD_TILE) % 2 == 0 else 1
+def cluster_of(num_heads: int, dim_parts: int = 1) -> int:
+    """Blocks of a cluster for ``num_heads`` heads in ``dim_parts`` parts: two neighbouring items
+    that gather the same tiles, so that each block dequantizes half of every tile. The grid's
+    head tile is its fastest index, then the part: the head tiles of a row in pairs when their
+    count is even, else with one head tile the two halves of a row, else each block alone.
+    Heads past num_heads are zero rows."""
+    head_tiles = -(-num_heads // HEAD_TILE)
+    return 2 if head_tiles % 2 == 0 or (head_tiles == 1 and dim_parts == 2) else 1
 
 
 def q_tensor_map(num_heads: int, rows: int) -> Bf16TensorMap:
@@ -103,16 +108,19 @@ def q_tensor_map(num_heads: int, rows: int) -> Bf16TensorMap:
 
 
 def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int) -> Attention:
-    """The attention kernel of a call: 64 heads a block, in clusters of two head tiles where
+    """The attention kernel of a call: 64 heads a block, in clusters of two blocks where
     :func:`cluster_of` says so, each item's output rows in ``dim_parts`` parts. Its blocks are
     persistent: at most as many as the GPU holds at once (``lib.decode_blocks`` lowers that), a
     whole number of clusters, each walking its items."""
-    cluster = cluster_of(num_heads)
+    cluster = cluster_of(num_heads, dim_parts)
     spec = lib.spec(WgmmaAttentionSpec.of(cluster, dim_parts))
     launcher = lib.launcher(device.index, spec)
     blocks = launcher.resident_blocks if lib.decode_blocks is None else min(lib.decode_blocks, launcher.resident_blocks)
     max_blocks = max(blocks - blocks % cluster, cluster)
-    return Attention(launcher, shared_bytes(), spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts, q_tensor_map)
+    halves_pair = cluster_of(num_heads, 2) == 2 and cluster_of(num_heads) == 1
+    return Attention(
+        launcher, shared_bytes(), spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts, halves_pair, q_tensor_map
+    )
 
 
 BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, DIM_PARTS)

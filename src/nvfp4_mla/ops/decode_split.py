@@ -8,30 +8,48 @@ from __future__ import annotations
 from .. import abi
 
 MAX_SPLITS = abi.HEAD_DIM // 4  # the combine kernel's threads: it takes a split a thread
-# When choosing the split, in tile-times of one block: what a block costs besides its tiles (its
-# query load and its output rows), and what the combine launch costs.
+# The cost model of a plan, in tile-times of one block (a whole row's tile): what a block costs
+# besides its tiles (its query load and its output rows), what the combine launch costs, and what
+# a split's partial row costs (512 fp32 written by the attention and read by the combine; H200,
+# 32 x 1 rows at 64 heads: 4 -> 2 splits in paired halves saved about 2 us of 23, 8.4 MB).
 _BLOCK_COST = 1
 _COMBINE_COST = 1
+_PARTIAL_ROW_COST = 1.6e-4
+# A tile of a row's half when the two halves run as a pair that shares each dequantized tile (see
+# choose_split_and_parts; H200, 64 heads: 2.07 against 3.05 us a tile).
+_PAIRED_HALF_TILE_COST = 0.68
 # The share of a launch's blocks that half rows may fill (H200, against whole rows at the same
 # split: 1.06-1.19x up to 80 blocks of 132, 1.03-1.07x at 88-104, 0.94x at 130).
 HALF_ROWS_SHARE = 0.8
 
 
-def choose_split(blocks: int, num_tiles: int, concurrent_blocks: int) -> tuple[int, int]:
-    """``(num_splits, tiles_per_split)`` for ``blocks`` (query row, head tile) pairs over
-    ``num_tiles`` tiles of selected tokens (both tables' widths) when ``concurrent_blocks`` blocks
-    fit the GPU at once: the split with the fewest tile-times (waves x the tiles of a block, plus a
-    block's fixed cost), plus the combine's, the smaller split on ties. Depends on shapes only, so
-    runs are reproducible."""
-    best = ((num_tiles + _BLOCK_COST) * -(-blocks // concurrent_blocks), 1, num_tiles)
-    for splits in range(2, min(num_tiles, MAX_SPLITS) + 1):
+def _best_split(
+    items: int, num_tiles: int, concurrent_blocks: int, head_rows: int, tile_cost: float = 1
+) -> tuple[float, int, int]:
+    """``(cost, num_splits, tiles_per_split)``: the split of ``items`` blocks' worth of work over
+    ``num_tiles`` tiles with the fewest tile-times (waves x (the tiles of a block at ``tile_cost``
+    each, plus a block's fixed cost), plus the combine's and the partial rows' of ``head_rows``
+    head rows), the smaller split on ties."""
+    best = (0.0, 0, 0)
+    for splits in range(1, min(num_tiles, MAX_SPLITS) + 1):
         per_split = -(-num_tiles // splits)
-        used = -(-num_tiles // per_split)  # splits that get tiles
-        if used != splits:
+        if -(-num_tiles // per_split) != splits:  # some split would get no tile
             continue
-        cost = -(-blocks * splits // concurrent_blocks) * (per_split + _BLOCK_COST) + _COMBINE_COST
-        best = min(best, (cost, splits, per_split))
-    return best[1], best[2]
+        cost = -(-items * splits // concurrent_blocks) * (per_split * tile_cost + _BLOCK_COST)
+        if splits > 1:
+            cost += _COMBINE_COST + _PARTIAL_ROW_COST * head_rows * splits
+        if splits == 1 or cost < best[0]:
+            best = (cost, splits, per_split)
+    return best
+
+
+def choose_split(blocks: int, num_tiles: int, concurrent_blocks: int, head_rows: int) -> tuple[int, int]:
+    """``(num_splits, tiles_per_split)`` for ``blocks`` (query row, head tile) pairs of ``head_rows``
+    head rows in all over ``num_tiles`` tiles of selected tokens (both tables' widths) when
+    ``concurrent_blocks`` blocks fit the GPU at once: the split of the fewest tile-times (see
+    :func:`_best_split`). Depends on shapes only, so runs are reproducible."""
+    _, num_splits, tiles_per_split = _best_split(blocks, num_tiles, concurrent_blocks, head_rows)
+    return num_splits, tiles_per_split
 
 
 def choose_dim_parts(parts: tuple[int, ...], items: int, max_blocks: int) -> int:
@@ -43,16 +61,31 @@ def choose_dim_parts(parts: tuple[int, ...], items: int, max_blocks: int) -> int
 
 
 def choose_split_and_parts(
-    parts: tuple[int, ...], blocks: int, num_tiles: int, concurrent_blocks: int, max_blocks: int
+    parts: tuple[int, ...],
+    blocks: int,
+    num_tiles: int,
+    concurrent_blocks: int,
+    max_blocks: int,
+    head_rows: int,
+    halves_pair: bool = False,
 ) -> tuple[int, int, int]:
     """``(num_splits, tiles_per_split, dim_parts)``: :func:`choose_split`'s split, in half rows
     where :func:`choose_dim_parts` takes them. Splits of one tile too many for half rows become
     splits of two tiles in half rows where those fit (H200, 2-4 query rows: 1.07-1.09x at 128
-    heads, 1.00-1.02x at 64)."""
-    num_splits, tiles_per_split = choose_split(blocks, num_tiles, concurrent_blocks)
+    heads, 1.00-1.02x at 64). Where the kernel runs a row's two halves as a pair that shares each
+    dequantized tile (``halves_pair``), whole rows still give way to the pairs' cheapest split
+    when the cost model says it is cheaper: fewer splits, so fewer partial rows and a combine over
+    fewer (H200, 32 x 1 rows at 64 heads, 640 tokens: 2 splits in pairs against 4 whole, 1.035x)."""
+    whole_cost, num_splits, tiles_per_split = _best_split(blocks, num_tiles, concurrent_blocks, head_rows)
     dim_parts = choose_dim_parts(parts, blocks * num_splits, max_blocks)
     if tiles_per_split == 1 and dim_parts == 1:
         wider = -(-num_tiles // 2)
         if choose_dim_parts(parts, blocks * wider, max_blocks) == 2:
             return wider, 2, 2
+    if halves_pair and 2 in parts and dim_parts == 1:
+        pairs_cost, pair_splits, pair_tiles = _best_split(
+            2 * blocks, num_tiles, concurrent_blocks, head_rows, _PAIRED_HALF_TILE_COST
+        )
+        if pairs_cost < whole_cost:
+            return pair_splits, pair_tiles, 2
     return num_splits, tiles_per_split, dim_parts
