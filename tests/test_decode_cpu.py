@@ -246,20 +246,20 @@ def test_head_tile_choice(heads, optin, tile):
 @pytest.mark.parametrize("num_tokens", [1, 31, 32, 33, 640, 1152, 2176, 10_000])
 def test_split_covers_every_tile_once(blocks, num_tokens):
     num_tiles = -(-num_tokens // decode_mma.BLOCK_N)
-    splits, per_split = decode_split.choose_split(blocks, num_tiles, 132, 64 * blocks)
+    _, splits, per_split = decode_split.cheapest_split(blocks, num_tiles, 132, 64 * blocks)
     assert 1 <= splits <= min(num_tiles, decode.MAX_SPLITS)  # the combine takes at most MAX_SPLITS
     assert (splits - 1) * per_split < num_tiles <= splits * per_split  # no empty split, no tile left over
     if blocks % 132 == 0:
         assert splits == 1  # whole waves already: no combine
-    assert decode_split.choose_split(blocks, num_tiles, 132, 64 * blocks) == (splits, per_split)
+    assert decode_split.cheapest_split(blocks, num_tiles, 132, 64 * blocks)[1:] == (splits, per_split)
 
 
 def test_small_batches_are_split_to_fill_the_gpu():
     # batch 1, 128 heads in 2 tiles of 64, 128 + 512 tokens (20 tiles), 132 SMs of one block each
-    splits, per_split = decode_split.choose_split(2, 20, 132, 128)
+    _, splits, per_split = decode_split.cheapest_split(2, 20, 132, 128)
     assert (splits, per_split) == (20, 1)
     # batch 64, q_len 2, 4 tiles of 32 heads, 2 blocks an SM: 512 blocks already fill it
-    assert decode_split.choose_split(512, 36, 264, 128 * 128) == (1, 36)
+    assert decode_split.cheapest_split(512, 36, 264, 128 * 128)[1:] == (1, 36)
 
 
 # ---------------------------------------------------------------- the CPU path and validation

@@ -85,7 +85,7 @@ class CombineSpec(NamedTuple):
 # The shape rule's thresholds (H200, `nvfp4-mla bench decode --quick --backends` and graph-replayed
 # A/Bs): on sm_90 the wgmma kernel (64 heads a block, in clusters of two blocks that share each
 # dequantized tile) wins from 33 heads, 1.5-2.6x over the mma.sync kernel at 64-128 rows and
-# 1.3-1.5x at 1-2 rows. With 16 heads it pads to 64 heads where the mma.sync kernel's 16-head
+# 1.4-1.6x at 1-2 rows. With 16 heads it pads to 64 heads where the mma.sync kernel's 16-head
 # blocks waste no MMA rows, yet from 2 rows its paired half rows win 1.01-1.27x (2-24 rows, 640
 # and 1,152 tokens); at 1 row they tie (0.98-1.02x), so below 33 heads it takes over from 2 rows.
 WGMMA_MIN_HEADS = 33

@@ -23,13 +23,15 @@ _PAIRED_HALF_TILE_COST = 0.68
 HALF_ROWS_SHARE = 0.8
 
 
-def _best_split(
+def cheapest_split(
     items: int, num_tiles: int, concurrent_blocks: int, head_rows: int, tile_cost: float = 1
 ) -> tuple[float, int, int]:
-    """``(cost, num_splits, tiles_per_split)``: the split of ``items`` blocks' worth of work over
-    ``num_tiles`` tiles with the fewest tile-times (waves x (the tiles of a block at ``tile_cost``
-    each, plus a block's fixed cost), plus the combine's and the partial rows' of ``head_rows``
-    head rows), the smaller split on ties."""
+    """``(cost, num_splits, tiles_per_split)`` for ``items`` blocks' worth of work (query row, head
+    tile and part) of ``head_rows`` head rows in all over ``num_tiles`` tiles of selected tokens
+    (both tables' widths) when ``concurrent_blocks`` blocks fit the GPU at once: the split with the
+    fewest tile-times (waves x (the tiles of a block at ``tile_cost`` each, plus a block's fixed
+    cost), plus the combine's and the partial rows'), the smaller split on ties. Depends on shapes
+    only, so runs are reproducible."""
     best = (0.0, 0, 0)
     for splits in range(1, min(num_tiles, MAX_SPLITS) + 1):
         per_split = -(-num_tiles // splits)
@@ -41,15 +43,6 @@ def _best_split(
         if splits == 1 or cost < best[0]:
             best = (cost, splits, per_split)
     return best
-
-
-def choose_split(blocks: int, num_tiles: int, concurrent_blocks: int, head_rows: int) -> tuple[int, int]:
-    """``(num_splits, tiles_per_split)`` for ``blocks`` (query row, head tile) pairs of ``head_rows``
-    head rows in all over ``num_tiles`` tiles of selected tokens (both tables' widths) when
-    ``concurrent_blocks`` blocks fit the GPU at once: the split of the fewest tile-times (see
-    :func:`_best_split`). Depends on shapes only, so runs are reproducible."""
-    _, num_splits, tiles_per_split = _best_split(blocks, num_tiles, concurrent_blocks, head_rows)
-    return num_splits, tiles_per_split
 
 
 def choose_dim_parts(parts: tuple[int, ...], items: int, max_blocks: int) -> int:
@@ -69,21 +62,21 @@ def choose_split_and_parts(
     head_rows: int,
     halves_pair: bool = False,
 ) -> tuple[int, int, int]:
-    """``(num_splits, tiles_per_split, dim_parts)``: :func:`choose_split`'s split, in half rows
+    """``(num_splits, tiles_per_split, dim_parts)``: :func:`cheapest_split` of whole rows, in half rows
     where :func:`choose_dim_parts` takes them. Splits of one tile too many for half rows become
     splits of two tiles in half rows where those fit (H200, 2-4 query rows: 1.07-1.09x at 128
     heads, 1.00-1.02x at 64). Where the kernel runs a row's two halves as a pair that shares each
     dequantized tile (``halves_pair``), whole rows still give way to the pairs' cheapest split
     when the cost model says it is cheaper: fewer splits, so fewer partial rows and a combine over
     fewer (H200, 32 x 1 rows at 64 heads, 640 tokens: 2 splits in pairs against 4 whole, 1.035x)."""
-    whole_cost, num_splits, tiles_per_split = _best_split(blocks, num_tiles, concurrent_blocks, head_rows)
+    whole_cost, num_splits, tiles_per_split = cheapest_split(blocks, num_tiles, concurrent_blocks, head_rows)
     dim_parts = choose_dim_parts(parts, blocks * num_splits, max_blocks)
     if tiles_per_split == 1 and dim_parts == 1:
         wider = -(-num_tiles // 2)
         if choose_dim_parts(parts, blocks * wider, max_blocks) == 2:
             return wider, 2, 2
     if halves_pair and 2 in parts and dim_parts == 1:
-        pairs_cost, pair_splits, pair_tiles = _best_split(
+        pairs_cost, pair_splits, pair_tiles = cheapest_split(
             2 * blocks, num_tiles, concurrent_blocks, head_rows, _PAIRED_HALF_TILE_COST
         )
         if pairs_cost < whole_cost:
