@@ -115,7 +115,7 @@ constexpr int REGS_AT_LAUNCH = 168;
 constexpr int REGS_CONSUMER0 = 240, REGS_CONSUMER1 = 160, REGS_PRODUCER = 104;
 
 static_assert(THREADS == 384, "three warpgroups: consumer 0, consumer 1, producer");
-static_assert(CLUSTER == 1 || CLUSTER == 2, "a block alone, or the two head tiles of a row");
+static_assert(CLUSTER == 1 || CLUSTER == 2, "a block alone, or two items that gather the same tiles");
 static_assert(DIM_PARTS == 1 || DIM_PARTS == 2, "whole output rows, or halves");
 static_assert(BN == 64 && BN == 2 * UNIT, "a tile is two gather units of 32 tokens");
 static_assert(CHUNKS == 64 && NOPE_CHUNKS == 56 && NOPE_BYTES == 224 && DATA_BYTES == 352,
@@ -1027,7 +1027,8 @@ __device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row
 // launches at most as many blocks as the GPU holds at once, so a block that finishes an item goes
 // on to the next one with its barriers, buffers and scale table set up and its producer already
 // gathering: the fill and the output phase of a block's items overlap. With a cluster the grid is
-// even, so both blocks of a cluster walk the two head tiles of the same (row, split, part) items.
+// even, so both blocks of a cluster walk neighbouring items: the two head tiles of the same (row,
+// split, part), or with one head tile the two parts of the same (row, split).
 struct Item {
     i64 row, head0, split;
     int part, tile_begin, num_tiles;

@@ -10,8 +10,8 @@ CUDA tensors go to a backend's kernels, other devices to the reference.
 preference. :func:`select_backend` is the one rule that picks among them.
 
 **Execution.** One launch of the attention kernel (its work items are the query rows, head tiles
-and splits of the selected tokens, on the Hopper kernel at 1-4 query rows also halves of the
-output dims: a block each, or blocks that walk them in turn), plus one launch of the combine
+and splits of the selected tokens, on the Hopper kernel also halves of the output dims where the
+plan takes them: a block each, or blocks that walk them in turn), plus one launch of the combine
 kernel (``kernels/nvfp4_mla_decode.cu``, shared by every backend) when the tokens are split across
 blocks. The split and the parts (:mod:`.decode_split`) are a pure function of the shapes and the
 device (never of the data), and the combine adds the splits in a fixed order, so equal inputs give
