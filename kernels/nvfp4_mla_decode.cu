@@ -420,10 +420,11 @@ static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's stru
 static_assert(THREADS * 4 == HEAD_DIM && THREADS >= MAX_SPLITS, "one thread per 4 output dims and per split");
 
 // One block per (row, head): O = sum_s 2^(m_s - M) O_s, l = sum_s 2^(m_s - M) l_s, in split order.
-// Every split's (m, l) is loaded at once (a thread each) and its weight shared. A build with
-// PREFETCH > 0 also loads the first PREFETCH splits' partial rows with them, so up to PREFETCH
-// splits the block waits for one round trip of loads, not two; its registers cost blocks an SM,
-// so the host takes it only for a combine that fits the GPU in one wave (decode.plan).
+// Every split's (m, l) is loaded at once (a thread each) and its weight shared, and with them the
+// first PREFETCH splits' partial rows, so up to PREFETCH splits the block waits for one round trip
+// of loads, not two. The host builds PREFETCH 4 (no more registers than 0) and 16, whose registers
+// cost blocks an SM, so it takes that one only for a combine that fits the GPU in one wave
+// (decode.plan).
 extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(const Params p) {
     __shared__ float weights[MAX_SPLITS], sums[MAX_SPLITS], warp_max[THREADS / 32];
     launch_dependents();

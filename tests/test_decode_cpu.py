@@ -25,9 +25,9 @@ SM80_SHARED_OPTIN = 166_912
 def test_specs_and_names():
     specs = decode.specs("sm_80")
     assert {s.head_tile for s in specs if isinstance(s, decode_mma.MmaAttentionSpec)} == set(decode_mma.HEAD_TILES)
-    combines = (decode.CombineSpec.of(0), decode.CombineSpec.of(decode.COMBINE_PREFETCH))  # plain, prefetching
+    combines = (decode.CombineSpec.of(decode.COMBINE_PREFETCH_WAVES), decode.CombineSpec.of(decode.COMBINE_PREFETCH))
     assert specs[-2:] == combines and len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 2
-    assert [c.defines()["PREFETCH"] for c in combines] == [0, 16] and decode.CombineSpec.of(0) is combines[0]
+    assert [c.defines()["PREFETCH"] for c in combines] == [4, 16] and decode.CombineSpec.of(4) is combines[0]
     # Alone and in pairs, each with whole output rows and with half rows.
     hopper = {decode_sm90.WgmmaAttentionSpec.of(c, parts) for c in (1, 2) for parts in (1, 2)}
     assert set(decode.specs("sm_90")) == {*specs, *hopper} and len(hopper) == 4  # the Hopper kernels too

@@ -419,10 +419,10 @@ def test_every_backend_with_every_split(seed, heads):
             check(run(q, pools, sinks=sinks, library=library), want, f"{name}, heads {heads}, {num_splits} splits")
 
 
-def test_both_combine_builds_give_the_same_bits(seed):
-    """The plain and the prefetching combine kernels add the splits in the same order: the same
-    bits, at fewer splits than the prefetch holds, more, and the most; and the plan takes the
-    prefetching one only where its blocks fit the GPU at once."""
+def test_the_combine_builds_give_the_same_bits(seed):
+    """The combine kernel prefetching no split, the shipped 4 and 16 add the splits in the same
+    order: the same bits, at fewer splits than the prefetches hold, more, and the most; and the plan
+    takes the 16-split build only where its blocks fit the GPU at once, else the 4-split one."""
     q, pools, sinks, want = split_case(seed, 64, 8000)  # 128 + 8000 tokens: up to 128 splits
 
     def combine_build(prefetch):
@@ -434,15 +434,17 @@ def test_both_combine_builds_give_the_same_bits(seed):
     for num_splits in (3, decode.COMBINE_PREFETCH + 1, decode.MAX_SPLITS):
         got = [
             run(q, pools, sinks=sinks, library=nvfp4_mla.KernelLibrary(decode_splits=num_splits, tune=combine_build(p)))
-            for p in (0, decode.COMBINE_PREFETCH)
+            for p in (0, decode.COMBINE_PREFETCH_WAVES, decode.COMBINE_PREFETCH)
         ]
-        assert bits_equal(got[0][0], got[1][0]) and bits_equal(got[0][1], got[1][1]), f"{num_splits} splits"
-        check(got[1], want, f"prefetching combine, {num_splits} splits")
+        for other in got[1:]:
+            assert bits_equal(got[0][0], other[0]) and bits_equal(got[0][1], other[1]), f"{num_splits} splits"
+        check(got[2], want, f"prefetching combine, {num_splits} splits")
     library, device = nvfp4_mla.KernelLibrary(decode_splits=2), q.get_device()
     prefetching = library.launcher(device, library.spec(decode.CombineSpec.of(decode.COMBINE_PREFETCH)))
     one_wave = decode.plan(library, device, 64, prefetching.resident_blocks // 64, 128, 512)
     more = decode.plan(library, device, 64, prefetching.resident_blocks // 64 + 1, 128, 512)
-    assert one_wave.combine is prefetching and more.combine is not prefetching and more.combine is not None
+    waves = library.launcher(device, library.spec(decode.CombineSpec.of(decode.COMBINE_PREFETCH_WAVES)))
+    assert one_wave.combine is prefetching and more.combine is waves
 
 
 @pytest.mark.parametrize(("heads", "dim_parts"), [(65, 1), (128, 1), (256, 1), (16, 2), (64, 2), (128, 2)])

@@ -45,11 +45,14 @@ BACKENDS: dict[str, DecodeBackend] = {b.name: b for b in (decode_mma.BACKEND, de
 
 COMBINE_THREADS = MAX_SPLITS  # the combine kernel takes a split a thread
 
-# Splits whose partial rows the prefetching combine build loads with the splits' (m, l): up to
-# this many splits it waits one round trip of loads, not two (H200, batch 1 at 10 splits: 15.8 ->
-# 13.9 us a call), but its registers leave 6 blocks an SM instead of 16, which cost up to 3% where
-# the combine takes more than one wave; plan() takes it only where it fits one.
+# The split combine's two builds load the first splits' partial rows with the splits' (m, l), so
+# that up to that many splits a block waits for one round trip of loads, not two. 16 (H200, batch
+# 1 at 10 splits: 15.8 -> 13.9 us a call) take registers that leave 6 blocks an SM instead of 12,
+# which cost up to 3% where the combine takes more than one wave, so plan() takes that build only
+# where it fits one; elsewhere the build of 4, which needs no more registers than none (H200, 2-4
+# splits over 1,024-4,096 rows x heads: 1.000-1.020x against none, 11 shapes).
 COMBINE_PREFETCH = 16
+COMBINE_PREFETCH_WAVES = 4
 _LOG2E = 1.0 / math.log(2.0)
 
 # kernels/nvfp4_mla_decode.cu's combine Params (its static_assert checks the size): 5 pointers and 2 int64.
@@ -57,8 +60,8 @@ COMBINE_PARAMS = struct.Struct("<5Q2q")
 
 
 class CombineSpec(NamedTuple):
-    """The split combine kernel, shared by every backend: plain, or prefetching the first
-    ``prefetch`` splits' partial rows."""
+    """The split combine kernel, shared by every backend, loading the first ``prefetch`` splits'
+    partial rows with the splits' (m, l)."""
 
     max_splits: int = MAX_SPLITS
     prefetch: int = 0
@@ -79,7 +82,7 @@ class CombineSpec(NamedTuple):
         return {"COMBINE": 1, "MAX_SPLITS": self.max_splits, "PREFETCH": self.prefetch}
 
     def describe(self) -> str:
-        return f"decode split combine{', prefetching' if self.prefetch else ''}"
+        return f"decode split combine, {self.prefetch} splits prefetched"
 
 
 # The shape rule's thresholds (H200, `nvfp4-mla bench decode --quick --backends` and graph-replayed
@@ -109,7 +112,7 @@ def specs(arch: str) -> tuple:
     backend's, and the two combine builds."""
     capability = arch_capability(arch)
     kernels = [s for b in BACKENDS.values() if b.supports(capability) for s in b.specs(arch)]
-    return (*kernels, CombineSpec.of(0), CombineSpec.of(COMBINE_PREFETCH))
+    return (*kernels, CombineSpec.of(COMBINE_PREFETCH_WAVES), CombineSpec.of(COMBINE_PREFETCH))
 
 
 class DecodePlan(NamedTuple):
@@ -177,8 +180,8 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
     combine = None
     if num_splits > 1:
         combine = lib.launcher(device_index, lib.spec(CombineSpec.of(COMBINE_PREFETCH)))
-        if rows * num_heads > combine.resident_blocks:  # more than one wave of its blocks: the plain build
-            combine = lib.launcher(device_index, lib.spec(CombineSpec.of(0)))
+        if rows * num_heads > combine.resident_blocks:  # more than one wave of its blocks
+            combine = lib.launcher(device_index, lib.spec(CombineSpec.of(COMBINE_PREFETCH_WAVES)))
     items = blocks * num_splits * attention.dim_parts
     found = DecodePlan(
         backend.name,
