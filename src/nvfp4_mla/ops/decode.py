@@ -50,7 +50,7 @@ COMBINE_THREADS = MAX_SPLITS  # the combine kernel takes a split a thread
 # 1 at 10 splits: 15.8 -> 13.9 us a call) take registers that leave 6 blocks an SM instead of 12,
 # which cost up to 3% where the combine takes more than one wave, so plan() takes that build only
 # where it fits one; elsewhere the build of 4, which needs no more registers than none (H200, 2-4
-# splits over 1,024-4,096 rows x heads: 1.000-1.020x against none, 11 shapes).
+# splits over 1,024-4,096 rows x heads: 0.999-1.020x against none, 11 shapes).
 COMBINE_PREFETCH = 16
 COMBINE_PREFETCH_WAVES = 4
 _LOG2E = 1.0 / math.log(2.0)
