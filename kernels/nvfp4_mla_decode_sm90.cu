@@ -82,61 +82,92 @@
 // (1-4 query rows): there a block's output rows, not its tiles, take most of its time; and with
 // one head tile, where its cost model prefers the two parts as a cluster to more splits.
 //
-// -D constants: BLOCK_N (64), SMEM_BYTES (232136, the host's count of the shared layout below,
-// checked: ops/decode_sm90.py counts it too), CLUSTER (1 or 2), DIM_PARTS (1 or 2); THREADS (384)
+// NARROW (HEAD_TILE 16, the wgmma_sm90_narrow backend: calls of up to 16 heads from 6 query rows).
+// The 16 heads are wgmma's N instead of 64 rows of its M (48 of them padding): S^T = K.Q^T and
+// O^T = V^T.P^T with wgmma m64n16k16 (K and V^T from the same K/V buffer, V^T through wgmma's
+// transposed A; Q and P as B, K-major). Warpgroup 0 is the one consumer: S^T in 8 registers a
+// thread, O^T (512 dims x 16 heads) in 64, so its 168 registers at launch suffice and the two
+// other warpgroups are producers, each gathering and dequantizing one of every tile's two units
+// (the split a cluster makes across two blocks, made inside one). A head's softmax spans the 64
+// tokens, which are the rows of all four consumer warps: their per-head maxima meet through shared
+// memory every tile (the same base for every thread), and each thread keeps its own rows' share
+// of a head's sum, added over the block at the item's end. The outputs are staged whole (a head's
+// 512 dims: BF16, or fp32 with splits) and leave as the 64-head build's do.
+//
+// -D constants: BLOCK_N (64), HEAD_TILE (64 or 16: NARROW), SMEM_BYTES (232136 at 64 heads,
+// 202632 with NARROW: the host's count of the shared layout below, checked: ops/decode_sm90.py
+// counts it too), CLUSTER (1 or 2), DIM_PARTS (1 or 2; NARROW: 1 and 1); THREADS (384)
 // and the record ABI come from jit.py/abi.py. What the attention kernels share (Params, the row finish, the softmax
 // helpers) is in nvfp4_mla_decode.cuh.
 #include "nvfp4_mla_decode.cuh"
 
-constexpr int HT = 64;                           // heads of a block: the M of every wgmma
-constexpr int UNITS_PER_TILE = 2 / CLUSTER;      // gather units a block's producer handles per tile
+constexpr int HT = HEAD_TILE;                    // heads of a block: the M of every wgmma, or with NARROW its N
+// NARROW (16 heads a block): the heads are wgmma's N, so no MMA row is padding. One consumer
+// warpgroup computes S^T = K.Q^T and O^T = V^T.P^T (m64n16k16: 64 tokens or 64 dims by 16 heads),
+// its O^T in 64 registers a thread; the register file this frees runs a second producer
+// warpgroup, each producer gathering and dequantizing one of a tile's two units.
+constexpr bool NARROW = HT == 16;
+constexpr int PRODUCERS = NARROW ? 2 : 1;        // producer warpgroups
+constexpr int CONSUMERS = NARROW ? 1 : 2;        // consumer warpgroups
+constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+constexpr int SHARERS = CLUSTER * PRODUCERS;     // producer warpgroups that split each tile (of the cluster or the block)
+constexpr int UNITS_PER_TILE = 2 / SHARERS;      // gather units a producer warpgroup handles per tile
 constexpr int BN = BLOCK_N;                      // tokens of a tile
 constexpr int UNIT = 32;                         // tokens of a gather unit: 4 producer threads each
 constexpr int RECORD = DATA_BYTES + SCALE_BYTES; // 384
 constexpr int RAW_STRIDE = RECORD + 16;          // a raw record's bytes in shared memory (padded: conflict-free reads)
+constexpr int RAW_BYTES = 2 * UNIT * RAW_STRIDE; // a producer warpgroup's two raw units
 constexpr int NOPE_CHUNKS = NOPE_DIM / 8;        // 16-byte chunks (8 BF16) of a row's NoPE dims
 constexpr int CHUNKS = HEAD_DIM / 8;             // 64
 constexpr int GROUP_STRIDE = BN * 16;            // K/V: bytes between 8-dim groups (1024)
 constexpr int KV_BYTES = BN * HEAD_DIM * 2;      // a K/V tile buffer
-constexpr int Q_SLAB = HT * 128;                 // Q: bytes of 64 dims of the 64 heads (128-byte swizzled rows)
+constexpr int Q_SLAB = HT * 128;                 // Q: bytes of 64 dims of the HT heads (128-byte swizzled rows)
 constexpr int P_GROUP_STRIDE = HT * 16;          // P: bytes between 8-token groups
 constexpr int OUT_DIMS = HEAD_DIM / DIM_PARTS;   // output dims of an item: all 512, or one of two parts
-constexpr int HALF_DIMS = OUT_DIMS / 2;          // output dims of a consumer
+constexpr int HALF_DIMS = OUT_DIMS / 2;          // output dims of a consumer (not NARROW)
 constexpr int STAGED_ROW = 1024;                 // bytes of an output row staged in a K/V buffer (64 rows)
 constexpr int QK_STEPS = HEAD_DIM / 16;          // k-steps of Q.K^T
 constexpr int PV_STEPS = BN / 16;                // k-steps of P.V
 constexpr int S_BLOCKS = BN / 8;                 // n-blocks of 8 tokens in S
 constexpr int O_BLOCKS = HALF_DIMS / 8;          // n-blocks of 8 dims in a consumer's O
+constexpr int DIM_BLOCKS = HEAD_DIM / 64;        // NARROW: m-blocks of 64 dims in O^T
 constexpr int EARLY_DEPENDENTS_MAX_SPLITS = 32;   // splits up to which the next kernel launches at the start
 // Registers a thread of each warpgroup after setmaxnreg. The block starts with 168 a thread
 // (__launch_bounds__(384, 1): 64 K registers over 384 threads, in steps of 8), and setmaxnreg.inc
-// only takes what the others' setmaxnreg.dec gave back: the three sum to at most 3 x 168.
+// only takes what the others' setmaxnreg.dec gave back: the three sum to at most 3 x 168. NARROW
+// keeps 168 everywhere (its consumer needs no more).
 constexpr int REGS_AT_LAUNCH = 168;
 constexpr int REGS_CONSUMER0 = 240, REGS_CONSUMER1 = 160, REGS_PRODUCER = 104;
 
-static_assert(THREADS == 384, "three warpgroups: consumer 0, consumer 1, producer");
+static_assert(THREADS == 384, "three warpgroups: consumer 0, consumer 1, producer; or NARROW one consumer, two producers");
+static_assert(HT == 64 || HT == 16, "64 heads a block (wgmma's M), or 16 (NARROW: wgmma's N)");
 static_assert(CLUSTER == 1 || CLUSTER == 2, "a block alone, or two items that gather the same tiles");
 static_assert(DIM_PARTS == 1 || DIM_PARTS == 2, "whole output rows, or halves");
+static_assert(!NARROW || (CLUSTER == 1 && DIM_PARTS == 1), "NARROW: a block alone, whole rows");
 static_assert(BN == 64 && BN == 2 * UNIT, "a tile is two gather units of 32 tokens");
 static_assert(CHUNKS == 64 && NOPE_CHUNKS == 56 && NOPE_BYTES == 224 && DATA_BYTES == 352,
               "dequantize: thread chunks 4 i + lane / 8, RoPE from 56, the scale slot's 28 bytes after the data row");
 static_assert(REGS_CONSUMER0 + REGS_CONSUMER1 + REGS_PRODUCER <= 3 * REGS_AT_LAUNCH, "the block's registers");
 
 // Shared memory, in bytes.
-constexpr int SM_Q = 0;                                // BF16 Q [8 slabs of 64 dims][64 heads][64 dims], 128-byte swizzle
-constexpr int SM_P = SM_Q + HT * HEAD_DIM * 2;         // BF16 P [64 heads, 64 tokens], K-major core matrices
+constexpr int SM_Q = 0;                                // BF16 Q [8 slabs of 64 dims][HT heads][64 dims], 128-byte swizzle
+constexpr int SM_P = SM_Q + HT * HEAD_DIM * 2;         // BF16 P [HT heads, 64 tokens], K-major core matrices
 constexpr int SM_KV = SM_P + HT * BN * 2;              // BF16 K = V [2][64 tokens, 512]
-constexpr int SM_RAW = SM_KV + 2 * KV_BYTES;           // u8 [2][32][RAW_STRIDE]: raw records (data row, scale slot)
-constexpr int SM_SCALES = SM_RAW + 2 * UNIT * RAW_STRIDE;  // u32 [256]: e4m3_bf16x2 of every scale byte
-constexpr int SM_ALPHA = SM_SCALES + 256 * 4;          // float [64]: a row's rescale factor this tile
-constexpr int SM_FACTOR = SM_ALPHA + HT * 4;           // float [64]: a row's output factor
-constexpr int SM_TILE_MASK = SM_FACTOR + HT * 4;       // u32 [2][2][4]: a K/V buffer's live tokens (per half, per producer warp)
-constexpr int SM_BARRIERS = SM_TILE_MASK + 64;         // u64 [17]: mbarriers
-// BAR_RAW + 2 w + h: producer warp w's raw unit h (each warp gathers and dequantizes its own 8 tokens).
-// BAR_HELD + b: K/V buffer b held for an item's outputs is free again (every consumer thread of the
-// block arrives once its rows are out). BAR_Q: an item's Q has landed (its tensor copies' bytes).
-constexpr int BAR_FULL = 0, BAR_EMPTY = 2, BAR_RAW = 4, BAR_P_FULL = 12, BAR_P_EMPTY = 13, BAR_HELD = 14, BAR_Q = 16,
-              NUM_BARRIERS = 17;
+constexpr int SM_RAW = SM_KV + 2 * KV_BYTES;           // u8 [PRODUCERS][2][32][RAW_STRIDE]: raw records (data row, scale slot)
+constexpr int SM_SCALES = SM_RAW + PRODUCERS * RAW_BYTES;  // u32 [256]: e4m3_bf16x2 of every scale byte
+constexpr int SM_ALPHA = SM_SCALES + 256 * 4;          // float [HT]: a row's rescale factor this tile
+constexpr int SM_FACTOR = SM_ALPHA + HT * 4;           // float [HT]: a row's output factor
+// NARROW: float [2][4 warps][HT]: each consumer warp's per-head maxima of a tile (two tiles' worth,
+// so a warp may write the next tile's while another still reads this one's), and its sums at the end.
+constexpr int SM_EXCHANGE = SM_FACTOR + HT * 4;
+constexpr int SM_TILE_MASK = SM_EXCHANGE + (NARROW ? 2 * 4 * HT * 4 : 0);  // u32 [2][2][4]: a K/V buffer's live tokens (per half, per producer warp)
+constexpr int SM_BARRIERS = SM_TILE_MASK + 64;         // u64 [NUM_BARRIERS]: mbarriers
+// BAR_RAW + 8 g + 2 w + h: warp w of producer warpgroup g, its raw unit h (each warp gathers and
+// dequantizes its own 8 tokens). BAR_HELD + b: K/V buffer b held for an item's outputs is free
+// again (every consumer thread of the block arrives once its rows are out). BAR_Q: an item's Q has
+// landed (its tensor copies' bytes).
+constexpr int BAR_FULL = 0, BAR_EMPTY = 2, BAR_RAW = 4, BAR_P_FULL = BAR_RAW + 8 * PRODUCERS, BAR_P_EMPTY = BAR_P_FULL + 1,
+              BAR_HELD = BAR_P_EMPTY + 1, BAR_Q = BAR_HELD + 2, NUM_BARRIERS = BAR_Q + 1;
 static_assert(SM_BARRIERS + NUM_BARRIERS * 8 == SMEM_BYTES, "shared layout must match the host's count");
 static_assert(SM_RAW % 16 == 0 && RAW_STRIDE % 16 == 0 && SM_BARRIERS % 8 == 0, "aligned regions");
 
@@ -297,6 +328,19 @@ __device__ __forceinline__ void wgmma_m64n64(float (&d)[32], u64 desc_a, u64 des
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B)
+        : "memory");
+}
+
+// NARROW: d (64 x 16, fp32) += A (64 x 16, shared; TRANS_A 0: K-major, 1: MN-major) * B (16 x 16,
+// shared, K-major).
+// scale_d 0: d = A * B (d's values ignored).
+template <int TRANS_A>
+__device__ __forceinline__ void wgmma_m64n16(float* d, u64 desc_a, u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %11, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_A)
         : "memory");
 }
 
@@ -511,13 +555,14 @@ __device__ __forceinline__ void store_part(const RecordPart& part, const u32* sc
 // `held`: bit b, K/V buffer b holds an earlier item's outputs (its consumers release it on
 // BAR_HELD + b before the producer stores into it again); bit 2 + b, that barrier's phase.
 __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row, int tile_begin, int num_tiles,
-                                             int unit0, int tile0, int ptid, u32 rank, u32& held) {
+                                             int unit0, int tile0, int ptid, int share, u32& held) {
     const int warp = ptid >> 5, lane = ptid & 31;
-    u8* const raw = smem + SM_RAW;
+    const int group = NARROW ? share : 0;  // the block's producer warpgroup: its raw buffers and barriers
+    u8* const raw = smem + SM_RAW + group * RAW_BYTES;
     const u32* const scale_pairs = reinterpret_cast<const u32*>(smem + SM_SCALES);
     u32* const tile_masks = reinterpret_cast<u32*>(smem + SM_TILE_MASK);
     const u32 bars = shared_address(smem + SM_BARRIERS);
-    const u32 peer = CLUSTER == 2 ? cluster_address(shared_address(smem), rank ^ 1u) : 0u;  // the peer's smem
+    const u32 peer = CLUSTER == 2 ? cluster_address(shared_address(smem), share ^ 1) : 0u;  // the peer's smem
     const int units = UNITS_PER_TILE * num_tiles;
     const i64 swa_live = live_count(p.swa.lens, p.swa.lens_int64, p.swa.k, row),
               extra_live = live_count(p.extra.lens, p.extra.lens_int64, p.extra.k, row);
@@ -527,13 +572,13 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
     // Every thread gathers a quarter of token t's record: the slots of units 0 and 1 now, of
     // u + 2 and u + 3 in flight while unit u is dequantized. Unit u's entries start UNIT_STEP u
     // after unit 0's.
-    constexpr int UNIT_STEP = UNIT * CLUSTER;
-    const i64 first = static_cast<i64>(tile_begin) * BN + rank * UNIT + t;  // this thread's entry in unit 0
+    constexpr int UNIT_STEP = UNIT * SHARERS;
+    const i64 first = static_cast<i64>(tile_begin) * BN + share * UNIT + t;  // this thread's entry in unit 0
     // A warp gathers, dequantizes and reuses the raw records of its own 8 tokens: it waits on its
     // own raw barriers and only for itself (the warps proceed independently).
     // Unit u of the item is the block's unit unit0 + u: its raw buffer is that count's parity.
 #define GATHER(unit, slot) gather_unit(p, first + (unit) * UNIT_STEP, slot, raw + ((unit0 + (unit)) & 1) * UNIT * RAW_STRIDE, \
-                                       bars + (BAR_RAW + 2 * warp + ((unit0 + (unit)) & 1)) * 8, t, c0)
+                                       bars + (BAR_RAW + 8 * group + 2 * warp + ((unit0 + (unit)) & 1)) * 8, t, c0)
     SlotWords slot_a = NO_SLOT, slot_b = NO_SLOT;
     u32 unit_mask[2] = {0u, 0u};  // the warp's live tokens of the units in raw buffers 0 and 1
     if (units > 0) {
@@ -550,10 +595,10 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
 
     for (int u = 0; u < units; ++u) {
         const int raw_half = (unit0 + u) & 1, tile = tile0 + u / UNITS_PER_TILE, b = tile & 1;
-        const int half = CLUSTER == 2 ? static_cast<int>(rank) : u & 1;  // the unit's half of the tile
+        const int half = SHARERS == 2 ? share : u & 1;  // the unit's half of the tile
         const u32 full = bars + (BAR_FULL + b) * 8;
         const u32 peer_full = peer + SM_BARRIERS + (BAR_FULL + b) * 8;  // with a cluster: the peer's full barrier
-        mbar_wait(bars + (BAR_RAW + 2 * warp + raw_half) * 8, ((unit0 + u) >> 1) & 1);  // the warp's records are in
+        mbar_wait(bars + (BAR_RAW + 8 * group + 2 * warp + raw_half) * 8, ((unit0 + u) >> 1) & 1);  // the warp's records are in
         const u32 mask = raw_half ? unit_mask[1] : unit_mask[0];
         RecordPart part = {};
         if ((mask >> (t & 7)) & 1u)  // the warp's mask: its 8 tokens
@@ -565,7 +610,7 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
             slot_a = slot_b;
             slot_b = u + 4 < units ? load_slot(p, row, first + (u + 4) * UNIT_STEP, swa_live, extra_live) : NO_SLOT;
         }
-        if (half == 0 || CLUSTER == 2) {  // the consumers (of both blocks) are done with buffer b
+        if (half == 0 || SHARERS == 2) {  // the consumers (of both blocks) are done with buffer b
             mbar_wait(bars + (BAR_EMPTY + b) * 8, ((tile >> 1) & 1) ^ 1);
             if ((held >> b) & 1u) {  // and this block's consumers with the outputs staged there
                 mbar_wait(bars + (BAR_HELD + b) * 8, (held >> (2 + b)) & 1u);
@@ -579,7 +624,7 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
         }
         const int row_offset = SM_KV + b * KV_BYTES + (half * UNIT + t) * 16;
         store_part(part, scale_pairs, c0, {smem + row_offset, peer + row_offset, peer_full});
-        if (half == 1 || CLUSTER == 2) {  // this block's part of the tile is complete: publish it to the consumers' wgmma (async proxy)
+        if (half == 1 || SHARERS == 2) {  // this warpgroup's part of the tile is complete: publish it to the consumers' wgmma (async proxy)
             fence_proxy_async();
             if (CLUSTER == 2 && ptid == 0)
                 mbar_arrive_expect_bytes(full, PEER_TILE_BYTES);  // and the phase waits for the peer's stores
@@ -734,21 +779,28 @@ __device__ __forceinline__ void stage_rows(const float (&o)[4 * O_BLOCKS], u8* r
     }
 }
 
-// Every consumer thread (ctid 0..255), once the rows are staged in `region`: the staged rows to
-// dims d0.. of the block's rows (heads below num_heads) of out, or of the split's partial outputs.
+// The bytes of a staged output row: BF16 rows are 1 KB; fp32 rows are staged 256 dims (1 KB) a
+// pass, or with NARROW (16 rows) whole (2 KB).
+template <bool SPLIT>
+constexpr int STAGED_ROW_BYTES = SPLIT && NARROW ? 2 * STAGED_ROW : STAGED_ROW;
+
+// Every consumer thread (ctid 0..CONSUMER_THREADS - 1), once the rows are staged in `region`: the
+// staged rows to dims d0.. of the block's rows (heads below num_heads) of out, or of the split's
+// partial outputs.
 template <bool SPLIT>
 __device__ __forceinline__ void copy_rows_out(const Params& p, const u8* region, i64 row, i64 head0, i64 split, int d0,
                                               int ctid) {
-    constexpr int WARP_STORES = (SPLIT ? STAGED_ROW : OUT_DIMS * 2) / 512;  // of a staged row
-    named_barrier(1, 256);  // every row is staged
+    constexpr int ROW_BYTES = STAGED_ROW_BYTES<SPLIT>;
+    constexpr int WARP_STORES = (SPLIT ? ROW_BYTES : OUT_DIMS * 2) / 512;  // of a staged row
+    named_barrier(1, CONSUMER_THREADS);  // every row is staged
     const i64 num_heads = p.num_heads, num_splits = p.num_splits;
     const int rows = static_cast<int>(min(static_cast<i64>(HT), num_heads - head0));
     const int warp = ctid >> 5, lane = ctid & 31;
-    for (int r = warp; r < rows; r += 8) {  // a warp a row
+    for (int r = warp; r < rows; r += CONSUMER_THREADS / 32) {  // a warp a row
         const i64 entry = row * num_heads + head0 + r;
         uint4* const dst = (SPLIT ? reinterpret_cast<uint4*>(p.partial_o + (entry * num_splits + split) * HEAD_DIM + d0)
                                   : reinterpret_cast<uint4*>(p.out + entry * (HEAD_DIM / 2) + d0 / 2)) + lane;
-        const u8* const src = region + r * STAGED_ROW + (((lane ^ r) & 7) | (lane & ~7)) * 16;
+        const u8* const src = region + r * ROW_BYTES + (((lane ^ r) & 7) | (lane & ~7)) * 16;
         uint4 v[WARP_STORES];
 #pragma unroll
         for (int c = 0; c < WARP_STORES; ++c) v[c] = *reinterpret_cast<const uint4*>(src + c * 512);
@@ -1022,6 +1074,240 @@ __device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row
     release_held(bars, peer_bars, hold & 1, lane);
 }
 
+// ---------------------------------------------------------------- NARROW: one consumer, 16 heads
+
+// A thread's fragment of S^T (64 tokens x 16 heads) or of one m-block of O^T (64 dims x 16 heads)
+// is rows 16 w + g and 16 w + g + 8 of warp w by heads 8 j + 2 quad + {0, 1}: element 4 j + e is
+// row 16 w + g + 8 (e >> 1) and head 8 j + 2 quad + (e & 1). The thread's 4 heads are its columns
+// c = 2 j + (e & 1).
+__device__ __forceinline__ int column_head(int c, int quad) { return 8 * (c >> 1) + 2 * quad + (c & 1); }
+
+// Issues S^T = K.Q^T of a tile (32 k-steps of 16 dims: K's k-step is 2 groups of 8 dims further,
+// Q's 32 bytes into the rows of slab k / 4) as one wgmma group.
+__device__ __forceinline__ void issue_scores_t(float (&s)[8], u64 desc_k, u64 desc_q) {
+    constexpr u64 QK_K_STEP = (2 * GROUP_STRIDE) >> 4;
+    fence_registers(s);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < QK_STEPS; ++k)  // from k-step 0 on s = K.Q^T: no instruction but the wgmma defines s
+        wgmma_m64n16<0>(s, desc_k + k * QK_K_STEP, desc_q + (((k >> 2) * Q_SLAB + (k & 3) * 32) >> 4), k > 0);
+    wgmma_commit();
+}
+
+// Every consumer thread: the max (MAX) or sum over the block's 64 rows of what each thread holds
+// for its 4 heads, returned to every thread. Over a warp's rows by shuffles (every lane gets the
+// same bits), then over the 4 warps through `exchange` (4 warps x 16 heads) in warp order.
+template <bool MAX>
+__device__ __forceinline__ void reduce_heads(float (&v)[4], float* exchange, int warp, int lane) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int x = 4; x <= 16; x <<= 1) {
+            const float other = __shfl_xor_sync(NVFP4_FULL_MASK, v[c], x);
+            v[c] = MAX ? fmaxf(v[c], other) : v[c] + other;
+        }
+    const int quad = lane & 3;
+    if (lane < 4) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            *reinterpret_cast<float2*>(exchange + warp * HT + 8 * j + 2 * quad) = make_float2(v[2 * j], v[2 * j + 1]);
+    }
+    named_barrier(1, CONSUMER_THREADS);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        float2 t = *reinterpret_cast<const float2*>(exchange + 8 * j + 2 * quad);
+#pragma unroll
+        for (int w = 1; w < 4; ++w) {
+            const float2 u = *reinterpret_cast<const float2*>(exchange + w * HT + 8 * j + 2 * quad);
+            t = MAX ? make_float2(fmaxf(t.x, u.x), fmaxf(t.y, u.y)) : make_float2(t.x + u.x, t.y + u.y);
+        }
+        v[2 * j] = t.x;
+        v[2 * j + 1] = t.y;
+    }
+}
+
+// The item's outputs from O^T, staged in K/V buffer `held` as whole rows (a head's 512 dims: BF16
+// times the head's factor without splits, the raw fp32 with), chunk c of row h at
+// ((c ^ h) & 7 | c & ~7) * 16 as copy_rows_out reads them, then copied out.
+__device__ __forceinline__ void write_rows_narrow(const Params& p, const float (&o)[8 * DIM_BLOCKS], u8* smem, i64 row,
+                                                  i64 head0, i64 split, int held, int warp, int g, int quad,
+                                                  const float (&factor)[4], int tid) {
+    u8* const region = smem + SM_KV + held * KV_BYTES;
+    const bool split_outputs = p.num_splits > 1;
+#pragma unroll
+    for (int i = 0; i < DIM_BLOCKS; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {  // rows (dims) 16 w + g + 8 r of m-block i, heads h and h + 1
+                const int d = 64 * i + 16 * warp + g + 8 * r, h = column_head(2 * j, quad);
+                const float x = o[8 * i + 4 * j + 2 * r], y = o[8 * i + 4 * j + 2 * r + 1];
+                if (split_outputs) {
+                    const int chunk = d >> 2, at = (((chunk ^ h) & 7) | (chunk & ~7)) * 16 + (d & 3) * 4;
+                    *reinterpret_cast<float*>(region + h * STAGED_ROW_BYTES<true> + at) = x;
+                    *reinterpret_cast<float*>(region + (h + 1) * STAGED_ROW_BYTES<true> + (at ^ 16)) = y;
+                } else {  // torch's NaN in copy_rows_out
+                    const u32 pair = bf16x2_rn(x * factor[2 * j], y * factor[2 * j + 1]);
+                    const int chunk = d >> 3, at = (((chunk ^ h) & 7) | (chunk & ~7)) * 16 + (d & 7) * 2;
+                    *reinterpret_cast<u16*>(region + h * STAGED_ROW + at) = static_cast<u16>(pair);
+                    *reinterpret_cast<u16*>(region + (h + 1) * STAGED_ROW + (at ^ 16)) = static_cast<u16>(pair >> 16);
+                }
+            }
+    if (split_outputs)
+        copy_rows_out<true>(p, region, row, head0, split, 0, tid);
+    else
+        copy_rows_out<false>(p, region, row, head0, split, 0, tid);
+}
+
+// NARROW, the consumer warpgroup, one item: per tile S^T, the online softmax of the 16 heads
+// (their maxima over the block's 64 tokens through shared memory), P^T in shared memory and
+// O^T += V^T.P^T over all 512 dims, then the item's outputs (the arguments as consume_item0's;
+// `processed` counts the block's exchanges, whose parity picks the half of the exchange buffer).
+__device__ __forceinline__ void consume_item_narrow(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int tile0,
+                                                    int num_tiles, u32 ordinal, bool last, i64 next_row, i64 next_head0,
+                                                    u32& processed, int tid) {
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
+    const int token_lo = warp * 16 + g;  // the thread's rows of S^T: tokens token_lo and token_lo + 8
+    const u32 bars = shared_address(smem + SM_BARRIERS);
+    const u32* const tile_masks = reinterpret_cast<const u32*>(smem + SM_TILE_MASK);
+    float* const exchange = reinterpret_cast<float*>(smem + SM_EXCHANGE);
+    u8* const sp = smem + SM_P;
+    const float score_scale = static_cast<float>(p.score_scale);
+    const u32 base = shared_address(smem);
+    const u64 desc_q = swizzled_descriptor(base + SM_Q);                    // S^T's B: Q, K-major (dims contiguous)
+    const u64 desc_k0 = matrix_descriptor(base + SM_KV, GROUP_STRIDE, 128);  // S^T's A: K, K-major
+    const u64 desc_v0 = matrix_descriptor(base + SM_KV, 128, GROUP_STRIDE);  // O^T's A: V^T, MN-major (transposed A)
+    const u64 desc_p = matrix_descriptor(base + SM_P, P_GROUP_STRIDE, 128);  // O^T's B: P, K-major (tokens contiguous)
+    constexpr u64 KV_STEP = KV_BYTES >> 4, PV_K_STEP = (16 * 16) >> 4, P_K_STEP = (2 * P_GROUP_STRIDE) >> 4,
+                  DIM_BLOCK_STEP = (8 * GROUP_STRIDE) >> 4;
+
+    float o[8 * DIM_BLOCKS];  // O^T: m-block i (dims 64 i .. 64 i + 63) in o[8 i .. 8 i + 7]
+#pragma unroll
+    for (int i = 0; i < 8 * DIM_BLOCKS; ++i) o[i] = 0.0f;
+    // The thread's 4 heads: the softmax base m (the same in every thread) and its own rows' share of
+    // the sum l (added over the block at the end).
+    float m[4], l[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) m[c] = neg_inf(), l[c] = 0.0f;
+    const u32 bar_q = bars + BAR_Q * 8;
+    if (ordinal == 0 && tid == 0) issue_q(p, base + SM_Q, bar_q, row, head0);
+    mbar_wait(bar_q, ordinal & 1);
+
+    float s[8] = {};
+    u64 live = 0;
+    const int tile_end = tile0 + num_tiles, hold = tile_end - 1;
+    int tile = next_live_tile(bars, 0u, tile_masks, tile0, tile_end, hold, lane, live);
+    if (tile < tile_end) {
+        issue_scores_t(s, desc_k0 + (tile & 1) * KV_STEP, desc_q);
+        wgmma_wait_all();
+        fence_registers(s);
+    }
+    while (tile < tile_end) {
+        const int b = tile & 1;
+        const bool live_lo = (live >> token_lo) & 1u, live_hi = (live >> (token_lo + 8)) & 1u;
+        // The scaled scores in registers of their own: an instruction that writes s, which only the
+        // wgmma defines, makes ptxas serialize every wgmma of the kernel (C7515).
+        float x[8], tile_max[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int lo = 4 * (c >> 1) + (c & 1), hi = lo + 2;
+            x[lo] = live_lo ? s[lo] * score_scale : neg_inf();
+            x[hi] = live_hi ? s[hi] * score_scale : neg_inf();
+            tile_max[c] = fmaxf(x[lo], x[hi]);
+        }
+        reduce_heads<true>(tile_max, exchange + (processed & 1) * 4 * HT, warp, lane);
+        ++processed;
+        float alpha[4], pr[8];
+        bool moved = false;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int lo = 4 * (c >> 1) + (c & 1), hi = lo + 2;
+            const bool move = base_moves(tile_max[c], m[c]);
+            const float new_m = move ? tile_max[c] : m[c];
+            const float base_c = softmax_base(new_m);
+            alpha[c] = move ? exp2_approx(m[c] - base_c) : 1.0f;
+            moved = moved || move;
+            pr[lo] = exp2_approx(x[lo] - base_c);
+            pr[hi] = exp2_approx(x[hi] - base_c);
+            l[c] = l[c] * alpha[c] + (pr[lo] + pr[hi]);
+            m[c] = new_m;
+        }
+        // P^T as O^T's B operand: (head h, token t) at (t / 8) * P_GROUP_STRIDE + h * 16 + (t % 8) * 2.
+        // p is never NaN for finite or -inf scores: the plain conversion.
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int t = token_lo + 8 * r, h = column_head(2 * j, quad);
+                const u32 pair = bf16x2_rn(pr[4 * j + 2 * r], pr[4 * j + 2 * r + 1]);  // heads h, h + 1
+                u8* const at = sp + (t >> 3) * P_GROUP_STRIDE + h * 16 + (t & 7) * 2;
+                *reinterpret_cast<u16*>(at) = static_cast<u16>(pair);
+                *reinterpret_cast<u16*>(at + 16) = static_cast<u16>(pair >> 16);
+            }
+        if (__any_sync(NVFP4_FULL_MASK, moved)) {  // rare once the maxima settle
+#pragma unroll
+            for (int i = 0; i < 8 * DIM_BLOCKS; ++i) o[i] *= alpha[2 * ((i >> 2) & 1) + (i & 1)];
+        }
+        fence_proxy_async();
+        named_barrier(1, CONSUMER_THREADS);  // P^T is whole (every warp's wgmma reads all of it)
+        fence_registers(o);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < PV_STEPS; ++k)
+#pragma unroll
+            for (int i = 0; i < DIM_BLOCKS; ++i)
+                wgmma_m64n16<1>(o + 8 * i, desc_v0 + b * KV_STEP + i * DIM_BLOCK_STEP + k * PV_K_STEP, desc_p + k * P_K_STEP,
+                                1);
+        wgmma_commit();
+
+        // The next tile's S^T behind the O^T (tile + 1 only: its buffer is the other one).
+        int next = tile + 1;
+        u64 next_live = 0;
+        if (next < tile_end) next_live = acquire_tile(bars, tile_masks, next, lane);
+        if (next_live != 0) {
+            issue_scores_t(s, desc_k0 + (next & 1) * KV_STEP, desc_q);
+            wgmma_wait<1>();  // O^T done (S^T may still run): this tile's buffer goes back to the producers now
+        } else {
+            wgmma_wait_all();
+        }
+        fence_registers(o);
+        if (tile != hold) release_tile(bars, 0u, b, lane);
+        wgmma_wait_all();
+        fence_registers(s);
+        if (next < tile_end && next_live == 0) {  // nothing live in tile + 1: on to the next live tile, unpipelined
+            if (next != hold) release_tile(bars, 0u, next & 1, lane);
+            next = next_live_tile(bars, 0u, tile_masks, next + 1, tile_end, hold, lane, next_live);
+            if (next < tile_end) {
+                issue_scores_t(s, desc_k0 + (next & 1) * KV_STEP, desc_q);
+                wgmma_wait_all();
+                fence_registers(s);
+            }
+        }
+        tile = next;
+        live = next_live;
+    }
+
+    // The heads' sums over the block (its barrier also means every S^T is done: Q is free).
+    reduce_heads<false>(l, exchange + (processed & 1) * 4 * HT, warp, lane);
+    ++processed;
+    if (!last && tid == 0) issue_q(p, base + SM_Q, bar_q, next_row, next_head0);
+    const i64 num_heads = p.num_heads, num_splits = p.num_splits;
+    float factor[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const i64 head = head0 + column_head(c, quad);
+        const float lse = row_lse(m[c], l[c]);
+        factor[c] = num_splits == 1 && head < num_heads ? output_factor(l[c], lse, p.sinks, head) : 0.0f;
+        if (tid >= 4 || head >= num_heads) continue;  // warp 0's lanes 0..3 write the heads' (m, l) or lse
+        if (num_splits == 1)
+            p.lse[row * num_heads + head] = lse;
+        else
+            reinterpret_cast<float2*>(p.partial_ml)[(row * num_heads + head) * num_splits + split] = make_float2(m[c], l[c]);
+    }
+    write_rows_narrow(p, o, smem, row, head0, split, hold & 1, warp, g, quad, factor, tid);
+    release_held(bars, 0u, hold & 1, lane);
+}
+
 // The block's work items: (query row, head tile, split, dim part) in the order of a grid of a block
 // each (the head tile fastest, then the part), item blockIdx.x, then every gridDim.x-th. The host
 // launches at most as many blocks as the GPU holds at once, so a block that finishes an item goes
@@ -1067,15 +1353,15 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
     for (int byte = tid; byte < 256; byte += THREADS) scale_pairs[byte] = e4m3_bf16x2(byte);
     if (tid == 0) {
         const u32 bars = shared_address(smem + SM_BARRIERS);
-        mbar_init(bars + (BAR_FULL + 0) * 8, 128);
-        mbar_init(bars + (BAR_FULL + 1) * 8, 128);
-        mbar_init(bars + (BAR_EMPTY + 0) * 8, 8 * CLUSTER);  // a consumer warp of each block
-        mbar_init(bars + (BAR_EMPTY + 1) * 8, 8 * CLUSTER);
-        for (int i = 0; i < 8; ++i) mbar_init(bars + (BAR_RAW + i) * 8, RAW_ARRIVALS);
+        mbar_init(bars + (BAR_FULL + 0) * 8, 128 * PRODUCERS);  // every producer thread of the block
+        mbar_init(bars + (BAR_FULL + 1) * 8, 128 * PRODUCERS);
+        mbar_init(bars + (BAR_EMPTY + 0) * 8, CONSUMER_THREADS / 32 * CLUSTER);  // a consumer warp of each block
+        mbar_init(bars + (BAR_EMPTY + 1) * 8, CONSUMER_THREADS / 32 * CLUSTER);
+        for (int i = 0; i < 8 * PRODUCERS; ++i) mbar_init(bars + (BAR_RAW + i) * 8, RAW_ARRIVALS);
         mbar_init(bars + BAR_P_FULL * 8, 128);
         mbar_init(bars + BAR_P_EMPTY * 8, 128);
-        mbar_init(bars + (BAR_HELD + 0) * 8, 256);
-        mbar_init(bars + (BAR_HELD + 1) * 8, 256);
+        mbar_init(bars + (BAR_HELD + 0) * 8, CONSUMER_THREADS);
+        mbar_init(bars + (BAR_HELD + 1) * 8, CONSUMER_THREADS);
         mbar_init(bars + BAR_Q * 8, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -1097,29 +1383,36 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
     // tiles, whose parity is the phase of P.
     int tiles_before = 0;
     u32 processed = 0;
-    if (warpgroup == 2) {
-        regs_decrease<REGS_PRODUCER>();
+    if (warpgroup >= CONSUMERS) {  // a producer warpgroup
+        if constexpr (!NARROW) regs_decrease<REGS_PRODUCER>();
+        // Its share of every tile: with a cluster the unit of the block's rank, with NARROW its own
+        // unit of the block's tiles, else both units.
+        const int share = NARROW ? warpgroup - CONSUMERS : static_cast<int>(rank);
         u32 held = 0;
         for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
             const Item it = item_at(p, item, head_tiles, total_tiles);
             produce_item(p, smem, it.row, it.tile_begin, it.num_tiles, UNITS_PER_TILE * tiles_before, tiles_before,
-                         tid - 256, rank, held);
+                         tid - 128 * warpgroup, share, held);
             tiles_before = (tiles_before + it.num_tiles) & 3;
             held |= 1u << ((tiles_before + 3) & 1);  // the item's last tile (at least one) holds its outputs
         }
     } else if (warpgroup == 0) {
-        regs_increase<REGS_CONSUMER0>();
+        if constexpr (!NARROW) regs_increase<REGS_CONSUMER0>();
         Item it = item_at(p, blockIdx.x, head_tiles, total_tiles);
         u32 ordinal = 0;
         for (u32 item = blockIdx.x; item < items; item += gridDim.x, ++ordinal) {
             const bool last = item + gridDim.x >= items;
             const Item next = last ? it : item_at(p, item + gridDim.x, head_tiles, total_tiles);
-            consume_item0(p, smem, it.row, it.head0, it.split, it.part, tiles_before, it.num_tiles, ordinal, last,
-                          next.row, next.head0, processed, tid, peer_bars);
+            if constexpr (NARROW)
+                consume_item_narrow(p, smem, it.row, it.head0, it.split, tiles_before, it.num_tiles, ordinal, last,
+                                    next.row, next.head0, processed, tid);
+            else
+                consume_item0(p, smem, it.row, it.head0, it.split, it.part, tiles_before, it.num_tiles, ordinal, last,
+                              next.row, next.head0, processed, tid, peer_bars);
             tiles_before = (tiles_before + it.num_tiles) & 3;
             it = next;
         }
-    } else {
+    } else if constexpr (!NARROW) {  // consumer 1
         regs_decrease<REGS_CONSUMER1>();
         for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
             const Item it = item_at(p, item, head_tiles, total_tiles);

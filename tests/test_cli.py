@@ -272,12 +272,12 @@ def test_precompile_counts_unique_kernels(tmp_path):
 def test_precompile_reader_and_decode_kernels(tmp_path):
     """--read builds the reader for both output dtypes, --decode every kernel of sparse_mla_decode
     for the arch (three mma.sync head tiles, the wgmma kernel built for sm_90a alone and in clusters,
-    with whole and half rows, the split combine prefetching 4 and 16 splits)."""
+    with whole and half rows, and its NARROW build, the split combine prefetching 4 and 16 splits)."""
     argv = ["precompile", "--page-size", "16", "--read", "--decode", "--arch", "sm_90", "--cache-dir", str(tmp_path)]
     done = run_module(*argv, env=cache_env(tmp_path / "unused"), capture_output=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == f"11 kernels ready in {tmp_path}"
-    assert len(list(tmp_path.glob("*.cubin"))) == 11 and len(list(tmp_path.glob("sm_90a-*.cubin"))) == 4
+    assert done.stdout.splitlines()[-1] == f"12 kernels ready in {tmp_path}"
+    assert len(list(tmp_path.glob("*.cubin"))) == 12 and len(list(tmp_path.glob("sm_90a-*.cubin"))) == 5
     assert list(tmp_path.glob("*.lock")) == []  # an image directory holds kernels only
 
 

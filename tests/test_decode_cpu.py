@@ -10,7 +10,7 @@ import torch
 import nvfp4_mla
 from nvfp4_mla import abi, jit, launch, reference
 from nvfp4_mla.device import Device
-from nvfp4_mla.ops import attention, decode, decode_mma, decode_sm90, decode_split
+from nvfp4_mla.ops import attention, decode, decode_mma, decode_sm90, decode_sm90_narrow, decode_split
 from nvfp4_mla.testing import make_cache
 
 BF16 = torch.bfloat16
@@ -28,12 +28,16 @@ def test_specs_and_names():
     combines = (decode.CombineSpec.of(decode.COMBINE_PREFETCH_WAVES), decode.CombineSpec.of(decode.COMBINE_PREFETCH))
     assert specs[-2:] == combines and len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 2
     assert [c.defines()["PREFETCH"] for c in combines] == [4, 16] and decode.CombineSpec.of(4) is combines[0]
-    # Alone and in pairs, each with whole output rows and with half rows.
+    # Alone and in pairs, each with whole output rows and with half rows; and the NARROW build.
     hopper = {decode_sm90.WgmmaAttentionSpec.of(c, parts) for c in (1, 2) for parts in (1, 2)}
-    assert set(decode.specs("sm_90")) == {*specs, *hopper} and len(hopper) == 4  # the Hopper kernels too
-    assert {s.template.arch for s in hopper} == {"sm_90a"}
+    narrow = decode_sm90.WgmmaAttentionSpec.of(1, 1, 16)
+    assert set(decode.specs("sm_90")) == {*specs, *hopper, narrow} and len(hopper) == 4  # the Hopper kernels too
+    assert decode_sm90_narrow.specs("sm_90") == (narrow,) and narrow not in hopper
+    assert {s.template.arch for s in (*hopper, narrow)} == {"sm_90a"}
     assert {(s.defines()["CLUSTER"], s.defines()["DIM_PARTS"]) for s in hopper} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert {s.defines()["HEAD_TILE"] for s in hopper} == {64} and narrow.defines()["HEAD_TILE"] == 16
     assert decode_sm90.WgmmaAttentionSpec.of(2, 2).describe().endswith("clusters of two blocks, half rows")
+    assert narrow.describe() == "decode attention (wgmma, sm_90a), 16 heads a block (wgmma's N)"
     assert decode_mma.MmaAttentionSpec.of(32) is decode_mma.MmaAttentionSpec.of(32)  # memoized: the plans' keys
     assert decode_mma.MmaAttentionSpec.of(32).describe() == "decode attention (mma.sync), 32 heads a block"
     assert {c.template.function for c in combines} == {"nvfp4_mla_decode_combine"}
@@ -52,16 +56,23 @@ FAKE_GPUS = {  # capability -> a Device as the planners see it (SMs, shared-memo
 
 
 @pytest.mark.parametrize("capability", FAKE_GPUS)
-@pytest.mark.parametrize("heads", [1, 16, 32, 33, 64, 128])
-@pytest.mark.parametrize("rows", [1, 2, 3, 32, 256])
+@pytest.mark.parametrize("heads", [1, 16, 17, 32, 33, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 32, 256])
 def test_selection_rule(capability, heads, rows):
-    """By architecture, then shape: the wgmma kernel on sm_90 from 33 heads, or from 2 query rows
-    with fewer heads, the mma.sync kernel everywhere else; only backends that support the GPU are
-    compiled for it."""
+    """By architecture, then shape: on sm_90 the wgmma kernel's NARROW build up to 16 heads from 6
+    query rows, its 64-head build from 33 heads or from 2 query rows, the mma.sync kernel
+    everywhere else; only backends that support the GPU are compiled for it."""
     gpu = FAKE_GPUS[capability]
-    wgmma = capability == 90 and (heads >= 33 or rows >= 2)
-    assert decode.select_backend(gpu, heads, rows).name == ("wgmma_sm90" if wgmma else "mma_sync")
-    assert decode.BACKENDS["wgmma_sm90"].supports(gpu.capability) == (capability == 90)
+    hopper = capability == 90
+    if hopper and heads <= 16 and rows >= 6:
+        want = "wgmma_sm90_narrow"
+    elif hopper and (heads >= 33 or rows >= 2):
+        want = "wgmma_sm90"
+    else:
+        want = "mma_sync"
+    assert decode.select_backend(gpu, heads, rows).name == want
+    for name in ("wgmma_sm90", "wgmma_sm90_narrow"):
+        assert decode.BACKENDS[name].supports(gpu.capability) == hopper
     for spec in decode.specs(gpu.arch):
         assert jit.target_arch(spec, gpu.arch).startswith(gpu.arch)
 
@@ -202,6 +213,13 @@ def test_the_q_tensor_map_is_encoded_once_then_moved(monkeypatch):
 def test_the_wgmma_kernel_fits_the_hopper_block():
     assert decode_sm90.shared_bytes() == 232_136 <= FAKE_GPUS[90].shared_optin
     assert decode_sm90.WgmmaAttentionSpec.of(2).template.threads == 384
+    # NARROW: Q, P and the rows' factors of 16 heads, a second producer's raw units, the consumer
+    # warps' exchange, 8 more barriers.
+    narrow_bytes = 232_136 - 48 * 1024 - 6 * 1024 - 2 * 48 * 4 + 25_600 + 512 + 8 * 8
+    assert decode_sm90.shared_bytes(16) == narrow_bytes == 202_632 <= FAKE_GPUS[90].shared_optin
+    assert decode_sm90_narrow.SPEC.template.threads == 384 and decode_sm90_narrow.SPEC.template.max_shared_bytes == (
+        decode_sm90.shared_bytes(16)
+    )
 
 
 @pytest.mark.parametrize(

@@ -474,16 +474,20 @@ def test_wgmma_clusters_give_the_bits_of_single_blocks(seed, heads, dim_parts):
         check(got, want, f"clusters, heads {heads}, {dim_parts} parts, {num_splits} splits")
 
 
-@pytest.mark.parametrize("heads", [16, 64, 100, 128])
-def test_wgmma_blocks_walking_items_give_the_bits_of_a_block_an_item(seed, heads):
+@pytest.mark.parametrize(
+    ("name", "heads"),
+    [*[("wgmma_sm90", heads) for heads in (16, 64, 100, 128)], *[("wgmma_sm90_narrow", heads) for heads in (16, 40)]],
+)
+def test_wgmma_blocks_walking_items_give_the_bits_of_a_block_an_item(seed, name, heads):
     """The Hopper kernel's blocks walk their items (query row, head tile, split) in turn: a block's
-    producer gathers an item's first tile while its consumers stage the item before's outputs in
+    producers gather an item's first tile while its consumers stage the item before's outputs in
     the other K/V buffer, and every barrier phase runs on across items. With the grid capped at 2,
     3 and 6 blocks (whole clusters: 2, 2 and 6 at 100 and 128 heads) against
     a block an item: the same arithmetic, so the same bits, over 1 to many splits, lengths, invalid
-    slots, sinks and rows with nothing live (their items' tiles all dead)."""
+    slots, sinks and rows with nothing live (their items' tiles all dead); in both builds (the
+    NARROW one also over its consumer's exchange of per-head maxima and sums)."""
     gpu = device_info(torch.cuda.current_device())
-    if not decode.BACKENDS["wgmma_sm90"].supports(gpu.capability):
+    if not decode.BACKENDS[name].supports(gpu.capability):
         pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
     q, pools, sinks, _ = split_case(seed, heads, 300)
     (_, _, swa_lens), (_, extra_slots, _) = pools
@@ -493,17 +497,18 @@ def test_wgmma_blocks_walking_items_give_the_bits_of_a_block_an_item(seed, heads
     rows, device = q.shape[0] * q.shape[1], q.get_device()
     for num_splits in (1, 3, 7):
         whole = functools.partial(
-            nvfp4_mla.KernelLibrary, decode_backend="wgmma_sm90", decode_splits=num_splits, decode_dim_parts=1
+            nvfp4_mla.KernelLibrary, decode_backend=name, decode_splits=num_splits, decode_dim_parts=1
         )
         wide = whole()
-        items = decode.plan(wide, device, heads, rows, 128, 300).blocks  # a block an item
-        assert items == rows * -(-heads // decode_sm90.HEAD_TILE) * num_splits
+        plan = decode.plan(wide, device, heads, rows, 128, 300)
+        items = plan.blocks  # a block an item
+        assert items == rows * -(-heads // plan.head_tile) * num_splits
         reference = run(q, pools, sinks=sinks, library=wide)
         for cap in (2, 3, 6):
-            narrow = whole(decode_blocks=cap)
-            cluster = decode_sm90.cluster_of(heads)
-            assert decode.plan(narrow, device, heads, rows, 128, 300).blocks == min(cap - cap % cluster, items)
-            got = run(q, pools, sinks=sinks, library=narrow)
+            capped = whole(decode_blocks=cap)
+            cluster = decode_sm90.cluster_of(heads) if name == "wgmma_sm90" else 1
+            assert decode.plan(capped, device, heads, rows, 128, 300).blocks == min(cap - cap % cluster, items)
+            got = run(q, pools, sinks=sinks, library=capped)
             what = f"heads {heads}, {num_splits} splits, {cap} blocks"
             assert bits_equal(got[0], reference[0]) and bits_equal(got[1], reference[1]), what
         check(got, want, f"blocks walking items, heads {heads}, {num_splits} splits")

@@ -36,12 +36,14 @@ from .. import abi, reference, validation
 from ..device import Device, device_info
 from ..jit import NUMERICS_HEADER, Template
 from ..launch import Launcher, contiguous_strides, current_raw_stream, new_output
-from . import decode_mma, decode_sm90
+from . import decode_mma, decode_sm90, decode_sm90_narrow
 from .attention import DECODE_HEADER, DecodeBackend, arch_capability
 from .decode_split import MAX_SPLITS, choose_dim_parts, choose_split_and_parts
 from .library import DEFAULT, KernelLibrary, check_traceable
 
-BACKENDS: dict[str, DecodeBackend] = {b.name: b for b in (decode_mma.BACKEND, decode_sm90.BACKEND)}
+BACKENDS: dict[str, DecodeBackend] = {
+    b.name: b for b in (decode_mma.BACKEND, decode_sm90.BACKEND, decode_sm90_narrow.BACKEND)
+}
 
 COMBINE_THREADS = MAX_SPLITS  # the combine kernel takes a split a thread
 
@@ -91,17 +93,25 @@ class CombineSpec(NamedTuple):
 # 1.4-1.6x at 1-2 rows. With 16 heads it pads to 64 heads where the mma.sync kernel's 16-head
 # blocks waste no MMA rows, yet from 2 rows its paired half rows win 1.01-1.27x (2-24 rows, 640
 # and 1,152 tokens); at 1 row they tie (0.98-1.02x), so below 33 heads it takes over from 2 rows.
+# Its NARROW build (16 heads as wgmma's N, two producer warpgroups) beats that from 6 rows at up
+# to 16 heads, 1.05-1.29x (6-256 rows, 640-8,320 tokens); at 4 rows they tie (0.92-1.00x), and
+# below, a block a tile of a split, it is slower (0.88-0.95x).
 WGMMA_MIN_HEADS = 33
 WGMMA_MIN_ROWS = 2  # below WGMMA_MIN_HEADS
+NARROW_MAX_HEADS = decode_sm90_narrow.HEAD_TILE
+NARROW_MIN_ROWS = 6
 
 
 def select_backend(gpu: Device, num_heads: int, rows: int) -> DecodeBackend:
     """The backend of a call of ``rows`` query rows of ``num_heads`` heads: by architecture first
-    (the backends that support the GPU), then by shape where measurements show one wins: the
-    Hopper ``wgmma`` kernel from :data:`WGMMA_MIN_HEADS` heads, or from :data:`WGMMA_MIN_ROWS`
-    rows with fewer heads, else the ``mma.sync`` kernel (every GPU). docs/format.md section 12 and
-    docs/performance.md give the numbers."""
-    wgmma = BACKENDS["wgmma_sm90"]
+    (the backends that support the GPU), then by shape where measurements show one wins: on Hopper
+    the ``wgmma`` kernel's NARROW build up to :data:`NARROW_MAX_HEADS` heads from
+    :data:`NARROW_MIN_ROWS` rows, its 64-head build from :data:`WGMMA_MIN_HEADS` heads or from
+    :data:`WGMMA_MIN_ROWS` rows, else the ``mma.sync`` kernel (every GPU). docs/format.md section
+    12 and docs/performance.md give the numbers."""
+    wgmma, narrow = BACKENDS["wgmma_sm90"], BACKENDS["wgmma_sm90_narrow"]
+    if narrow.supports(gpu.capability) and num_heads <= NARROW_MAX_HEADS and rows >= NARROW_MIN_ROWS:
+        return narrow
     if wgmma.supports(gpu.capability) and (num_heads >= WGMMA_MIN_HEADS or rows >= WGMMA_MIN_ROWS):
         return wgmma
     return BACKENDS["mma_sync"]

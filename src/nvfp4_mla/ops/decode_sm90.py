@@ -7,7 +7,8 @@ the products and the online softmax. Two items that gather the same tiles run as
 blocks that share the dequantized tiles, each gathering and dequantizing half of every tile into
 both blocks' shared memory: the two head tiles of a query row (65-128 heads), or with one head
 tile the two halves of a row's output dims. The kernel's header comment describes the block's
-work.
+work. The same file's NARROW build (16 heads a block as wgmma's N) is the ``wgmma_sm90_narrow``
+backend (:mod:`.decode_sm90_narrow`); this module holds what both builds share.
 """
 
 from __future__ import annotations
@@ -31,32 +32,44 @@ BLOCK_N = 64  # selected tokens a tile
 THREADS = 3 * 128  # consumer 0, consumer 1, the producer
 GATHER_UNIT = 32  # tokens the producer copies at once (two units a tile)
 RAW_RECORD_BYTES = abi.RECORD_BYTES + 16  # a copied record in shared memory, padded: conflict-free reads
-MBARRIERS = 17  # three per K/V buffer, two per producer warp (its raw units), two for P, one for Q
 Q_SLAB_DIMS = 64  # dims of q a tensor copy loads (128-byte rows, the swizzle's width)
 # The attention Params, then (at the next 64 bytes) the tensor map of q.
 PARAMS = struct.Struct(f"{ATTEND_PARAMS.format}{-ATTEND_PARAMS.size % 64}x{TENSOR_MAP_BYTES}s")
 DIM_PARTS = (1, 2)  # an item's output rows: whole, or in two halves (a block each)
 
 
-def shared_bytes() -> int:
+NARROW_HEAD_TILE = 16  # the NARROW build: 16 heads a block as wgmma's N, one consumer, two producers
+
+
+def producers(head_tile: int) -> int:
+    """Producer warpgroups of a block: two in the NARROW build."""
+    return 2 if head_tile == NARROW_HEAD_TILE else 1
+
+
+def shared_bytes(head_tile: int = HEAD_TILE) -> int:
     """Dynamic shared memory of a block (its layout is in the kernel, which checks this count)."""
+    narrow = head_tile == NARROW_HEAD_TILE
+    # Three per K/V buffer (full, empty, held), two per producer warp (its raw units), two for P, one for Q.
+    mbarriers = 3 * 2 + 2 * 4 * producers(head_tile) + 2 + 1
     return (
-        HEAD_TILE * abi.HEAD_DIM * 2  # Q
+        head_tile * abi.HEAD_DIM * 2  # Q
         + 2 * BLOCK_N * abi.HEAD_DIM * 2  # K = V, two tile buffers
-        + HEAD_TILE * BLOCK_N * 2  # P, for consumer 1
-        + 2 * GATHER_UNIT * RAW_RECORD_BYTES  # two units of copied records
+        + head_tile * BLOCK_N * 2  # P
+        + producers(head_tile) * 2 * GATHER_UNIT * RAW_RECORD_BYTES  # two units of copied records a producer
         + 256 * 4  # every E4M3 scale byte as a BF16 pair
-        + 2 * HEAD_TILE * 4  # a row's rescale and output factors
+        + 2 * head_tile * 4  # a row's rescale and output factors
+        + (2 * 4 * head_tile * 4 if narrow else 0)  # NARROW: the consumer warps' per-head maxima and sums
         + 64  # live tokens of the two tile buffers (per half, per producer warp)
-        + MBARRIERS * 8
+        + mbarriers * 8
     )
 
 
 class WgmmaAttentionSpec(NamedTuple):
-    """A build of the Hopper attention kernel (64 heads a block): alone, or as clusters of two
-    items that gather the same tiles (``cluster`` 2, see :func:`cluster_of`); each item's output
-    rows whole, or one of their two halves (``dim_parts`` 2: twice the items, each block writing
-    half the bytes)."""
+    """A build of the Hopper attention kernel: 64 heads a block (wgmma's M) alone, or as clusters
+    of two items that gather the same tiles (``cluster`` 2, see :func:`cluster_of`), each item's
+    output rows whole or one of their two halves (``dim_parts`` 2: twice the items, each block
+    writing half the bytes); or the NARROW build, 16 heads a block as wgmma's N (``head_tile`` 16,
+    the ``wgmma_sm90_narrow`` backend)."""
 
     head_tile: int = HEAD_TILE
     cluster: int = 1
@@ -64,24 +77,38 @@ class WgmmaAttentionSpec(NamedTuple):
 
     @staticmethod
     @functools.cache
-    def of(cluster: int, dim_parts: int = 1) -> WgmmaAttentionSpec:
-        return WgmmaAttentionSpec(HEAD_TILE, cluster, dim_parts)
+    def of(cluster: int, dim_parts: int = 1, head_tile: int = HEAD_TILE) -> WgmmaAttentionSpec:
+        return WgmmaAttentionSpec(head_tile, cluster, dim_parts)
 
     @property
     def template(self) -> Template:
         headers = (NUMERICS_HEADER, DECODE_HEADER)
         return Template(
-            SOURCE, "nvfp4_mla_decode_sm90", PARAMS, THREADS, shared_bytes(), headers, "sm_90a", dependent_launch=True
+            SOURCE,
+            "nvfp4_mla_decode_sm90",
+            PARAMS,
+            THREADS,
+            shared_bytes(self.head_tile),
+            headers,
+            "sm_90a",
+            dependent_launch=True,
         )
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""
-        return {"BLOCK_N": BLOCK_N, "SMEM_BYTES": shared_bytes(), "CLUSTER": self.cluster, "DIM_PARTS": self.dim_parts}
+        return {
+            "BLOCK_N": BLOCK_N,
+            "HEAD_TILE": self.head_tile,
+            "SMEM_BYTES": shared_bytes(self.head_tile),
+            "CLUSTER": self.cluster,
+            "DIM_PARTS": self.dim_parts,
+        }
 
     def describe(self) -> str:
+        on_n = " (wgmma's N)" if self.head_tile == NARROW_HEAD_TILE else ""
         pairs = ", clusters of two blocks" if self.cluster == 2 else ""
         halves = ", half rows" if self.dim_parts == 2 else ""
-        return f"decode attention (wgmma, sm_90a), {self.head_tile} heads a block{pairs}{halves}"
+        return f"decode attention (wgmma, sm_90a), {self.head_tile} heads a block{on_n}{pairs}{halves}"
 
 
 def specs(arch: str) -> tuple[WgmmaAttentionSpec, ...]:
@@ -98,13 +125,13 @@ def cluster_of(num_heads: int, dim_parts: int = 1) -> int:
     return 2 if head_tiles % 2 == 0 or (head_tiles == 1 and dim_parts == 2) else 1
 
 
-def q_tensor_map(num_heads: int, rows: int) -> Bf16TensorMap:
+def q_tensor_map(num_heads: int, rows: int, head_tile: int = HEAD_TILE) -> Bf16TensorMap:
     """The map of q (BF16 [rows, num_heads, 512], contiguous) that the kernel loads an item's Q
-    through: dims (512, num_heads, rows), boxes of 64 dims x 64 heads x 1 row (heads past
-    num_heads load as zeros)."""
+    through: dims (512, num_heads, rows), boxes of 64 dims x ``head_tile`` heads x 1 row (heads
+    past num_heads load as zeros)."""
     row_bytes = abi.HEAD_DIM * 2
     dims, strides = (abi.HEAD_DIM, num_heads, rows), (row_bytes, num_heads * row_bytes)
-    return Bf16TensorMap(dims, strides, (Q_SLAB_DIMS, HEAD_TILE, 1))
+    return Bf16TensorMap(dims, strides, (Q_SLAB_DIMS, head_tile, 1))
 
 
 def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int) -> Attention:
