@@ -49,8 +49,9 @@ class KernelLibrary:
         with one set is refused.
     decode_blocks
         The most blocks of a decode launch whose blocks walk their work items in turn (the
-        ``wgmma_sm90`` kernel's; rounded down to whole clusters); None: as many as the GPU holds
-        at once. A call that runs the ``mma_sync`` kernel (a block an item) with it is refused.
+        ``wgmma_sm90`` and ``wgmma_sm90_narrow`` kernels'; rounded down to whole clusters); None: as
+        many as the GPU holds at once. A call that runs the ``mma_sync`` kernel (a block an item)
+        with it is refused.
     decode_dim_parts
         The parts of a row's 512 output dims for the decode, an item (and block) each: 1, or 2
         (the ``wgmma_sm90`` kernel's half rows); None: the plan's choice. A call whose backend
