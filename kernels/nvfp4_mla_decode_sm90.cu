@@ -102,11 +102,7 @@
 #include "nvfp4_mla_decode.cuh"
 
 constexpr int HT = HEAD_TILE;                    // heads of a block: the M of every wgmma, or with NARROW its N
-// NARROW (16 heads a block): the heads are wgmma's N, so no MMA row is padding. One consumer
-// warpgroup computes S^T = K.Q^T and O^T = V^T.P^T (m64n16k16: 64 tokens or 64 dims by 16 heads),
-// its O^T in 64 registers a thread; the register file this frees runs a second producer
-// warpgroup, each producer gathering and dequantizing one of a tile's two units.
-constexpr bool NARROW = HT == 16;
+constexpr bool NARROW = HT == 16;                // one consumer warpgroup, two producers (the header comment)
 constexpr int PRODUCERS = NARROW ? 2 : 1;        // producer warpgroups
 constexpr int CONSUMERS = NARROW ? 1 : 2;        // consumer warpgroups
 constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
@@ -332,8 +328,7 @@ __device__ __forceinline__ void wgmma_m64n64(float (&d)[32], u64 desc_a, u64 des
 }
 
 // NARROW: d (64 x 16, fp32) += A (64 x 16, shared; TRANS_A 0: K-major, 1: MN-major) * B (16 x 16,
-// shared, K-major).
-// scale_d 0: d = A * B (d's values ignored).
+// shared, K-major); with scale_d 0, d = A * B (d's values ignored).
 template <int TRANS_A>
 __device__ __forceinline__ void wgmma_m64n16(float* d, u64 desc_a, u64 desc_b, int scale_d) {
     asm volatile(
@@ -1089,7 +1084,7 @@ __device__ __forceinline__ void issue_scores_t(float (&s)[8], u64 desc_k, u64 de
     fence_registers(s);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < QK_STEPS; ++k)  // from k-step 0 on s = K.Q^T: no instruction but the wgmma defines s
+    for (int k = 0; k < QK_STEPS; ++k)  // k-step 0 overwrites s: only the wgmma writes S^T's registers
         wgmma_m64n16<0>(s, desc_k + k * QK_K_STEP, desc_q + (((k >> 2) * Q_SLAB + (k & 3) * 32) >> 4), k > 0);
     wgmma_commit();
 }

@@ -94,7 +94,7 @@ class CombineSpec(NamedTuple):
 # blocks waste no MMA rows, yet from 2 rows its paired half rows win 1.01-1.27x (2-24 rows, 640
 # and 1,152 tokens); at 1 row they tie (0.98-1.02x), so below 33 heads it takes over from 2 rows.
 # Its NARROW build (16 heads as wgmma's N, two producer warpgroups) beats that from 6 rows at up
-# to 16 heads, 1.05-1.29x (6-256 rows, 640-8,320 tokens); at 4 rows they tie (0.92-1.00x), and
+# to 16 heads, 1.05-1.29x (6-256 rows, 640-8,320 tokens); at 4 rows they tie (0.92-1.01x), and
 # below, a block a tile of a split, it is slower (0.88-0.95x).
 WGMMA_MIN_HEADS = 33
 WGMMA_MIN_ROWS = 2  # below WGMMA_MIN_HEADS

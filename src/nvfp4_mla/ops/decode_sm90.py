@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 SOURCE = "nvfp4_mla_decode_sm90.cu"
 HEAD_TILE = 64  # heads a block: the M of every wgmma
 BLOCK_N = 64  # selected tokens a tile
-THREADS = 3 * 128  # consumer 0, consumer 1, the producer
+THREADS = 3 * 128  # consumer 0, consumer 1, the producer; NARROW: a consumer, two producers
 GATHER_UNIT = 32  # tokens the producer copies at once (two units a tile)
 RAW_RECORD_BYTES = abi.RECORD_BYTES + 16  # a copied record in shared memory, padded: conflict-free reads
 Q_SLAB_DIMS = 64  # dims of q a tensor copy loads (128-byte rows, the swizzle's width)
