@@ -58,19 +58,20 @@ FAKE_GPUS = {  # capability -> a Device as the planners see it (SMs, shared-memo
 @pytest.mark.parametrize("capability", FAKE_GPUS)
 @pytest.mark.parametrize("heads", [1, 16, 17, 32, 33, 64, 128])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 32, 256])
-def test_selection_rule(capability, heads, rows):
+@pytest.mark.parametrize("tokens", [1, 640, 4095, 4096, 8320])
+def test_selection_rule(capability, heads, rows, tokens):
     """By architecture, then shape: on sm_90 the wgmma kernel's NARROW build up to 16 heads from 6
-    query rows, its 64-head build from 33 heads or from 2 query rows, the mma.sync kernel
-    everywhere else; only backends that support the GPU are compiled for it."""
+    query rows, its 64-head build from 17 heads, from 2 query rows or from 4,096 selected tokens,
+    the mma.sync kernel everywhere else; only backends that support the GPU are compiled for it."""
     gpu = FAKE_GPUS[capability]
     hopper = capability == 90
     if hopper and heads <= 16 and rows >= 6:
         want = "wgmma_sm90_narrow"
-    elif hopper and (heads >= 33 or rows >= 2):
+    elif hopper and (heads >= 17 or rows >= 2 or tokens >= 4096):
         want = "wgmma_sm90"
     else:
         want = "mma_sync"
-    assert decode.select_backend(gpu, heads, rows).name == want
+    assert decode.select_backend(gpu, heads, rows, tokens).name == want
     for name in ("wgmma_sm90", "wgmma_sm90_narrow"):
         assert decode.BACKENDS[name].supports(gpu.capability) == hopper
     for spec in decode.specs(gpu.arch):

@@ -89,30 +89,35 @@ class CombineSpec(NamedTuple):
 
 # The shape rule's thresholds (H200, `nvfp4-mla bench decode --quick --backends` and graph-replayed
 # A/Bs): on sm_90 the wgmma kernel (64 heads a block, in clusters of two blocks that share each
-# dequantized tile) wins from 33 heads, 1.5-2.6x over the mma.sync kernel at 64-128 rows and
-# 1.4-1.6x at 1-2 rows. With 16 heads it pads to 64 heads where the mma.sync kernel's 16-head
-# blocks waste no MMA rows, yet from 2 rows its paired half rows win 1.01-1.27x (2-24 rows, 640
-# and 1,152 tokens); at 1 row they tie (0.98-1.02x), so below 33 heads it takes over from 2 rows.
-# Its NARROW build (16 heads as wgmma's N, two producer warpgroups) beats that from 6 rows at up
-# to 16 heads, 1.05-1.29x (6-256 rows, 640-8,320 tokens); at 4 rows they tie (0.92-1.01x), and
-# below, a block a tile of a split, it is slower (0.88-0.95x).
-WGMMA_MIN_HEADS = 33
+# dequantized tile) wins from 17 heads at every row count: 1.5-2.6x over the mma.sync kernel at
+# 64-128 rows and 1.4-1.6x at 1-2 rows from 33 heads, 1.05-1.32x at 1 row and 17-32 heads (whose
+# mma.sync blocks take 32 heads). Up to 16 heads it pads to 64 heads where the mma.sync kernel's
+# 16-head blocks waste no MMA rows, yet from 2 rows its paired half rows win 1.01-1.27x (2-24 rows,
+# 640 and 1,152 tokens), and at 1 row from 4,096 selected tokens, 1.02-1.25x (8-16 heads, 4,224
+# and 8,320 tokens; below, 0.92-1.03x). Its NARROW build (16 heads as wgmma's N, two producer
+# warpgroups) beats that from 6 rows at up to 16 heads, 1.05-1.29x (6-256 rows, 640-8,320 tokens);
+# at 4 rows they tie (0.92-1.01x), and below, a block a tile of a split, it is slower (0.88-0.95x).
+WGMMA_MIN_HEADS = 17
 WGMMA_MIN_ROWS = 2  # below WGMMA_MIN_HEADS
+WGMMA_MIN_TOKENS = 4096  # selected tokens a row, below WGMMA_MIN_HEADS and WGMMA_MIN_ROWS
 NARROW_MAX_HEADS = decode_sm90_narrow.HEAD_TILE
 NARROW_MIN_ROWS = 6
 
 
-def select_backend(gpu: Device, num_heads: int, rows: int) -> DecodeBackend:
-    """The backend of a call of ``rows`` query rows of ``num_heads`` heads: by architecture first
-    (the backends that support the GPU), then by shape where measurements show one wins: on Hopper
-    the ``wgmma`` kernel's NARROW build up to :data:`NARROW_MAX_HEADS` heads from
-    :data:`NARROW_MIN_ROWS` rows, its 64-head build from :data:`WGMMA_MIN_HEADS` heads or from
-    :data:`WGMMA_MIN_ROWS` rows, else the ``mma.sync`` kernel (every GPU). docs/format.md section
-    12 and docs/performance.md give the numbers."""
+def select_backend(gpu: Device, num_heads: int, rows: int, tokens: int) -> DecodeBackend:
+    """The backend of a call of ``rows`` query rows of ``num_heads`` heads over ``tokens`` selected
+    tokens a row (both tables' widths): by architecture first (the backends that support the
+    GPU), then by shape where measurements show one wins: on Hopper the ``wgmma`` kernel's NARROW
+    build up to :data:`NARROW_MAX_HEADS` heads from :data:`NARROW_MIN_ROWS` rows, its 64-head
+    build from :data:`WGMMA_MIN_HEADS` heads, from :data:`WGMMA_MIN_ROWS` rows or from
+    :data:`WGMMA_MIN_TOKENS` tokens, else the ``mma.sync`` kernel (every GPU). docs/format.md
+    section 12 and docs/performance.md give the numbers."""
     wgmma, narrow = BACKENDS["wgmma_sm90"], BACKENDS["wgmma_sm90_narrow"]
     if narrow.supports(gpu.capability) and num_heads <= NARROW_MAX_HEADS and rows >= NARROW_MIN_ROWS:
         return narrow
-    if wgmma.supports(gpu.capability) and (num_heads >= WGMMA_MIN_HEADS or rows >= WGMMA_MIN_ROWS):
+    if wgmma.supports(gpu.capability) and (
+        num_heads >= WGMMA_MIN_HEADS or rows >= WGMMA_MIN_ROWS or tokens >= WGMMA_MIN_TOKENS
+    ):
         return wgmma
     return BACKENDS["mma_sync"]
 
@@ -153,7 +158,7 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
     if forced is not None and forced not in BACKENDS:
         raise ValueError(f"decode backend {forced!r} is not one of {sorted(BACKENDS)}")
     gpu = device_info(device_index)
-    backend = select_backend(gpu, num_heads, rows) if forced is None else BACKENDS[forced]
+    backend = select_backend(gpu, num_heads, rows, k_swa + k_extra) if forced is None else BACKENDS[forced]
     if not backend.supports(gpu.capability):
         raise ValueError(f"decode backend {backend.name!r} does not run on {gpu.arch}")
     if lib.decode_head_tile is not None and backend is not BACKENDS["mma_sync"]:
