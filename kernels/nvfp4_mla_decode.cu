@@ -3,10 +3,11 @@
 //
 // nvfp4_mla_decode (COMBINE 0): one block per (query row, head tile of HEAD_TILE heads, split).
 //   Warp w owns row block w / DIM_SPLIT (16 heads: the M of the MMAs) and dims slice w % DIM_SPLIT
-//   (COLS = 512 / DIM_SPLIT dims) for both products; its Q fragments are stored once in shared
-//   memory in the MMA's register layout (a lane reads its own 16 bytes a k-step). The block walks
-//   its split's tiles of BLOCK_N = 32 selected tokens (the sliding-window table's entries, then
-//   the extra pool's). Per tile t:
+//   (COLS = 512 / DIM_SPLIT dims) for both products; its Q fragments, in the MMA's register
+//   layout, stay in registers with 4 warps a row block (32 a thread), else are stored once in
+//   shared memory (a lane reads its own 16 bytes a k-step). The block walks its split's tiles of
+//   BLOCK_N = 32 selected tokens (the sliding-window table's entries, then the extra pool's).
+//   Per tile t:
 //     1. Warp 0 (a lane per token) turned tile t's slots, loaded two tiles ahead, into record
 //        addresses during tile t - 1 (0 and a clear live bit when masked: an invalid slot or an
 //        entry past lens, whose record and even slot beyond lens are never read), and the block
@@ -57,6 +58,9 @@ constexpr int MIN_BLOCKS = 1;
 constexpr int DEQUANTIZE_UNROLL = DIM_SPLIT == 2 ? 1 : 2;
 constexpr int TOKEN_THREADS = THREADS / BLOCK_N;  // threads copying one record
 constexpr int ROW_ELEMS = HEAD_DIM + 8;  // BF16 a shared K row: 16 bytes of padding make ldmatrix conflict-free
+// Q in registers where a warp's dims slice is 128 (32 registers a thread); with 256 (64 heads a
+// block: 128 accumulators a thread) it is read from shared memory each tile.
+constexpr bool Q_IN_REGISTERS = DIM_SPLIT == 4;
 
 static_assert(WARPS == ROW_BLOCKS * DIM_SPLIT && HT % 16 == 0, "one warp per (row block, dims slice)");
 static_assert(BN == 32 && S_TILES == 4, "a lane per token when addressing; two P.V k-steps");
@@ -64,9 +68,9 @@ static_assert(TOKEN_THREADS * BN == THREADS && RECORD_CHUNKS % TOKEN_THREADS == 
 static_assert(N_TILES % 2 == 0 && K_STEPS >= 1, "P.V: n-tile pairs per ldmatrix");
 static_assert(HEAD_DIM / 8 == 64 && NOPE_CHUNKS == 56, "dequantize: lane L chunks L and L + 32, RoPE from 56");
 
-// Shared memory, in bytes (decode.shared_bytes counts the same).
-constexpr int SM_Q = 0;                                // uint4 [WARPS][K_STEPS][32]: Q fragments
-constexpr int SM_K = SM_Q + WARPS * K_STEPS * 32 * 16; // BF16 [BN][ROW_ELEMS]: K and V
+// Shared memory, in bytes (decode_mma.shared_bytes counts the same).
+constexpr int SM_Q = 0;                                // uint4 [WARPS][K_STEPS][32]: Q fragments (not with Q_IN_REGISTERS)
+constexpr int SM_K = SM_Q + (Q_IN_REGISTERS ? 0 : WARPS * K_STEPS * 32 * 16);  // BF16 [BN][ROW_ELEMS]: K and V
 constexpr int SM_RAW = SM_K + BN * ROW_ELEMS * 2;      // u8 [BN][384]: records (data row, scale slot)
 constexpr int SM_X = SM_RAW + BN * RECORD;             // float4 [WARPS][S_TILES][32]: partial scores
 constexpr int SM_TOKEN = SM_X + WARPS * S_TILES * 32 * 16;  // u64 [BN]: data-row address (0: masked)
@@ -218,7 +222,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
     // 1 x 2 rows of 16 heads over 1,024 tokens on the H200 (it launches when the blocks end).
     wait_for_prior_grids();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    uint4* const qf = reinterpret_cast<uint4*>(smem + SM_Q) + warp * K_STEPS * 32 + lane;  // this lane's
     const int row_block = warp / DIM_SPLIT, slice = warp % DIM_SPLIT;
     const int g = lane >> 2, quad = lane & 3, m8 = lane >> 3;  // MMA fragment coordinates
     const i64 num_heads = p.num_heads, num_splits = p.num_splits;
@@ -235,21 +238,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
     const float score_scale = static_cast<float>(p.score_scale);
 
     // Slots two tiles ahead (warp 0), then the Q fragments of the warp's rows and dims slice:
-    // qf[32 k] is the A operand of k-step k (rows g and g + 8, dims 2 quad + {0, 1} and + 8).
-    // Heads past num_heads are zero rows.
+    // fragment k is the A operand of k-step k (rows g and g + 8, dims 2 quad + {0, 1} and + 8),
+    // in registers or at qf[32 k]. Heads past num_heads are zero rows.
     if (warp == 0) {
         for (int t = tile_begin; t < tile_end && t < tile_begin + 2; ++t)
             fetch_slot(p, row, t, swa_live, extra_live, slot_words, lane);
     }
+    uint4* const qf = reinterpret_cast<uint4*>(smem + SM_Q) + warp * K_STEPS * 32 + lane;  // this lane's (not Q_IN_REGISTERS)
+    uint4 q_regs[Q_IN_REGISTERS ? K_STEPS : 1];
     {
         const bool lo_ok = head0 + g < num_heads, hi_ok = head0 + g + 8 < num_heads;
         const u32* q_lo = reinterpret_cast<const u32*>(p.q + ((row * num_heads + head0 + g) * HEAD_DIM + slice * COLS));
         const u32* q_hi = q_lo + 8 * HEAD_DIM / 2;
 #pragma unroll
         for (int k = 0; k < K_STEPS; ++k) {
-            qf[k * 32] = make_uint4(lo_ok ? __ldg(q_lo + k * 8 + quad) : 0u, hi_ok ? __ldg(q_hi + k * 8 + quad) : 0u,
-                                    lo_ok ? __ldg(q_lo + k * 8 + 4 + quad) : 0u,
-                                    hi_ok ? __ldg(q_hi + k * 8 + 4 + quad) : 0u);
+            const uint4 q = make_uint4(lo_ok ? __ldg(q_lo + k * 8 + quad) : 0u, hi_ok ? __ldg(q_hi + k * 8 + quad) : 0u,
+                                       lo_ok ? __ldg(q_lo + k * 8 + 4 + quad) : 0u,
+                                       hi_ok ? __ldg(q_hi + k * 8 + 4 + quad) : 0u);
+            if constexpr (Q_IN_REGISTERS)
+                q_regs[k] = q;
+            else
+                qf[k * 32] = q;
         }
     }
     for (int byte = tid; byte < 256; byte += THREADS) scale_pairs[byte] = e4m3_bf16x2(byte);  // before the first barrier
@@ -287,7 +296,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
         float s[S_TILES][4] = {}, s_odd[S_TILES][4] = {};
 #pragma unroll
         for (int k = 0; k < K_STEPS; ++k) {
-            const uint4 q = qf[k * 32];
+            uint4 q;
+            if constexpr (Q_IN_REGISTERS)
+                q = q_regs[k];
+            else
+                q = qf[k * 32];
             const u32 qa[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
             for (int pair = 0; pair < S_TILES / 2; ++pair) {

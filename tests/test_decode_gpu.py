@@ -28,6 +28,7 @@ from nvfp4_mla import abi, validation
 from nvfp4_mla.device import device_info
 from nvfp4_mla.ops import decode, decode_mma, decode_sm90
 from nvfp4_mla.testing import dirty_allocator, make_cache
+from nvfp4_mla.testing.kernels import VirtualArchKernels
 
 pytestmark = pytest.mark.gpu
 
@@ -352,6 +353,23 @@ def test_every_head_tile_and_split(seed, heads, head_tile):
         plan, got = planned(q, pools, head_tile, num_splits, sinks)
         assert plan.num_splits == num_splits and (plan.combine is None) == (num_splits == 1)
         check(got, want, f"heads {heads} tile {head_tile} splits {num_splits}")
+
+
+SM80_PTX = VirtualArchKernels("sm_80")  # compiled on first use, kept in memory
+
+
+@pytest.mark.parametrize("head_tile", decode_mma.HEAD_TILES)
+def test_the_mma_sync_kernel_as_sm_80_ptx(seed, head_tile):
+    """The mma.sync kernel's sm_80 code, as PTX that the driver compiles for this GPU (the path of
+    an A100): each head tile, whole rows and splits of 1 to 6 tiles, against the float64 answer."""
+    if not head_tile_fits(head_tile):
+        pytest.skip(f"this GPU's blocks cannot hold the shared memory of {head_tile} heads")
+    q, pools, sinks, want = split_case(seed, 40, 200)
+    for num_splits in (1, 4):
+        library = nvfp4_mla.KernelLibrary(
+            SM80_PTX, decode_backend="mma_sync", decode_head_tile=head_tile, decode_splits=num_splits
+        )
+        check(run(q, pools, sinks=sinks, library=library), want, f"sm_80 PTX, tile {head_tile}, {num_splits} splits")
 
 
 def test_the_most_splits_the_combine_takes(seed):

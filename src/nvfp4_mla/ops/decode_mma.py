@@ -34,11 +34,17 @@ def attend_threads(head_tile: int) -> int:
     return 32 * head_tile // 16 * DIM_SPLITS[head_tile]
 
 
+def q_in_registers(head_tile: int) -> bool:
+    """Whether a warp keeps its Q fragments in registers (a dims slice of 128: 32 registers a
+    thread), else in shared memory (64 heads a block, whose 128 accumulators a thread leave no room)."""
+    return DIM_SPLITS[head_tile] == 4
+
+
 def shared_bytes(head_tile: int) -> int:
     """Dynamic shared memory of the attention kernel with ``head_tile`` heads a block (its layout
     is in the kernel, which checks this count)."""
     return (
-        head_tile * abi.HEAD_DIM * 2  # Q, as MMA fragments
+        (0 if q_in_registers(head_tile) else head_tile * abi.HEAD_DIM * 2)  # Q, as MMA fragments
         + BLOCK_N * (abi.HEAD_DIM + 8) * 2  # K (= V): padded BF16 rows
         + BLOCK_N * abi.RECORD_BYTES  # the tile's records
         + attend_threads(head_tile) * 4 * 4 * 4  # partial scores: 4 n-tiles x 4 fp32 a thread
