@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from .. import abi
 from ..device import Device
 from ..jit import NUMERICS_HEADER, Template
-from ..launch import TENSOR_MAP_BYTES, Bf16TensorMap
+from ..launch import TENSOR_MAP_BYTES, Bf16TensorMap, Launcher
 from .attention import ATTEND_PARAMS, DECODE_HEADER, Attention, DecodeBackend
 
 if TYPE_CHECKING:
@@ -142,12 +142,26 @@ def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int
     cluster = cluster_of(num_heads, dim_parts)
     spec = lib.spec(WgmmaAttentionSpec.of(cluster, dim_parts))
     launcher = lib.launcher(device.index, spec)
-    blocks = launcher.resident_blocks if lib.decode_blocks is None else min(lib.decode_blocks, launcher.resident_blocks)
+    blocks = persistent_blocks(lib, launcher)
     max_blocks = max(blocks - blocks % cluster, cluster)
     halves_pair = cluster_of(num_heads, 2) == 2 and cluster_of(num_heads) == 1
     return Attention(
-        launcher, shared_bytes(), spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts, halves_pair, q_tensor_map
+        launcher,
+        spec.template.max_shared_bytes,
+        spec.head_tile,
+        BLOCK_N,
+        max_blocks,
+        spec.dim_parts,
+        halves_pair,
+        q_tensor_map,
     )
+
+
+def persistent_blocks(lib: KernelLibrary, launcher: Launcher) -> int:
+    """The blocks of a launch whose blocks walk items: as many as the GPU holds at once, or
+    ``lib.decode_blocks`` if fewer."""
+    resident = launcher.resident_blocks
+    return resident if lib.decode_blocks is None else min(lib.decode_blocks, resident)
 
 
 BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, DIM_PARTS)

@@ -34,10 +34,10 @@ def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int
     most as many as the GPU holds at once; ``lib.decode_blocks`` lowers that)."""
     spec = lib.spec(SPEC)
     launcher = lib.launcher(device.index, spec)
-    blocks = launcher.resident_blocks if lib.decode_blocks is None else min(lib.decode_blocks, launcher.resident_blocks)
+    blocks = decode_sm90.persistent_blocks(lib, launcher)
     q_map = functools.partial(decode_sm90.q_tensor_map, head_tile=HEAD_TILE)
     return Attention(
-        launcher, decode_sm90.shared_bytes(HEAD_TILE), HEAD_TILE, decode_sm90.BLOCK_N, max(blocks, 1), 1, False, q_map
+        launcher, spec.template.max_shared_bytes, HEAD_TILE, decode_sm90.BLOCK_N, max(blocks, 1), 1, False, q_map
     )
 
 
