@@ -95,7 +95,7 @@
 // 512 dims: BF16, or fp32 with splits) and leave as the 64-head build's do.
 //
 // -D constants: BLOCK_N (64), HEAD_TILE (64 or 16: NARROW), SMEM_BYTES (232136 at 64 heads,
-// 202632 with NARROW: the host's count of the shared layout below, checked: ops/decode_sm90.py
+// 202488 with NARROW: the host's count of the shared layout below, checked: ops/decode_sm90.py
 // counts it too), CLUSTER (1 or 2), DIM_PARTS (1 or 2; NARROW: 1 and 1); THREADS (384)
 // and the record ABI come from jit.py/abi.py. What the attention kernels share (Params, the row finish, the softmax
 // helpers) is in nvfp4_mla_decode.cuh.
@@ -151,19 +151,21 @@ constexpr int SM_P = SM_Q + HT * HEAD_DIM * 2;         // BF16 P [HT heads, 64 t
 constexpr int SM_KV = SM_P + HT * BN * 2;              // BF16 K = V [2][64 tokens, 512]
 constexpr int SM_RAW = SM_KV + 2 * KV_BYTES;           // u8 [PRODUCERS][2][32][RAW_STRIDE]: raw records (data row, scale slot)
 constexpr int SM_SCALES = SM_RAW + PRODUCERS * RAW_BYTES;  // u32 [256]: e4m3_bf16x2 of every scale byte
-constexpr int SM_ALPHA = SM_SCALES + 256 * 4;          // float [HT]: a row's rescale factor this tile
-constexpr int SM_FACTOR = SM_ALPHA + HT * 4;           // float [HT]: a row's output factor
+// Not NARROW (consumer 0 to consumer 1, with P): float [HT] a row's rescale factor this tile, and its output factor.
+constexpr int SM_ALPHA = SM_SCALES + 256 * 4;
+constexpr int SM_FACTOR = SM_ALPHA + (NARROW ? 0 : HT * 4);
 // NARROW: float [2][4 warps][HT]: each consumer warp's per-head maxima of a tile (two tiles' worth,
 // so a warp may write the next tile's while another still reads this one's), and its sums at the end.
-constexpr int SM_EXCHANGE = SM_FACTOR + HT * 4;
+constexpr int SM_EXCHANGE = SM_FACTOR + (NARROW ? 0 : HT * 4);
 constexpr int SM_TILE_MASK = SM_EXCHANGE + (NARROW ? 2 * 4 * HT * 4 : 0);  // u32 [2][2][4]: a K/V buffer's live tokens (per half, per producer warp)
 constexpr int SM_BARRIERS = SM_TILE_MASK + 64;         // u64 [NUM_BARRIERS]: mbarriers
 // BAR_RAW + 8 g + 2 w + h: warp w of producer warpgroup g, its raw unit h (each warp gathers and
-// dequantizes its own 8 tokens). BAR_HELD + b: K/V buffer b held for an item's outputs is free
+// dequantizes its own 8 tokens). BAR_P_FULL, BAR_P_EMPTY (not NARROW): the shared P and factors
+// from consumer 0 to consumer 1. BAR_HELD + b: K/V buffer b held for an item's outputs is free
 // again (every consumer thread of the block arrives once its rows are out). BAR_Q: an item's Q has
 // landed (its tensor copies' bytes).
 constexpr int BAR_FULL = 0, BAR_EMPTY = 2, BAR_RAW = 4, BAR_P_FULL = BAR_RAW + 8 * PRODUCERS, BAR_P_EMPTY = BAR_P_FULL + 1,
-              BAR_HELD = BAR_P_EMPTY + 1, BAR_Q = BAR_HELD + 2, NUM_BARRIERS = BAR_Q + 1;
+              BAR_HELD = BAR_P_FULL + (NARROW ? 0 : 2), BAR_Q = BAR_HELD + 2, NUM_BARRIERS = BAR_Q + 1;
 static_assert(SM_BARRIERS + NUM_BARRIERS * 8 == SMEM_BYTES, "shared layout must match the host's count");
 static_assert(SM_RAW % 16 == 0 && RAW_STRIDE % 16 == 0 && SM_BARRIERS % 8 == 0, "aligned regions");
 
@@ -1353,8 +1355,10 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
         mbar_init(bars + (BAR_EMPTY + 0) * 8, CONSUMER_THREADS / 32 * CLUSTER);  // a consumer warp of each block
         mbar_init(bars + (BAR_EMPTY + 1) * 8, CONSUMER_THREADS / 32 * CLUSTER);
         for (int i = 0; i < 8 * PRODUCERS; ++i) mbar_init(bars + (BAR_RAW + i) * 8, RAW_ARRIVALS);
-        mbar_init(bars + BAR_P_FULL * 8, 128);
-        mbar_init(bars + BAR_P_EMPTY * 8, 128);
+        if constexpr (!NARROW) {
+            mbar_init(bars + BAR_P_FULL * 8, 128);
+            mbar_init(bars + BAR_P_EMPTY * 8, 128);
+        }
         mbar_init(bars + (BAR_HELD + 0) * 8, CONSUMER_THREADS);
         mbar_init(bars + (BAR_HELD + 1) * 8, CONSUMER_THREADS);
         mbar_init(bars + BAR_Q * 8, 1);

@@ -49,15 +49,16 @@ def producers(head_tile: int) -> int:
 def shared_bytes(head_tile: int = HEAD_TILE) -> int:
     """Dynamic shared memory of a block (its layout is in the kernel, which checks this count)."""
     narrow = head_tile == NARROW_HEAD_TILE
-    # Three per K/V buffer (full, empty, held), two per producer warp (its raw units), two for P, one for Q.
-    mbarriers = 3 * 2 + 2 * 4 * producers(head_tile) + 2 + 1
+    # Three per K/V buffer (full, empty, held), two per producer warp (its raw units), two for P
+    # between the consumers (not NARROW: one consumer), one for Q.
+    mbarriers = 3 * 2 + 2 * 4 * producers(head_tile) + (0 if narrow else 2) + 1
     return (
         head_tile * abi.HEAD_DIM * 2  # Q
         + 2 * BLOCK_N * abi.HEAD_DIM * 2  # K = V, two tile buffers
         + head_tile * BLOCK_N * 2  # P
         + producers(head_tile) * 2 * GATHER_UNIT * RAW_RECORD_BYTES  # two units of copied records a producer
         + 256 * 4  # every E4M3 scale byte as a BF16 pair
-        + 2 * head_tile * 4  # a row's rescale and output factors
+        + (0 if narrow else 2 * head_tile * 4)  # a row's rescale and output factors, for consumer 1
         + (2 * 4 * head_tile * 4 if narrow else 0)  # NARROW: the consumer warps' per-head maxima and sums
         + 64  # live tokens of the two tile buffers (per half, per producer warp)
         + mbarriers * 8
