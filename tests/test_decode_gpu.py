@@ -361,7 +361,8 @@ SM80_PTX = VirtualArchKernels("sm_80")  # compiled on first use, kept in memory
 @pytest.mark.parametrize("head_tile", decode_mma.HEAD_TILES)
 def test_the_mma_sync_kernel_as_sm_80_ptx(seed, head_tile):
     """The mma.sync kernel's sm_80 code, as PTX that the driver compiles for this GPU (the path of
-    an A100): each head tile, whole rows and splits of 1 to 6 tiles, against the float64 answer."""
+    an A100): each head tile, whole rows (11 tiles) and 4 splits of 2-3 tiles, against the float64
+    answer."""
     if not head_tile_fits(head_tile):
         pytest.skip(f"this GPU's blocks cannot hold the shared memory of {head_tile} heads")
     q, pools, sinks, want = split_case(seed, 40, 200)
