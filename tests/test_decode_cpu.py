@@ -56,18 +56,24 @@ FAKE_GPUS = {  # capability -> a Device as the planners see it (SMs, shared-memo
 
 
 @pytest.mark.parametrize("capability", FAKE_GPUS)
-@pytest.mark.parametrize("heads", [1, 16, 17, 32, 33, 64, 128])
+@pytest.mark.parametrize("heads", [1, 8, 9, 16, 17, 32, 33, 64, 128])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 32, 256])
 @pytest.mark.parametrize("tokens", [1, 640, 4095, 4096, 8320])
 def test_selection_rule(capability, heads, rows, tokens):
-    """By architecture, then shape: on sm_90 the wgmma kernel's NARROW build up to 16 heads from 6
-    query rows, its 64-head build from 17 heads, from 2 query rows or from 4,096 selected tokens,
-    the mma.sync kernel everywhere else; only backends that support the GPU are compiled for it."""
+    """By architecture, then shape. On sm_90: the wgmma kernel from 17 heads; below, its NARROW
+    build from 6 query rows or from 2 rows over 4,096 selected tokens, its 64-head build at 1 row
+    over 4,096 tokens and at 2-5 rows above 8 heads. The mma.sync kernel everywhere else; only
+    backends that support the GPU are compiled for it."""
     gpu = FAKE_GPUS[capability]
     hopper = capability == 90
-    if hopper and heads <= 16 and rows >= 6:
+    long = tokens >= 4096
+    if not hopper:
+        want = "mma_sync"
+    elif heads >= 17:
+        want = "wgmma_sm90"
+    elif rows >= 6 or (rows >= 2 and long):
         want = "wgmma_sm90_narrow"
-    elif hopper and (heads >= 17 or rows >= 2 or tokens >= 4096):
+    elif (rows == 1 and long) or (rows >= 2 and heads > 8):
         want = "wgmma_sm90"
     else:
         want = "mma_sync"

@@ -88,36 +88,43 @@ class CombineSpec(NamedTuple):
 
 
 # The shape rule's thresholds (H200, `nvfp4-mla bench decode --quick --backends` and graph-replayed
-# A/Bs): on sm_90 the wgmma kernel (64 heads a block, in clusters of two blocks that share each
-# dequantized tile) wins from 17 heads at every row count: 1.5-2.6x over the mma.sync kernel at
-# 64-128 rows and 1.4-1.6x at 1-2 rows from 33 heads, 1.05-1.32x at 1 row and 17-32 heads (whose
-# mma.sync blocks take 32 heads). Up to 16 heads it pads to 64 heads where the mma.sync kernel's
-# 16-head blocks waste no MMA rows, yet from 2 rows its paired half rows win 1.01-1.27x (2-24 rows,
-# 640 and 1,152 tokens), and at 1 row from 4,096 selected tokens, 1.02-1.25x (8-16 heads, 4,224
-# and 8,320 tokens; below, 0.92-1.03x). Its NARROW build (16 heads as wgmma's N, two producer
-# warpgroups) beats that from 6 rows at up to 16 heads, 1.05-1.29x (6-256 rows, 640-8,320 tokens);
-# at 4 rows they tie (0.92-1.01x), and below, a block a tile of a split, it is slower (0.88-0.95x).
+# A/Bs, docs/performance.md): on sm_90 the wgmma kernel (64 heads a block, in clusters of two
+# blocks that share each dequantized tile) wins from 17 heads at every row count: 1.5-2.6x over the
+# mma.sync kernel at 64-128 rows and 1.4-1.6x at 1-2 rows from 33 heads, 1.05-1.32x at 1 row and
+# 17-32 heads (whose mma.sync blocks take 32 heads). Up to 16 heads:
+# - its NARROW build (16 heads as wgmma's N) from 6 rows, 1.05-1.29x over the 64-head build (6-256
+#   rows, 640-8,320 tokens; at 4 rows they tie), and from 2 rows over 4,096 tokens, 1.065-1.29x
+#   (8 and 16 heads, 2-5 rows, 4,224 tokens);
+# - below those, the 64-head build in paired half rows from 2 rows (1.01-1.27x at 16 heads) but
+#   the mma.sync kernel up to 8 heads (1.05-1.24x over the wgmma build at 2-5 rows, 640-2,176
+#   tokens, 4 and 8 heads, one shape 0.96x; its 16-head blocks pad 8 heads to 16, the wgmma
+#   build to 64);
+# - at 1 row the 64-head build from 4,096 tokens (1.02-1.25x at 8-16 heads), else the mma.sync
+#   kernel (0.92-1.03x).
 WGMMA_MIN_HEADS = 17
-WGMMA_MIN_ROWS = 2  # below WGMMA_MIN_HEADS
-WGMMA_MIN_TOKENS = 4096  # selected tokens a row, below WGMMA_MIN_HEADS and WGMMA_MIN_ROWS
+LONG_TOKENS = 4096  # selected tokens a row from which the Hopper builds win at 1-5 rows too
 NARROW_MAX_HEADS = decode_sm90_narrow.HEAD_TILE
-NARROW_MIN_ROWS = 6
+NARROW_MIN_ROWS = 6  # or from 2 rows over LONG_TOKENS
+MMA_MAX_HEADS = 8  # at 2-5 rows under LONG_TOKENS: the mma.sync kernel up to this many heads
 
 
 def select_backend(gpu: Device, num_heads: int, rows: int, tokens: int) -> DecodeBackend:
     """The backend of a call of ``rows`` query rows of ``num_heads`` heads over ``tokens`` selected
     tokens a row (both tables' widths): by architecture first (the backends that support the
-    GPU), then by shape where measurements show one wins: on Hopper the ``wgmma`` kernel's NARROW
-    build up to :data:`NARROW_MAX_HEADS` heads from :data:`NARROW_MIN_ROWS` rows, its 64-head
-    build from :data:`WGMMA_MIN_HEADS` heads, from :data:`WGMMA_MIN_ROWS` rows or from
-    :data:`WGMMA_MIN_TOKENS` tokens, else the ``mma.sync`` kernel (every GPU). docs/format.md
-    section 12 and docs/performance.md give the numbers."""
+    GPU), then by shape where measurements show one wins. On Hopper: from
+    :data:`WGMMA_MIN_HEADS` heads the ``wgmma`` kernel; below, its NARROW build from
+    :data:`NARROW_MIN_ROWS` rows or from 2 rows over :data:`LONG_TOKENS` tokens, at 1 row the
+    64-head build over :data:`LONG_TOKENS` tokens, at 2-5 rows the 64-head build above
+    :data:`MMA_MAX_HEADS` heads; everything else (and every call on other GPUs) runs the
+    ``mma.sync`` kernel. docs/format.md section 12 and docs/performance.md give the numbers."""
     wgmma, narrow = BACKENDS["wgmma_sm90"], BACKENDS["wgmma_sm90_narrow"]
-    if narrow.supports(gpu.capability) and num_heads <= NARROW_MAX_HEADS and rows >= NARROW_MIN_ROWS:
+    long = tokens >= LONG_TOKENS
+    if wgmma.supports(gpu.capability) and num_heads >= WGMMA_MIN_HEADS:
+        return wgmma
+    few_heads_enough_rows = num_heads <= NARROW_MAX_HEADS and (rows >= NARROW_MIN_ROWS or (rows >= 2 and long))
+    if narrow.supports(gpu.capability) and few_heads_enough_rows:
         return narrow
-    if wgmma.supports(gpu.capability) and (
-        num_heads >= WGMMA_MIN_HEADS or rows >= WGMMA_MIN_ROWS or tokens >= WGMMA_MIN_TOKENS
-    ):
+    if wgmma.supports(gpu.capability) and (long if rows == 1 else num_heads > MMA_MAX_HEADS):
         return wgmma
     return BACKENDS["mma_sync"]
 
