@@ -96,7 +96,7 @@ class CombineSpec(NamedTuple):
 #   rows, 640-8,320 tokens; at 4 rows they tie), and from 2 rows over 4,096 tokens, 1.065-1.29x
 #   (8 and 16 heads, 2-5 rows, 4,224 tokens);
 # - below those, the 64-head build in paired half rows from 2 rows (1.01-1.27x at 16 heads) but
-#   the mma.sync kernel up to 8 heads (1.05-1.24x over the wgmma build at 2-5 rows, 640-2,176
+#   the mma.sync kernel up to 8 heads (1.05-1.27x over the wgmma build at 2-5 rows, 640-2,176
 #   tokens, 4 and 8 heads, one shape 0.96x; its 16-head blocks pad 8 heads to 16, the wgmma
 #   build to 64);
 # - at 1 row the 64-head build from 4,096 tokens (1.02-1.25x at 8-16 heads), else the mma.sync
