@@ -316,6 +316,33 @@ def test_decode_shapes_of_the_benchmark(backend, seed):
     check(run(q, pools, sinks=sinks, library=backend), exact(q, pools, sinks=sinks), "benchmark shape")
 
 
+def test_the_largest_prefill(backend, seed):
+    """16,384 query rows (4 x 4,096) of 128 heads over 128 + 512 selections, the largest call
+    DeepSeek-V4 makes: q and out are 2 GiB each, so the byte offsets of the last rows pass 2^31.
+    Every output element is written (out starts as NaN bytes), and 64 rows (the first and the
+    last among them) are within the tolerances of the float64 answer."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(16, 64, g), Pool(64, 64, g)
+    batch, q_len, heads = 4, 4096, 128
+    rows = batch * q_len
+    swa_slots = swa.slots((batch, q_len, 128), g, torch.int32, invalid=0.05)
+    extra_slots, extra_lens = extra.slots((batch, q_len, 512), g), lengths(batch, q_len, 512, g)
+    q = torch.randn(batch, q_len, heads, abi.HEAD_DIM, device=DEVICE, dtype=BF16,
+                    generator=torch.Generator(DEVICE).manual_seed(seed))  # fmt: skip
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    pools = [(swa, swa_slots, None), (extra, extra_slots, extra_lens)]
+    out, lse = run(q, pools, sinks=sinks, library=backend)
+    assert not torch.isnan(out).any()
+    sample = torch.cat([torch.tensor([0, rows - 1]), torch.randperm(rows - 2, generator=g)[:62] + 1]).to(DEVICE)
+
+    def rows_of(x: torch.Tensor) -> torch.Tensor:  # [batch, q_len, ...] -> the sampled rows as [64, 1, ...]
+        return x.reshape(rows, 1, *x.shape[2:])[sample]
+
+    sampled = [(swa, rows_of(swa_slots), None), (extra, rows_of(extra_slots), rows_of(extra_lens))]
+    want = exact(rows_of(q), sampled, sinks=sinks)
+    check((rows_of(out), rows_of(lse)), want, f"{rows} rows, 64 sampled")
+
+
 # ---------------------------------------------------------------- head tiles and splits
 
 
