@@ -734,6 +734,7 @@ def test_decode_shapes_and_set_counts():
     full, quick = bench_decode.shapes(False), bench_decode.shapes(True)
     assert len(full) == 4 * 2 * 3 * 2 == len(set(full)) and set(quick) <= set(full)
     assert {s[0] for s in quick} == {1, 64} and {s[0] for s in full} == {1, 8, 64, 128}
+    assert bench_decode.prefill_shapes() == [(4096, 1, 128, 512), (16384, 1, 128, 512)]  # issue 25's prefill
     # The published H200 run (60 MiB of L2): the sets column of docs/bench_decode_h200.md.
     l2 = 60 << 20
     assert bench_decode.set_count((1, 1, 128, 512), l2) == bench_decode.MAX_SETS == 8  # 240 KiB of records
@@ -750,39 +751,55 @@ def test_decode_bytes_flops_and_rooflines_match_the_published_run():
     assert nbytes == 2 * 128 * 512 * 2 + 128 * 4 + 640 * (384 + 4)
     assert flops == 4 * 512 * 640 * 128
     # docs/bench_decode_h200.md: 15.7 us -> 10.7 TFLOP/s, 0.766% bytes, 1.56% flops (binding).
-    ceilings = {"copy": 4.25e12, "matmul": 687e12}
+    ceilings = {"copy": 4.25e12, "matmul": 687e12, "launch": 2.0e-6}
     row = {"fused_graph_us": 15.7}
     bench_decode.add_rooflines(row, (1, 1, 128, 512), ceilings)
     assert row["fused_tflops"] == pytest.approx(10.69, rel=1e-3)
     assert row["bytes_pct"] == pytest.approx(0.766, rel=1e-3) and row["flops_pct"] == pytest.approx(1.555, rel=1e-3)
     assert row["binding"] == "flops" and row["roofline_pct"] == row["flops_pct"]
+    # Issue 25's byte roofline adds one empty launch to the bytes' time: (0.120 + 2.0) / 15.7 us.
+    assert row["byte_roofline_pct"] == pytest.approx(row["bytes_pct"] + 100 * 2.0 / 15.7, rel=1e-9)
     row = {"fused_graph_us": 11.0}
     bench_decode.add_rooflines(row, (1, 1, 16, 512), ceilings)
     assert row["binding"] == "bytes" and row["roofline_pct"] == row["bytes_pct"] == pytest.approx(0.603, rel=1e-2)
 
 
-def _decode_row(batch: int, heads: int, **values: float) -> dict:
-    return {"batch": batch, "q_len": 1, "heads": heads, "tokens": 640, **values}
+def _decode_row(batch: int, heads: int, choice: str = "rule", **values: float) -> dict:
+    return {"batch": batch, "q_len": 1, "heads": heads, "tokens": 640, "choice": choice, **values}
 
 
 def test_decode_verdicts():
     rows = [
         _decode_row(1, 16, vs_torch_bf16=4.5, roofline_pct=1.0, fused_graph_us=13.0),
-        _decode_row(64, 16, vs_torch_bf16=3.9, roofline_pct=45.0, fused_graph_us=40.0),
+        _decode_row(64, 16, vs_torch_bf16=3.9, roofline_pct=45.0, byte_roofline_pct=51.0, fused_graph_us=40.0),
         _decode_row(1, 128, vs_torch_bf16=2.5, roofline_pct=2.0, fused_graph_us=16.0),
-        _decode_row(64, 128, vs_torch_bf16=2.0, roofline_pct=41.0, fused_graph_us=90.0),
-        _decode_row(64, 128, fused_graph_us=1.0, roofline_pct=1.0),  # a head-tile row: no comparison
+        _decode_row(64, 128, vs_torch_bf16=2.0, roofline_pct=41.0, flops_pct=41.0, fused_graph_us=90.0),
+        # Forced rows (a head tile, another backend): no comparison, no issue 25 verdict.
+        _decode_row(64, 128, "forced", fused_graph_us=1.0, roofline_pct=1.0, flops_pct=99.0),
+        _decode_row(64, 16, "forced", fused_graph_us=1.0, roofline_pct=1.0, byte_roofline_pct=1.0),
+        _decode_row(1, 128, "forced", fused_graph_us=99.0),
+        # Prefill (the fused arm alone): 16384 rows at 0.99 of 4096's TFLOP/s.
+        _decode_row(4096, 128, fused_tflops=400.0, flops_pct=55.0, fused_graph_us=900.0),
+        _decode_row(16384, 128, fused_tflops=396.0, flops_pct=54.0, fused_graph_us=3600.0),
     ]
     assert bench_decode.verdicts(rows) == [
         "vs torch_bf16, heads <= 32 (min speedup): 3.9 (goal 4) MISSED",
         "vs torch_bf16, heads 128 (min speedup): 2 (goal 2) met",
         "batch >= 32, % of binding roofline (min): 41 (goal 40) met",
         "batch 1, heads 128, graph us (max): 16 (goal 15) MISSED",
+        "issue 25: heads 128, >= 64 rows, % of the matmul (min): 41 (goal 50) MISSED",
+        "issue 25: heads 16, >= 64 rows, % of the byte roofline with a launch (min): 51 (goal 50) met",
+        "issue 25: 1 row, heads 128, 640 tokens, graph us (max): 16 (goal 10) MISSED",
+        "issue 25: prefill TFLOP/s, 16384 rows / 4096: 0.99 (goal 1) MISSED",
     ]
     assert bench_decode.verdicts(rows[2:3]) == [
         "vs torch_bf16, heads 128 (min speedup): 2.5 (goal 2) met",
         "batch 1, heads 128, graph us (max): 16 (goal 15) MISSED",
+        "issue 25: 1 row, heads 128, 640 tokens, graph us (max): 16 (goal 10) MISSED",
     ]  # a target without rows has no verdict
+    assert bench_decode.verdicts(rows[-1:]) == [
+        "issue 25: heads 128, >= 64 rows, % of the matmul (min): 54 (goal 50) met",
+    ]  # the prefill ratio needs both row counts
 
 
 def _cell_value(text: str) -> int | float | str:
@@ -799,13 +816,16 @@ def test_decode_writer_reproduces_the_published_report(tmp_path):
     assert header == bench_decode.COLUMNS
     rows = [{c: _cell_value(v) for c, v in zip(header, cells) if v != ""} for cells in published]
     for row in rows:  # the writer prints integers as written and every other number with 3 digits
-        for column in ("fused_graph_us", "vs_torch_bf16", "roofline_pct", "diff"):
+        for column in ("fused_graph_us", "vs_torch_bf16", "roofline_pct", "byte_roofline_pct", "diff"):
             if isinstance(row.get(column), int):
                 row[column] = float(row[column])
-    found = re.search(r"copy ceiling ([\d.]+) TB/s, matmul ceiling (\d+) TFLOP/s", PUBLISHED_DECODE_MD.read_text())
+    found = re.search(
+        r"copy ceiling ([\d.]+) TB/s, matmul ceiling (\d+) TFLOP/s, empty launch ([\d.]+) us",
+        PUBLISHED_DECODE_MD.read_text(),
+    )
     assert found is not None
-    copy, matmul = found.groups()
-    ceilings = {"copy": float(copy) * 1e12, "matmul": float(matmul) * 1e12}
+    copy, matmul, launch = found.groups()
+    ceilings = {"copy": float(copy) * 1e12, "matmul": float(matmul) * 1e12, "launch": float(launch) * 1e-6}
     bench_decode.write(rows, ceilings, bench_decode.verdicts(rows), tmp_path, "NVIDIA H200")
     assert (tmp_path / "decode_bench.md").read_text() == PUBLISHED_DECODE_MD.read_text()
     with (tmp_path / "decode_bench.csv").open() as f:
