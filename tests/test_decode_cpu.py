@@ -103,10 +103,11 @@ def test_a_forced_head_tile_needs_the_mma_sync_kernel(monkeypatch):
 
 
 def test_a_block_cap_needs_the_wgmma_kernel(monkeypatch):
-    """Only the wgmma kernel's blocks walk their items: capping the mma.sync kernel's grid (a block
+    """Only the wgmma kernels' blocks walk their items: capping the mma.sync kernel's grid (a block
     an item) must not be ignored silently."""
     monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[90])
-    with pytest.raises(ValueError, match="decode_blocks=4 caps the wgmma_sm90 kernel's blocks"):
+    message = r"decode_blocks=4 caps the blocks of the wgmma kernels \(wgmma_sm90, wgmma_sm90_narrow\)"
+    with pytest.raises(ValueError, match=message):
         decode.plan(nvfp4_mla.KernelLibrary(decode_blocks=4), 0, 16, 1, 128, 0)  # the rule: mma_sync
     with pytest.raises(ValueError, match="runs the mma_sync backend"):
         decode.plan(nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_blocks=4), 0, 64, 64, 128, 0)

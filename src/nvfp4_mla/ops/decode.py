@@ -175,8 +175,8 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
         )
     if lib.decode_blocks is not None and backend is BACKENDS["mma_sync"]:
         raise ValueError(
-            f"decode_blocks={lib.decode_blocks} caps the wgmma_sm90 kernel's blocks, which walk their items, but this "
-            "call runs the mma_sync backend (a block an item)"
+            f"decode_blocks={lib.decode_blocks} caps the blocks of the wgmma kernels (wgmma_sm90, wgmma_sm90_narrow), "
+            "which walk their items, but this call runs the mma_sync backend (a block an item)"
         )
     if lib.decode_dim_parts is not None and lib.decode_dim_parts not in backend.dim_parts:
         raise ValueError(
