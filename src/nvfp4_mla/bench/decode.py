@@ -32,14 +32,14 @@ the int32 slots) over the copy ceiling (eager ``copy_`` of 1 GiB, read + write:
 ``4 * 512 * selected tokens * heads`` per query row over a large BF16 ``matmul`` (8192^3,
 graph-replayed: :func:`~nvfp4_mla.bench.ceilings.matmul_flops`). ``% roofline`` is the binding
 one's time over the measured time; ``byte_roofline_pct`` is issue 25's: the bytes' time plus one
-empty launch (graph-replayed), over the measured time.
+empty launch (graph-replayed), over the measured time. ``diff`` is the largest
+``|fused - torch_reader|`` over the largest ``|torch_reader|`` (a sanity check: both read the same
+records; BF16 weights make it about 1e-2 at most).
 
 **Verdicts**: issue 13's targets against the torch arms and the rooflines, and issue 25's
 absolute targets on the rows the selection rule ran (``choice`` "rule"; "forced" rows run a
 backend or head tile the ``--head-tiles`` and ``--backends`` options force). Issue 25's peer
-targets (against FlashMLA) are not measured here. ``diff`` is the largest ``|fused - torch_reader|`` over the
-largest ``|torch_reader|`` (a sanity check: both read the same records; BF16 weights make it
-about 1e-2 at most).
+targets (against FlashMLA) are not measured here.
 
 **Predictions** (written before the first measurement; H200, about 4.3 TB/s copy and 790
 TFLOP/s matmul). The kernel's model: per tile of 32 tokens a block issues 4 x HT / 16 x 32 +
