@@ -754,6 +754,63 @@ def test_graph_replay(backend, seed, heads):
         check(captured, exact(q, pools, sinks=sinks), "graph replay")
 
 
+@pytest.mark.parametrize("heads", [16, 128])
+def test_two_streams_at_once_and_two_graphs_in_turn(backend, seed, heads):
+    """A call's only state past its launch is its split workspace (from torch's caching allocator,
+    on the call's stream) read by its combine kernel. Two call sets with splits: queued on two
+    streams at once (behind a sleeping kernel each, so that the GPU runs both streams' calls
+    together), and captured as two graphs replayed in turn without a synchronisation between them,
+    give the bits of the same calls made one at a time."""
+    g = torch.Generator().manual_seed(seed)
+    pool = Pool(16, 64, g)
+    cases = [(queries(1, 2, heads, g), pool.slots((1, 2, 640), g, invalid=0.05)) for _ in range(2)]
+    plan = decode.plan(backend or nvfp4_mla.ops.DEFAULT, cases[0][0].get_device(), heads, 2, 640, 0)
+    assert plan.num_splits > 1, "the calls must have a workspace"
+
+    def call(q, slots):
+        return nvfp4_mla.sparse_mla_decode(q, pool.cache, slots, sm_scale=SM_SCALE, library=backend)
+
+    want = []
+    for q, slots in cases:
+        want.append(call(q, slots))
+        torch.cuda.synchronize()
+    check(want[0], exact(cases[0][0], [(pool, cases[0][1], None)]), f"heads {heads}, one at a time")
+
+    def same(got, expected, what):
+        assert bits_equal(got[0], expected[0]) and bits_equal(got[1], expected[1]), what
+
+    main = torch.cuda.current_stream()
+    streams = [torch.cuda.Stream() for _ in cases]
+    results = []
+    for stream, (q, slots) in zip(streams, cases):
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(5_000_000)  # about 2.5 ms: the host queues both streams' calls meanwhile
+            results.append([call(q, slots) for _ in range(4)])
+    for stream in streams:
+        main.wait_stream(stream)
+    torch.cuda.synchronize()
+    for i, calls in enumerate(results):
+        for j, got in enumerate(calls):
+            same(got, want[i], f"stream {i}, call {j}")
+
+    graphs, captured = [], []
+    for q, slots in cases:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(main)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph):
+            captured.append(call(q, slots))
+        main.wait_stream(stream)
+        graphs.append(graph)
+    for _ in range(3):
+        for graph in graphs:
+            graph.replay()
+    torch.cuda.synchronize()
+    for i, got in enumerate(captured):
+        same(got, want[i], f"graph {i}")
+
+
 def test_torch_compile_matches_eager(seed):
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(seed)
