@@ -781,12 +781,14 @@ def test_two_streams_at_once_and_two_graphs_in_turn(backend, seed, heads):
 
     main = torch.cuda.current_stream()
     streams = [torch.cuda.Stream() for _ in cases]
-    results = []
-    for stream, (q, slots) in zip(streams, cases):
+    torch.cuda._sleep(10_000_000)  # about 5 ms: the host queues every call meanwhile, and both streams start together
+    for stream in streams:
         stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(5_000_000)  # about 2.5 ms: the host queues both streams' calls meanwhile
-            results.append([call(q, slots) for _ in range(4)])
+    results: list[list] = [[] for _ in cases]
+    for _ in range(8):  # the streams' calls queued in turn
+        for stream, (q, slots), calls in zip(streams, cases, results):
+            with torch.cuda.stream(stream):
+                calls.append(call(q, slots))
     for stream in streams:
         main.wait_stream(stream)
     torch.cuda.synchronize()
