@@ -8,8 +8,8 @@ exactly 0 and +inf. Every check prints its measured maxima (``pytest -s`` shows 
 names the worst element. Cases: every mask kind, one and two pools, sinks, lonely rows, every
 head count, q_len 1 and > 1, int32/int64 slots, page sizes and layouts, NaN records at masked
 positions, every head tile and split (both epilogues), the Hopper kernel's blocks walking several
-items, determinism, CUDA graphs, ``out=``, torch.compile, and the largest prefill (16,384 rows
-of 128 heads). The semantic and execution tests run on every backend of this GPU (``backend``:
+items, determinism, CUDA graphs (two replayed in turn too), two streams at once, ``out=``,
+torch.compile, and the largest prefill (16,384 rows of 128 heads). The semantic and execution tests run on every backend of this GPU (``backend``:
 the default library, whose rule picks by architecture and shape, and a library that forces each
 backend of this GPU: the mma.sync kernel, and on sm_90 the Hopper wgmma kernel's two builds).
 """
