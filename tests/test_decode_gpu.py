@@ -9,9 +9,10 @@ names the worst element. Cases: every mask kind, one and two pools, sinks, lonel
 head count, q_len 1 and > 1, int32/int64 slots, page sizes and layouts, NaN records at masked
 positions, every head tile and split (both epilogues), the Hopper kernel's blocks walking several
 items, determinism, CUDA graphs (two replayed in turn too), two streams at once, ``out=``,
-torch.compile, and the largest prefill (16,384 rows of 128 heads). The semantic and execution tests run on every backend of this GPU (``backend``:
-the default library, whose rule picks by architecture and shape, and a library that forces each
-backend of this GPU: the mma.sync kernel, and on sm_90 the Hopper wgmma kernel's two builds).
+torch.compile, and the largest prefill (16,384 rows of 128 heads). The semantic and execution
+tests run on every backend of this GPU (``backend``: the default library, whose rule picks by
+architecture and shape, and a library that forces each backend of this GPU: the mma.sync kernel,
+and on sm_90 the Hopper wgmma kernel's two builds).
 """
 
 from __future__ import annotations
