@@ -239,6 +239,7 @@ class Launcher:
         "function",
         "pack_into",
         "resident_blocks",
+        "shared_bytes",
         "threads",
     )
 
@@ -273,6 +274,7 @@ class Launcher:
         self.device = device
         self.pack_into = template.params.pack_into
         self.threads = template.threads
+        self.shared_bytes = template.max_shared_bytes  # what a launch of a fixed shared layout asks for
         self._current_context, self._launch_kernel = driver.ctxGetCurrent, driver.launchKernel  # bound once
         # Programmatic dependent launch needs sm_90 and a kernel that waits for it; it hides the
         # gap between two kernels of a stream (H200, a decode call of 1 row and 128 heads, its

@@ -35,8 +35,7 @@ ATTEND_PARAMS = struct.Struct("<6Q3Q6q3Q6q4qd")
 class Attention(NamedTuple):
     """A backend's attention kernel for a call shape on one device."""
 
-    launcher: Launcher
-    shared_bytes: int  # dynamic shared memory a launch asks for
+    launcher: Launcher  # its launches ask for the template's shared memory (launcher.shared_bytes)
     head_tile: int  # heads a block
     tile_tokens: int  # selected tokens a tile (splits are whole tiles)
     # The most blocks of a launch, each walking items in turn (block b: items b, b + grid, ...);

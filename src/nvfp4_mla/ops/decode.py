@@ -142,7 +142,6 @@ class DecodePlan(NamedTuple):
 
     backend: str
     attend: Launcher
-    shared_bytes: int  # the attention launch's dynamic shared memory
     head_tile: int
     blocks: int  # of the attention launch
     num_splits: int
@@ -208,7 +207,6 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
     found = DecodePlan(
         backend.name,
         attention.launcher,
-        attention.shared_bytes,
         attention.head_tile,
         min(items, attention.max_blocks) if attention.max_blocks else items,
         num_splits,
@@ -286,7 +284,7 @@ def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool)
         plan.blocks,
         1,
         1,
-        plan.shared_bytes,
+        plan.attend.shared_bytes,
         stream,
         q_ptr,
         out.data_ptr(),

@@ -114,7 +114,7 @@ def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int
     the head tile); ``dim_parts`` is 1, this kernel's one form: its items are whole output rows."""
     head_tile = lib.decode_head_tile or choose_head_tile(num_heads, device.shared_optin)
     spec = lib.spec(MmaAttentionSpec.of(head_tile))
-    return Attention(lib.launcher(device.index, spec), spec.shared_bytes, spec.head_tile, BLOCK_N)
+    return Attention(lib.launcher(device.index, spec), spec.head_tile, BLOCK_N)
 
 
 BACKEND = DecodeBackend("mma_sync", 80, 10**9, specs, attention)

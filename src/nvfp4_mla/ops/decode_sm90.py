@@ -146,16 +146,7 @@ def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int
     blocks = persistent_blocks(lib, launcher)
     max_blocks = max(blocks - blocks % cluster, cluster)
     halves_pair = cluster_of(num_heads, 2) == 2 and cluster_of(num_heads) == 1
-    return Attention(
-        launcher,
-        spec.template.max_shared_bytes,
-        spec.head_tile,
-        BLOCK_N,
-        max_blocks,
-        spec.dim_parts,
-        halves_pair,
-        q_tensor_map,
-    )
+    return Attention(launcher, spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts, halves_pair, q_tensor_map)
 
 
 def persistent_blocks(lib: KernelLibrary, launcher: Launcher) -> int:

@@ -36,9 +36,7 @@ def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int
     launcher = lib.launcher(device.index, spec)
     blocks = decode_sm90.persistent_blocks(lib, launcher)
     q_map = functools.partial(decode_sm90.q_tensor_map, head_tile=HEAD_TILE)
-    return Attention(
-        launcher, spec.template.max_shared_bytes, HEAD_TILE, decode_sm90.BLOCK_N, max(blocks, 1), 1, False, q_map
-    )
+    return Attention(launcher, HEAD_TILE, decode_sm90.BLOCK_N, max(blocks, 1), 1, False, q_map)
 
 
 BACKEND = DecodeBackend("wgmma_sm90_narrow", 90, 90, specs, attention)
