@@ -164,6 +164,17 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
 
 
+def captured(work):
+    """``work()`` captured as a CUDA graph on a side stream: (the graph, what the capture returned)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        result = work()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, result
+
+
 def head_tile_fits(head_tile: int) -> bool:
     """Whether this GPU gives a block the attention kernel's shared memory for ``head_tile``."""
     return decode_mma.shared_bytes(head_tile) <= device_info(torch.cuda.current_device()).shared_optin
@@ -694,16 +705,11 @@ def test_a_chain_of_calls_each_on_the_last_ones_out(seed, heads, name, num_split
         torch.cuda._sleep(10_000_000)  # about 5 ms: the host queues every call meanwhile
         same(chain(synchronize=False), want)
         return
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        captured = chain(synchronize=False)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, replayed = captured(lambda: chain(synchronize=False))
     for _ in range(2):
         graph.replay()
         torch.cuda.synchronize()
-        same(captured, want)
+        same(replayed, want)
 
 
 @pytest.mark.parametrize("heads", [16, 100])
@@ -738,12 +744,7 @@ def test_graph_replay(backend, seed, heads):
     sinks = torch.randn(heads, generator=g).to(DEVICE)
     pools = [(swa, swa_slots, swa_lens), (extra, extra_slots, None)]
     run(q, pools, sinks=sinks, library=backend)  # compile and plan outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        captured = run(q, pools, sinks=sinks, library=backend)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, replayed = captured(lambda: run(q, pools, sinks=sinks, library=backend))
     for _ in range(2):
         q.copy_(queries(batch, q_len, heads, g))
         swa_slots.copy_(swa.slots((batch, q_len, 128), g, invalid=0.2))
@@ -751,8 +752,8 @@ def test_graph_replay(backend, seed, heads):
         graph.replay()
         want = run(q, pools, sinks=sinks, library=backend)
         torch.cuda.synchronize()
-        assert bits_equal(captured[0], want[0]) and bits_equal(captured[1], want[1])
-        check(captured, exact(q, pools, sinks=sinks), "graph replay")
+        assert bits_equal(replayed[0], want[0]) and bits_equal(replayed[1], want[1])
+        check(replayed, exact(q, pools, sinks=sinks), "graph replay")
 
 
 @pytest.mark.parametrize("heads", [16, 128])
@@ -797,20 +798,12 @@ def test_two_streams_at_once_and_two_graphs_in_turn(backend, seed, heads):
         for j, got in enumerate(calls):
             same(got, want[i], f"stream {i}, call {j}")
 
-    graphs, captured = [], []
-    for q, slots in cases:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(main)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph):
-            captured.append(call(q, slots))
-        main.wait_stream(stream)
-        graphs.append(graph)
+    graphs = [captured(lambda q=q, slots=slots: call(q, slots)) for q, slots in cases]
     for _ in range(3):
-        for graph in graphs:
+        for graph, _ in graphs:
             graph.replay()
     torch.cuda.synchronize()
-    for i, got in enumerate(captured):
+    for i, (_, got) in enumerate(graphs):
         same(got, want[i], f"graph {i}")
 
 
