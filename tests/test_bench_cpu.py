@@ -734,7 +734,7 @@ def test_decode_shapes_and_set_counts():
     full, quick = bench_decode.shapes(False), bench_decode.shapes(True)
     assert len(full) == 4 * 2 * 3 * 2 == len(set(full)) and set(quick) <= set(full)
     assert {s[0] for s in quick} == {1, 64} and {s[0] for s in full} == {1, 8, 64, 128}
-    assert bench_decode.prefill_shapes() == [(4096, 1, 128, 512), (16384, 1, 128, 512)]  # issue 25's prefill
+    assert bench_decode.prefill_shapes() == [(4096, 1, 128, 512), (16384, 1, 128, 512)]  # the prefill shapes
     # The published H200 run (60 MiB of L2): the sets column of docs/bench_decode_h200.md.
     l2 = 60 << 20
     assert bench_decode.set_count((1, 1, 128, 512), l2) == bench_decode.MAX_SETS == 8  # 240 KiB of records
@@ -757,7 +757,7 @@ def test_decode_bytes_flops_and_rooflines_match_the_published_run():
     assert row["fused_tflops"] == pytest.approx(10.69, rel=1e-3)
     assert row["bytes_pct"] == pytest.approx(0.766, rel=1e-3) and row["flops_pct"] == pytest.approx(1.555, rel=1e-3)
     assert row["binding"] == "flops" and row["roofline_pct"] == row["flops_pct"]
-    # Issue 25's byte roofline adds one empty launch to the bytes' time: (0.120 + 2.0) / 15.7 us.
+    # The byte roofline with a launch adds one empty launch to the bytes' time: (0.120 + 2.0) / 15.7 us.
     assert row["byte_roofline_pct"] == pytest.approx(row["bytes_pct"] + 100 * 2.0 / 15.7, rel=1e-9)
     row = {"fused_graph_us": 11.0}
     bench_decode.add_rooflines(row, (1, 1, 16, 512), ceilings)
@@ -774,7 +774,7 @@ def test_decode_verdicts():
         _decode_row(64, 16, vs_torch_bf16=3.9, roofline_pct=45.0, byte_roofline_pct=51.0, fused_graph_us=40.0),
         _decode_row(1, 128, vs_torch_bf16=2.5, roofline_pct=2.0, fused_graph_us=16.0),
         _decode_row(64, 128, vs_torch_bf16=2.0, roofline_pct=41.0, flops_pct=41.0, fused_graph_us=90.0),
-        # Forced rows (a head tile, another backend): no comparison, no issue 25 verdict.
+        # Forced rows (a head tile, another backend): no comparison, no Hopper target verdict.
         _decode_row(64, 128, "forced", fused_graph_us=1.0, roofline_pct=1.0, flops_pct=99.0),
         _decode_row(64, 16, "forced", fused_graph_us=1.0, roofline_pct=1.0, byte_roofline_pct=1.0),
         _decode_row(1, 128, "forced", fused_graph_us=99.0),
@@ -787,18 +787,18 @@ def test_decode_verdicts():
         "vs torch_bf16, heads 128 (min speedup): 2 (goal 2) met",
         "batch >= 32, % of binding roofline (min): 41 (goal 40) met",
         "batch 1, heads 128, graph us (max): 16 (goal 15) MISSED",
-        "issue 25: heads 128, >= 64 rows, % of the matmul (min): 41 (goal 50) MISSED",
-        "issue 25: heads 16, >= 64 rows, % of the byte roofline with a launch (min): 51 (goal 50) met",
-        "issue 25: 1 row, heads 128, 640 tokens, graph us (max): 16 (goal 10) MISSED",
-        "issue 25: prefill TFLOP/s, 16384 rows / 4096: 0.99 (goal 1) MISSED",
+        "Hopper target: heads 128, >= 64 rows, % of the matmul (min): 41 (goal 50) MISSED",
+        "Hopper target: heads 16, >= 64 rows, % of the byte roofline with a launch (min): 51 (goal 50) met",
+        "Hopper target: 1 row, heads 128, 640 tokens, graph us (max): 16 (goal 10) MISSED",
+        "Hopper target: prefill TFLOP/s, 16384 rows / 4096: 0.99 (goal 1) MISSED",
     ]
     assert bench_decode.verdicts(rows[2:3]) == [
         "vs torch_bf16, heads 128 (min speedup): 2.5 (goal 2) met",
         "batch 1, heads 128, graph us (max): 16 (goal 15) MISSED",
-        "issue 25: 1 row, heads 128, 640 tokens, graph us (max): 16 (goal 10) MISSED",
+        "Hopper target: 1 row, heads 128, 640 tokens, graph us (max): 16 (goal 10) MISSED",
     ]  # a target without rows has no verdict
     assert bench_decode.verdicts(rows[-1:]) == [
-        "issue 25: heads 128, >= 64 rows, % of the matmul (min): 54 (goal 50) met",
+        "Hopper target: heads 128, >= 64 rows, % of the matmul (min): 54 (goal 50) met",
     ]  # the prefill ratio needs both row counts
 
 

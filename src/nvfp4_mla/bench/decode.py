@@ -6,10 +6,10 @@ paths a user writes without it and the same run's ceilings:
 It prints a table and writes ``decode_bench.csv`` and ``decode_bench.md`` into DIR (default
 ``bench-results/<GPU name>/``).
 
-**Shapes** (issue 13): batch 1, 8, 64, 128; q_len 1, 2; heads 16, 64, 128; 128 sliding-window
+**Shapes**: batch 1, 8, 64, 128; q_len 1, 2; heads 16, 64, 128; 128 sliding-window
 plus 512 or 1024 compressed selections, every selection live, int32 slots, per-head sinks,
-``sm_scale = 1/sqrt(576)``. ``--quick`` runs batch 1 and 64 only. Both also run prefill
-(issue 25): 4,096 and 16,384 query rows of 128 heads over 128 + 512 selections, the fused arm
+``sm_scale = 1/sqrt(576)``. ``--quick`` runs batch 1 and 64 only. Both also run prefill:
+4,096 and 16,384 query rows of 128 heads over 128 + 512 selections, the fused arm
 alone (the torch arms would gather 2.7 and 10.7 GB of BF16 rows). The window pool holds 2^18
 tokens, the compressed pool 2^20 (96 and 384 MiB of records; 0.25 and 1 GiB as BF16), both
 written from the same random BF16 rows by the pack entry, page size 64. Calls rotate over up to
@@ -31,15 +31,15 @@ the int32 slots) over the copy ceiling (eager ``copy_`` of 1 GiB, read + write:
 :func:`~nvfp4_mla.bench.ceilings.copy_bandwidth`), and the useful MMA flops
 ``4 * 512 * selected tokens * heads`` per query row over a large BF16 ``matmul`` (8192^3,
 graph-replayed: :func:`~nvfp4_mla.bench.ceilings.matmul_flops`). ``% roofline`` is the binding
-one's time over the measured time; ``byte_roofline_pct`` is issue 25's: the bytes' time plus one
-empty launch (graph-replayed), over the measured time. ``diff`` is the largest
+one's time over the measured time; ``byte_roofline_pct``, the Hopper target's: the bytes' time
+plus one empty launch (graph-replayed), over the measured time. ``diff`` is the largest
 ``|fused - torch_reader|`` over the largest ``|torch_reader|`` (a sanity check: both read the same
 records; BF16 weights make it about 1e-2 at most).
 
-**Verdicts**: issue 13's targets against the torch arms and the rooflines, and issue 25's
-absolute targets on the rows the selection rule ran (``choice`` "rule"; "forced" rows run a
-backend or head tile the ``--head-tiles`` and ``--backends`` options force). Issue 25's peer
-targets (against FlashMLA) are not measured here.
+**Verdicts**: the targets against the torch arms and the rooflines, then the Hopper kernel's
+absolute targets (lines labelled "Hopper target:") on the rows the selection rule ran (``choice``
+"rule"; "forced" rows run a backend or head tile the ``--head-tiles`` and ``--backends`` options
+force). The Hopper kernel's targets against FlashMLA are not measured here.
 
 **Predictions** (written before the first measurement; H200, about 4.3 TB/s copy and 790
 TFLOP/s matmul). The kernel's model: per tile of 32 tokens a block issues 4 x HT / 16 x 32 +
@@ -92,13 +92,13 @@ MAX_SETS = 8
 DEFAULT_L2_BYTES = 50 << 20  # when torch does not report the device's L2 size
 BF16 = torch.bfloat16
 OUTPUT_STEM = "decode_bench"  # decode_bench.csv, decode_bench.md
-TARGETS = {  # issue 13
+TARGETS = {  # against the torch arms and the rooflines
     "speedup_small_heads": 4.0,  # vs torch_bf16, heads <= 32
     "speedup_128_heads": 2.0,  # vs torch_bf16, heads 128
     "roofline_batch32": 0.40,  # batch >= 32, % of the binding roofline
     "batch1_128_heads_us": 15.0,  # graph-replayed
 }
-HOPPER_TARGETS = {  # issue 25's absolute targets (H200)
+HOPPER_TARGETS = {  # the Hopper kernel's absolute targets (H200)
     "matmul_pct_128_heads": 50.0,  # 128 heads, >= 64 query rows: % of the same-run matmul
     "byte_roofline_pct_16_heads": 50.0,  # 16 heads, >= 64 query rows: byte_roofline_pct
     "batch1_128_heads_640_us": 10.0,  # 1 row, 128 heads, 128 + 512 tokens, graph-replayed
@@ -196,13 +196,13 @@ ARMS: dict[str, Arm] = {"fused": fused, "torch_bf16": torch_bf16, "torch_reader"
 
 
 def shapes(quick: bool) -> list[Shape]:
-    """Issue 13's decode shapes (``quick``: batch 1 and 64 only)."""
+    """The decode shapes (``quick``: batch 1 and 64 only)."""
     batches = (1, 64) if quick else (1, 8, 64, 128)
     return [(b, q, h, k) for b in batches for q in (1, 2) for h in (16, 64, 128) for k in (512, 1024)]
 
 
 def prefill_shapes() -> list[Shape]:
-    """Issue 25's prefill shapes, the fused arm alone."""
+    """The prefill shapes, the fused arm alone."""
     return [(rows, 1, 128, 512) for rows in PREFILL_ROWS]
 
 
@@ -267,7 +267,7 @@ def measure(
 
 
 def verdicts(rows: list[dict]) -> list[str]:
-    """The issues' targets against the measured rows (a target without rows has no line)."""
+    """The targets against the measured rows (a target without rows has no line)."""
     small = [r for r in rows if r["heads"] <= 32 and "vs_torch_bf16" in r]
     big = [r for r in rows if r["heads"] == 128 and "vs_torch_bf16" in r]
     large_batch = [r for r in rows if r["batch"] >= 32 and "vs_torch_bf16" in r]
@@ -306,25 +306,25 @@ def verdicts(rows: list[dict]) -> list[str]:
             True,
         ),
         (
-            "issue 25: heads 128, >= 64 rows, % of the matmul (min)",
+            "Hopper target: heads 128, >= 64 rows, % of the matmul (min)",
             [r["flops_pct"] for r in many_rows if r["heads"] == 128],
             HOPPER_TARGETS["matmul_pct_128_heads"],
             False,
         ),
         (
-            "issue 25: heads 16, >= 64 rows, % of the byte roofline with a launch (min)",
+            "Hopper target: heads 16, >= 64 rows, % of the byte roofline with a launch (min)",
             [r["byte_roofline_pct"] for r in many_rows if r["heads"] == 16],
             HOPPER_TARGETS["byte_roofline_pct_16_heads"],
             False,
         ),
         (
-            "issue 25: 1 row, heads 128, 640 tokens, graph us (max)",
+            "Hopper target: 1 row, heads 128, 640 tokens, graph us (max)",
             [r["fused_graph_us"] for r in one_640],
             HOPPER_TARGETS["batch1_128_heads_640_us"],
             True,
         ),
         (
-            f"issue 25: prefill TFLOP/s, {PREFILL_ROWS[1]} rows / {PREFILL_ROWS[0]}",
+            f"Hopper target: prefill TFLOP/s, {PREFILL_ROWS[1]} rows / {PREFILL_ROWS[0]}",
             [prefill[PREFILL_ROWS[1]] / prefill[PREFILL_ROWS[0]]] if len(prefill) == 2 else [],
             HOPPER_TARGETS["prefill_16384_over_4096"],
             False,
