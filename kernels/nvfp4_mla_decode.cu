@@ -34,6 +34,7 @@
 // shared layout below, checked), COMBINE; with COMBINE, MAX_SPLITS and PREFETCH; THREADS and the
 // record ABI come from jit.py/abi.py.
 #include "nvfp4_mla_decode.cuh"
+#include "nvfp4_mla_params.cuh"  // Params: attention.ATTEND_PARAMS, or decode.COMBINE_PARAMS
 
 #if !COMBINE
 
@@ -81,8 +82,6 @@ constexpr int SM_SCALES = SM_LIVE + 16;                // u32 [256]: e4m3_bf16x2
 static_assert(SM_SCALES + 256 * 4 == SMEM_BYTES, "shared layout must match decode.shared_bytes");
 static_assert(SM_RAW % 16 == 0 && SM_X % 16 == 0 && SM_TOKEN % 16 == 0, "16-byte aligned regions");
 
-using Params = AttendParams;
-static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's struct format (attention.ATTEND_PARAMS)");
 
 __device__ __forceinline__ void ldmatrix_x4(u32 address, u32 (&r)[4]) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -420,16 +419,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
 
 // ---------------------------------------------------------------- split combine kernel
 
-struct Params {  // 8-byte fields only: packed on the host with one struct format
-    const float4* partial_o;   // [rows, num_heads, num_splits, 512]
-    const float2* partial_ml;  // [rows, num_heads, num_splits]: m (log2 units), l
-    const float* sinks;        // [num_heads] or null
-    uint2* out;                // BF16 [rows, num_heads, 512]
-    float* lse;                // [rows, num_heads]
-    i64 num_heads;
-    i64 num_splits;            // at most MAX_SPLITS
-};
-static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's struct format (decode.COMBINE_PARAMS)");
 static_assert(THREADS * 4 == HEAD_DIM && THREADS >= MAX_SPLITS, "one thread per 4 output dims and per split");
 
 // One block per (row, head): O = sum_s 2^(m_s - M) O_s, l = sum_s 2^(m_s - M) l_s, in split order.

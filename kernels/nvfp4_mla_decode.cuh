@@ -13,33 +13,6 @@
 // fp32 or BF16 overflow.
 constexpr float RESCALE_SLACK = 8.0f;
 
-struct Pool {             // one cache and its slot table; k == 0: no such pool
-    const u8* cache;      // page 0
-    const void* slots;    // [rows, k] int32 or int64
-    const void* lens;     // [rows] int32 or int64, or null (every entry counts)
-    i64 page_stride;      // bytes
-    i64 page_size;
-    i64 capacity;         // num_pages * page_size: valid slots are [0, capacity)
-    i64 k;
-    i64 slot_int64;
-    i64 lens_int64;
-};
-
-struct AttendParams {     // 8-byte fields only: packed on the host with one struct format
-    const u16* q;         // BF16 [rows, num_heads, 512]
-    u32* out;             // BF16 [rows, num_heads, 512] (no splits)
-    float* lse;           // [rows, num_heads] (no splits)
-    float* partial_o;     // [rows, num_heads, num_splits, 512] (splits)
-    float* partial_ml;    // [rows, num_heads, num_splits, 2]: m, l (splits)
-    const float* sinks;   // [num_heads] or null
-    Pool swa, extra;
-    i64 rows;             // query rows: batch * q_len
-    i64 num_heads;
-    i64 num_splits;
-    i64 tiles_per_split;  // tiles of the kernel's own tile size
-    double score_scale;   // sm_scale * log2(e)
-};
-
 // 2^x, fp32 (ex2.approx: about 2 ulp; 2^-inf = +0).
 __device__ __forceinline__ float exp2_approx(float x) {
     float r;

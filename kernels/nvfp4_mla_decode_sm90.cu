@@ -100,6 +100,7 @@
 // and the record ABI come from jit.py/abi.py. What the attention kernels share (Params, the row finish, the softmax
 // helpers) is in nvfp4_mla_decode.cuh.
 #include "nvfp4_mla_decode.cuh"
+#include "nvfp4_mla_params.cuh"  // Params: decode_sm90.PARAMS (the attention Params and the tensor map of q)
 
 constexpr int HT = HEAD_TILE;                    // heads of a block: the M of every wgmma, or with NARROW its N
 constexpr bool NARROW = HT == 16;                // one consumer warpgroup, two producers (the header comment)
@@ -168,15 +169,6 @@ constexpr int BAR_FULL = 0, BAR_EMPTY = 2, BAR_RAW = 4, BAR_P_FULL = BAR_RAW + 8
               BAR_HELD = BAR_P_FULL + (NARROW ? 0 : 2), BAR_Q = BAR_HELD + 2, NUM_BARRIERS = BAR_Q + 1;
 static_assert(SM_BARRIERS + NUM_BARRIERS * 8 == SMEM_BYTES, "shared layout must match the host's count");
 static_assert(SM_RAW % 16 == 0 && RAW_STRIDE % 16 == 0 && SM_BARRIERS % 8 == 0, "aligned regions");
-
-// The attention Params, then q as a tensor map (the host's cuTensorMapEncodeTiled: BF16 [rows,
-// num_heads, 512] as dims (512, num_heads, rows), boxes of 64 dims x 64 heads x 1 row, 128-byte
-// swizzle, zeros past num_heads), so one thread's tensor copies load an item's Q (no copy
-// instructions of every thread for the consumers' other work to wait behind).
-struct Params : AttendParams {
-    alignas(64) u8 q_map[128];
-};
-static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's struct format (decode_sm90.PARAMS)");
 
 // ---------------------------------------------------------------- PTX wrappers
 

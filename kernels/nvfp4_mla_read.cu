@@ -13,6 +13,7 @@
 // row's output chunks t, t + 16, ..., so each store instruction covers 256 contiguous bytes of a
 // row. Invalid slots read nothing; their rows are the fill pattern.
 #include "nvfp4_numerics.cuh"
+#include "nvfp4_mla_params.cuh"  // Params: reader.READ_PARAMS
 
 // THREADS and the record ABI (HEAD_DIM, NOPE_DIM, DATA_BYTES, NOPE_BYTES, SCALE_BYTES) come from
 // nvfp4_mla/abi.py and jit.py as -D options.
@@ -30,17 +31,6 @@
 
 static_assert(DATA_BYTES % 16 == 0 && SCALE_BYTES == 32 && SECOND_COPIES <= TEAM, "a record is 24 chunks");
 static_assert(OUT_CHUNKS % TEAM == 0 && NOPE_DIM % OUT_VALUES == 0, "whole chunks per thread");
-
-struct Params {  // 8-byte fields only: packed on the host with one struct format
-    const u8* cache;    // page 0
-    const void* slots;  // [num_rows] int32 or int64 (unused with IDENTITY_SLOTS)
-    uint4* out;         // [num_rows, OUT_CHUNKS]
-    i64 page_stride;    // bytes
-    i64 capacity;       // num_pages * PAGE_SIZE: valid slots are [0, capacity)
-    i64 num_rows;
-    i64 fill;           // low 32 bits: an invalid row's pattern (fp32 bits, or the BF16 bits twice)
-};
-static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's struct format (reader.READ_TEMPLATE)");
 
 __device__ __forceinline__ i64 load_slot(const Params& p, i64 row) {
 #if IDENTITY_SLOTS

@@ -21,6 +21,7 @@
 // compress ratio above 1 the KV blocks take tiles of rows instead (insert_kv_tiles), to read only
 // the rows they insert.
 #include "nvfp4_numerics.cuh"
+#include "nvfp4_mla_params.cuh"  // Params: writer_spec.WRITE_PARAMS
 
 // THREADS, UNIT_THREADS and the record ABI (HEAD_DIM, NOPE_DIM, ROPE_PAIRS, DATA_BYTES,
 // NOPE_BYTES, SCALE_BYTES, NUM_GROUPS) come from nvfp4_mla/abi.py and jit.py as -D options too.
@@ -29,23 +30,6 @@
 #define CHUNKS (HEAD_DIM * 2 / 16)       // 16-byte chunks in a BF16 row
 #define NOPE_CHUNKS (NOPE_DIM * 2 / 16)  // a group of 16 is chunks 2g (half 0) and 2g+1 (half 1)
 #define ROPE_DIM (2 * ROPE_PAIRS)        // a cos_sin_cache row: cos[ROPE_PAIRS] | sin[ROPE_PAIRS]
-
-struct Params {  // 8-byte fields only: packed on the host with one struct format
-    const uint4* q;         // [num_tokens, NUM_HEADS, 64 chunks]
-    uint4* q_out;           // [num_tokens, Q_HEADS, 64 chunks]; q itself in place
-    const uint4* kv;        // [rows, 64 chunks]
-    u8* cache;              // page 0
-    const void* slots;      // [num_kv_rows] int32 or int64
-    const i64* positions;   // [num_tokens]
-    const float* cos_sin;   // [max_position, 64]: cos[32] | sin[32]
-    i64 page_stride;        // bytes
-    i64 capacity;           // num_pages * PAGE_SIZE: valid slots are [0, capacity)
-    i64 max_position;
-    i64 num_kv_rows;        // rows that may be inserted (slot_mapping.numel())
-    i64 kv_blocks;          // blocks of the KV rows; the query's blocks follow
-    i64 q_rows;             // q_out rows, or in place groups of 8 heads
-};
-static_assert(sizeof(Params) == PARAMS_BYTES, "Params must match the host's struct format (variant.WRITE_TEMPLATE)");
 
 // The cos and sin of chunk k (pairs 4k..4k+3) of RoPE row r.
 struct CosSin {

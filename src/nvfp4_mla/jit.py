@@ -14,7 +14,6 @@ import functools
 import hashlib
 import os
 import re
-import struct
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -22,6 +21,8 @@ from typing import Any, NamedTuple, Protocol
 
 from . import abi, config, kernel_file
 from .device import MIN_CAPABILITY
+from .params import HEADER as PARAMS_HEADER
+from .params import ParamsLayout
 
 NUMERICS_HEADER = "nvfp4_numerics.cuh"
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")  # the architectures CI compiles for
@@ -32,10 +33,11 @@ class Template(NamedTuple):
 
     file: str
     function: str  # the extern "C" kernel name
-    params: struct.Struct  # host layout of the kernel's ``struct Params`` (size checked at compile time)
+    params: ParamsLayout  # the kernel's ``struct Params``: the host's packer and the generated header
     threads: int  # block size
     max_shared_bytes: int = 0  # dynamic shared memory a launch may ask for (above 48 KiB needs opting in)
     headers: tuple[str, ...] = (NUMERICS_HEADER,)  # the files of kernels/ it includes, all in its key
+    # (beside them, the generated PARAMS_HEADER)
     arch: str | None = None  # the architecture it is built for (e.g. "sm_90a"); None: the GPU's own
     # It waits for the stream's previous kernel before its first global access (the decode
     # header's wait_for_prior_grids), so from sm_90 it is launched with programmatic dependent
@@ -185,7 +187,7 @@ def _options(spec: KernelSpec, arch: str) -> list[str]:
     # --fmad=false: no contraction anywhere (the numerics use explicit intrinsics anyway); no fast
     # math: denormals are kept; -Xptxas -v: the resource report the spill check reads.
     template = spec.template
-    defines = {**_ABI_DEFINES, "THREADS": template.threads, "PARAMS_BYTES": template.params.size, **spec.defines()}
+    defines = {**_ABI_DEFINES, "THREADS": template.threads, **spec.defines()}
     return [
         f"--gpu-architecture={arch}",
         "-std=c++17",
@@ -207,9 +209,12 @@ def check_arch(arch: object) -> str:
 
 
 def _texts(spec: KernelSpec, sources: Mapping[str, str] | None) -> list[tuple[str, str]]:
-    """(name, text) of the template's file and every header it lists; ``sources`` replaces texts by name."""
-    names = (spec.template.file, *spec.template.headers)
-    return [(name, (sources or {}).get(name) or source(name)) for name in names]
+    """(name, text) of the template's file, every header it lists and the generated header of its
+    Params; ``sources`` replaces texts by name."""
+    template = spec.template
+    texts = [(name, source(name)) for name in (template.file, *template.headers)]
+    texts.append((PARAMS_HEADER, template.params.header()))
+    return [(name, (sources or {}).get(name) or text) for name, text in texts]
 
 
 def kernel_key(spec: KernelSpec, arch: str, sources: Mapping[str, str] | None = None) -> str:

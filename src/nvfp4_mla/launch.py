@@ -272,7 +272,7 @@ class Launcher:
         finally:
             driver.ctxSetCurrent(previous)
         self.device = device
-        self.pack_into = template.params.pack_into
+        self.pack_into = template.params.struct.pack_into
         self.threads = template.threads
         self.shared_bytes = template.max_shared_bytes  # what a launch of a fixed shared layout asks for
         self._current_context, self._launch_kernel = driver.ctxGetCurrent, driver.launchKernel  # bound once

@@ -13,23 +13,52 @@ merges in split order. A backend is one module that declares :class:`DecodeBacke
 from __future__ import annotations
 
 import re
-import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..device import Device
 from ..jit import KernelSpec
 from ..launch import Launcher
+from ..params import ParamsLayout, float64, int64, nested, pointer
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
 
 DECODE_HEADER = "nvfp4_mla_decode.cuh"  # what the attention kernels share, beside the numerics header
 
-# The attention kernels' Params (their static_asserts check the size): 6 pointers (q, out, lse,
-# partial_o, partial_ml, sinks), two pools (3 pointers and 6 int64 each), 4 int64 (rows, heads,
-# splits, tiles a split) and sm_scale * log2(e) as a double.
-ATTEND_PARAMS = struct.Struct("<6Q3Q6q3Q6q4qd")
+POOL = ParamsLayout(
+    "Pool",
+    [
+        pointer("cache", "const u8*", "page 0"),
+        pointer("slots", "const void*", "[rows, k] int32 or int64"),
+        pointer("lens", "const void*", "[rows] int32 or int64, or null (every entry counts)"),
+        int64("page_stride", "bytes"),
+        int64("page_size", "entries a page"),
+        int64("capacity", "num_pages * page_size: valid slots are [0, capacity)"),
+        int64("k", "entries a row of the slot table; 0: no such pool"),
+        int64("slot_int64", "slots are int64 (else int32)"),
+        int64("lens_int64", "lens are int64 (else int32)"),
+    ],
+)
+# The Params of every attention kernel (the Hopper kernel's add a tensor map of q).
+ATTEND_PARAMS = ParamsLayout(
+    "Params",
+    [
+        pointer("q", "const u16*", "BF16 [rows, num_heads, 512]"),
+        pointer("out", "u32*", "BF16 [rows, num_heads, 512] (no splits)"),
+        pointer("lse", "float*", "[rows, num_heads] (no splits)"),
+        pointer("partial_o", "float*", "[rows, num_heads, num_splits, 512] (splits)"),
+        pointer("partial_ml", "float*", "[rows, num_heads, num_splits, 2]: m, l (splits)"),
+        pointer("sinks", "const float*", "[num_heads] or null"),
+        nested("swa", POOL, "the sliding-window pool"),
+        nested("extra", POOL, "the extra (compressed) pool"),
+        int64("rows", "query rows: batch * q_len"),
+        int64("num_heads", "heads of q"),
+        int64("num_splits", "splits of a row's selected tokens"),
+        int64("tiles_per_split", "tiles of the kernel's own tile size"),
+        float64("score_scale", "sm_scale * log2(e)"),
+    ],
+)
 
 
 class Attention(NamedTuple):

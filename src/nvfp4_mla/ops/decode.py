@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -36,6 +35,7 @@ from .. import abi, reference, validation
 from ..device import Device, device_info
 from ..jit import NUMERICS_HEADER, Template
 from ..launch import Launcher, contiguous_strides, current_raw_stream, new_output
+from ..params import ParamsLayout, int64, pointer
 from . import decode_mma, decode_sm90, decode_sm90_narrow
 from .attention import DECODE_HEADER, DecodeBackend, arch_capability
 from .decode_split import MAX_SPLITS, choose_dim_parts, choose_split_and_parts
@@ -57,8 +57,18 @@ COMBINE_PREFETCH = 16
 COMBINE_PREFETCH_WAVES = 4
 _LOG2E = 1.0 / math.log(2.0)
 
-# kernels/nvfp4_mla_decode.cu's combine Params (its static_assert checks the size): 5 pointers and 2 int64.
-COMBINE_PARAMS = struct.Struct("<5Q2q")
+COMBINE_PARAMS = ParamsLayout(
+    "Params",
+    [
+        pointer("partial_o", "const float4*", "[rows, num_heads, num_splits, 512]"),
+        pointer("partial_ml", "const float2*", "[rows, num_heads, num_splits]: m (log2 units), l"),
+        pointer("sinks", "const float*", "[num_heads] or null"),
+        pointer("out", "uint2*", "BF16 [rows, num_heads, 512]"),
+        pointer("lse", "float*", "[rows, num_heads]"),
+        int64("num_heads", "heads of q"),
+        int64("num_splits", "at most MAX_SPLITS"),
+    ],
+)
 
 
 class CombineSpec(NamedTuple):

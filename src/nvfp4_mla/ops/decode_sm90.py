@@ -14,13 +14,13 @@ backend (:mod:`.decode_sm90_narrow`); this module holds what both builds share.
 from __future__ import annotations
 
 import functools
-import struct
 from typing import TYPE_CHECKING, NamedTuple
 
 from .. import abi
 from ..device import Device
 from ..jit import NUMERICS_HEADER, Template
 from ..launch import TENSOR_MAP_BYTES, Bf16TensorMap, Launcher
+from ..params import raw_bytes
 from .attention import ATTEND_PARAMS, DECODE_HEADER, Attention, DecodeBackend
 
 if TYPE_CHECKING:
@@ -33,8 +33,10 @@ THREADS = 3 * 128  # consumer 0, consumer 1, the producer; NARROW: a consumer, t
 GATHER_UNIT = 32  # tokens the producer copies at once (two units a tile)
 RAW_RECORD_BYTES = abi.RECORD_BYTES + 16  # a copied record in shared memory, padded: conflict-free reads
 Q_SLAB_DIMS = 64  # dims of q a tensor copy loads (128-byte rows, the swizzle's width)
-# The attention Params, then (at the next 64 bytes) the tensor map of q.
-PARAMS = struct.Struct(f"{ATTEND_PARAMS.format}{-ATTEND_PARAMS.size % 64}x{TENSOR_MAP_BYTES}s")
+# The attention Params, then the tensor map of q (the host's cuTensorMapEncodeTiled: BF16 [rows,
+# num_heads, 512] as dims (512, num_heads, rows), boxes of 64 dims x HEAD_TILE heads x 1 row, 128-byte
+# swizzle, zeros past num_heads), so that one thread's tensor copies load an item's Q.
+PARAMS = ATTEND_PARAMS.extended(raw_bytes("q_map", TENSOR_MAP_BYTES, 64, "CUtensorMap of q (q_tensor_map)"))
 DIM_PARTS = (1, 2)  # an item's output rows: whole, or in two halves (a block each)
 
 

@@ -18,6 +18,7 @@ from torch.autograd.graph import increment_version
 
 from .. import abi, reference, validation
 from ..jit import Template
+from ..params import ParamsLayout, int64, pointer
 from ..launch import Launcher, contiguous_strides, current_raw_stream, new_output
 from .library import DEFAULT, KernelLibrary, check_traceable
 
@@ -25,8 +26,19 @@ TEAM_THREADS = 16  # threads that read one row together (the kernel's TEAM)
 BLOCK_THREADS = 256
 ROWS_PER_TEAM = 2  # rows a team reads with all their loads in flight (1, 2, 4 measured alike on the H200)
 
-# kernels/nvfp4_mla_read.cu: Params is 3 pointers then 4 int64 (its static_assert checks the size).
-READ_TEMPLATE = Template("nvfp4_mla_read.cu", "nvfp4_mla_read", struct.Struct("<3Q4q"), BLOCK_THREADS)
+READ_PARAMS = ParamsLayout(
+    "Params",
+    [
+        pointer("cache", "const u8*", "page 0"),
+        pointer("slots", "const void*", "[num_rows] int32 or int64 (unused with IDENTITY_SLOTS)"),
+        pointer("out", "uint4*", "[num_rows, OUT_CHUNKS]"),
+        int64("page_stride", "bytes"),
+        int64("capacity", "num_pages * PAGE_SIZE: valid slots are [0, capacity)"),
+        int64("num_rows", "rows to read"),
+        int64("fill", "low 32 bits: an invalid row's pattern (fp32 bits, or the BF16 bits twice)"),
+    ],
+)
+READ_TEMPLATE = Template("nvfp4_mla_read.cu", "nvfp4_mla_read", READ_PARAMS, BLOCK_THREADS)
 
 _F32_NAN, _BF16_NAN = 0x7FC00000, abi.BF16_NAN_BITS
 _F32_INF = 0x7F800000

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import enum
 import functools
-import struct
 from typing import NamedTuple
 
 import torch
 
 from .. import abi
 from ..jit import Template
+from ..params import ParamsLayout, int64, pointer
 
 
 class QMode(enum.IntEnum):
@@ -32,10 +32,25 @@ WARPS_PER_UNIT = UNIT_THREADS // 32  # the KV rows' work is a warp a row
 Q_ROWS_PER_UNIT = 4  # 16-byte query loads in flight per thread: rows of q_out, or groups of 8 heads in place
 UNITS_PER_BLOCK = 4
 
-# kernels/nvfp4_mla_write.cu: Params is 7 pointers then 6 int64 (its static_assert checks the size).
-WRITE_TEMPLATE = Template(
-    "nvfp4_mla_write.cu", "nvfp4_mla_write", struct.Struct("<7Q6q"), UNITS_PER_BLOCK * UNIT_THREADS
+WRITE_PARAMS = ParamsLayout(
+    "Params",
+    [
+        pointer("q", "const uint4*", "[num_tokens, NUM_HEADS, 64 chunks]"),
+        pointer("q_out", "uint4*", "[num_tokens, Q_HEADS, 64 chunks]; q itself in place"),
+        pointer("kv", "const uint4*", "[rows, 64 chunks]"),
+        pointer("cache", "u8*", "page 0"),
+        pointer("slots", "const void*", "[num_kv_rows] int32 or int64"),
+        pointer("positions", "const i64*", "[num_tokens]"),
+        pointer("cos_sin", "const float*", "[max_position, 64]: cos[32] | sin[32]"),
+        int64("page_stride", "bytes"),
+        int64("capacity", "num_pages * PAGE_SIZE: valid slots are [0, capacity)"),
+        int64("max_position", "rows of cos_sin"),
+        int64("num_kv_rows", "rows that may be inserted (slot_mapping.numel())"),
+        int64("kv_blocks", "blocks of the KV rows; the query's blocks follow"),
+        int64("q_rows", "q_out rows, or in place groups of 8 heads"),
+    ],
 )
+WRITE_TEMPLATE = Template("nvfp4_mla_write.cu", "nvfp4_mla_write", WRITE_PARAMS, UNITS_PER_BLOCK * UNIT_THREADS)
 
 
 class WriterSpec(NamedTuple):
