@@ -33,8 +33,10 @@
 // -D constants: HEAD_TILE (16, 32 or 64), DIM_SPLIT, BLOCK_N, SMEM_BYTES (the host's count of the
 // shared layout below, checked), COMBINE; with COMBINE, MAX_SPLITS and PREFETCH; THREADS and the
 // record ABI come from jit.py/abi.py.
-#include "nvfp4_mla_decode.cuh"
 #include "nvfp4_mla_params.cuh"  // Params: attention.ATTEND_PARAMS, or decode.COMBINE_PARAMS
+#include "nvfp4_mla_ptx.cuh"
+#include "nvfp4_mla_records.cuh"
+#include "nvfp4_mla_softmax.cuh"
 
 #if !COMBINE
 
@@ -82,33 +84,6 @@ constexpr int SM_SCALES = SM_LIVE + 16;                // u32 [256]: e4m3_bf16x2
 static_assert(SM_SCALES + 256 * 4 == SMEM_BYTES, "shared layout must match decode.shared_bytes");
 static_assert(SM_RAW % 16 == 0 && SM_X % 16 == 0 && SM_TOKEN % 16 == 0, "16-byte aligned regions");
 
-
-__device__ __forceinline__ void ldmatrix_x4(u32 address, u32 (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(address)
-                 : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(u32 address, u32 (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(address)
-                 : "memory");
-}
-
-// d += a (16x16 BF16, row-major fragment) * b (16x8 BF16, column-major fragment), fp32.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Waits at barrier `id` with `count` threads (whole warps): the warps of one row block.
-__device__ __forceinline__ void named_barrier(int id, int count) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
 
 // Tile t's live mask is double-buffered by the parity of the tile index (tile t + 1's is written
 // while tile t is dequantized), so every writer and reader of tile t must pick its word here, the
@@ -314,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
         for (int n = 0; n < S_TILES; ++n)
             xs[(warp * S_TILES + n) * 32 + lane] =
                 make_float4(s[n][0] + s_odd[n][0], s[n][1] + s_odd[n][1], s[n][2] + s_odd[n][2], s[n][3] + s_odd[n][3]);
-        named_barrier(1 + row_block, DIM_SPLIT * 32);
+        named_barrier_aligned(1 + row_block, DIM_SPLIT * 32);
 #pragma unroll
         for (int n = 0; n < S_TILES; ++n) {
             float4 x = xs[(row_block * DIM_SPLIT * S_TILES + n) * 32 + lane];

@@ -12,8 +12,8 @@
 // flight at once), waits once, and writes each row with 16-byte stores: thread t writes the
 // row's output chunks t, t + 16, ..., so each store instruction covers 256 contiguous bytes of a
 // row. Invalid slots read nothing; their rows are the fill pattern.
-#include "nvfp4_numerics.cuh"
 #include "nvfp4_mla_params.cuh"  // Params: reader.READ_PARAMS
+#include "nvfp4_mla_ptx.cuh"
 
 // THREADS and the record ABI (HEAD_DIM, NOPE_DIM, DATA_BYTES, NOPE_BYTES, SCALE_BYTES) come from
 // nvfp4_mla/abi.py and jit.py as -D options.

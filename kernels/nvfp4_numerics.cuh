@@ -440,22 +440,3 @@ __device__ __forceinline__ uint4 nvfp4_f32x4(u32 codes, u32 scale_byte) {
                       __float_as_uint(__fmul_rn(bf16_value(v.y & 0xFFFFu), scale)),
                       __float_as_uint(__fmul_rn(bf16_value(v.y >> 16), scale)));
 }
-
-// ---------------------------------------------------------------- asynchronous copies (sm_80+)
-
-// Starts a 16-byte global -> shared copy (cp.async, cached in L2 only); both addresses 16-byte aligned.
-__device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
-    const u32 dst = static_cast<u32>(__cvta_generic_to_shared(shared_dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global_src) : "memory");
-}
-
-// Starts a 4- or 8-byte global -> shared copy (cp.async, cached in L1 and L2); both addresses aligned to it.
-template <int BYTES>
-__device__ __forceinline__ void cp_async_small(void* shared_dst, const void* global_src) {
-    static_assert(BYTES == 4 || BYTES == 8, "cp.async.ca copies 4, 8 or 16 bytes");
-    const u32 dst = static_cast<u32>(__cvta_generic_to_shared(shared_dst));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(global_src), "n"(BYTES) : "memory");
-}
-
-// Waits for this thread's cp.async copies; other threads see them after a barrier (__syncwarp).
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }

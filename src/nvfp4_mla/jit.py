@@ -97,6 +97,25 @@ def source(name: str) -> str:
     return _sources[name]
 
 
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+@functools.cache
+def included_headers(name: str) -> tuple[str, ...]:
+    """Every header of ``kernels/`` that ``kernels/<name>`` includes, directly or through another,
+    each once (the generated :data:`PARAMS_HEADER` apart): a template's ``headers``."""
+    found: dict[str, None] = {}
+
+    def visit(file: str) -> None:
+        for header in _INCLUDE.findall(source(file)):
+            if header != PARAMS_HEADER and header not in found:
+                found[header] = None
+                visit(header)
+
+    visit(name)
+    return tuple(found)
+
+
 def _nvrtc() -> Any:
     try:
         from cupy.cuda import nvrtc

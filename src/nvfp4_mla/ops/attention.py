@@ -24,7 +24,6 @@ from ..params import ParamsLayout, float64, int64, nested, pointer
 if TYPE_CHECKING:
     from .library import KernelLibrary
 
-DECODE_HEADER = "nvfp4_mla_decode.cuh"  # what the attention kernels share, beside the numerics header
 
 POOL = ParamsLayout(
     "Pool",

@@ -33,11 +33,11 @@ from torch.autograd.graph import increment_version
 
 from .. import abi, reference, validation
 from ..device import Device, device_info
-from ..jit import NUMERICS_HEADER, Template
+from ..jit import Template, included_headers
 from ..launch import Launcher, contiguous_strides, current_raw_stream, new_output
 from ..params import ParamsLayout, int64, pointer
 from . import decode_mma, decode_sm90, decode_sm90_narrow
-from .attention import DECODE_HEADER, DecodeBackend, arch_capability
+from .attention import DecodeBackend, arch_capability
 from .decode_split import MAX_SPLITS, choose_dim_parts, choose_split_and_parts
 from .library import DEFAULT, KernelLibrary, check_traceable
 
@@ -85,9 +85,8 @@ class CombineSpec(NamedTuple):
 
     @property
     def template(self) -> Template:
-        headers = (NUMERICS_HEADER, DECODE_HEADER)
         function = "nvfp4_mla_decode_combine"
-        return Template(decode_mma.SOURCE, function, COMBINE_PARAMS, COMBINE_THREADS, 0, headers, dependent_launch=True)
+        return Template(decode_mma.SOURCE, function, COMBINE_PARAMS, COMBINE_THREADS, 0, included_headers(decode_mma.SOURCE), dependent_launch=True)
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from .. import abi
 from ..device import Device
-from ..jit import NUMERICS_HEADER, Template
-from .attention import ATTEND_PARAMS, DECODE_HEADER, Attention, DecodeBackend
+from ..jit import Template, included_headers
+from .attention import ATTEND_PARAMS, Attention, DecodeBackend
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
@@ -77,9 +77,8 @@ class MmaAttentionSpec(NamedTuple):
 
     @property
     def template(self) -> Template:
-        headers = (NUMERICS_HEADER, DECODE_HEADER)
         return Template(
-            SOURCE, "nvfp4_mla_decode", ATTEND_PARAMS, self.threads, self.shared_bytes, headers, dependent_launch=True
+            SOURCE, "nvfp4_mla_decode", ATTEND_PARAMS, self.threads, self.shared_bytes, included_headers(SOURCE), dependent_launch=True
         )
 
     def defines(self) -> dict[str, int]:

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from .. import abi
 from ..device import Device
-from ..jit import NUMERICS_HEADER, Template
+from ..jit import Template, included_headers
 from ..launch import TENSOR_MAP_BYTES, Bf16TensorMap, Launcher
 from ..params import raw_bytes
-from .attention import ATTEND_PARAMS, DECODE_HEADER, Attention, DecodeBackend
+from .attention import ATTEND_PARAMS, Attention, DecodeBackend
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
@@ -85,14 +85,13 @@ class WgmmaAttentionSpec(NamedTuple):
 
     @property
     def template(self) -> Template:
-        headers = (NUMERICS_HEADER, DECODE_HEADER)
         return Template(
             SOURCE,
             "nvfp4_mla_decode_sm90",
             PARAMS,
             THREADS,
             shared_bytes(self.head_tile),
-            headers,
+            included_headers(SOURCE),
             "sm_90a",
             dependent_launch=True,
         )

@@ -17,7 +17,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .. import abi, reference, validation
-from ..jit import Template
+from ..jit import Template, included_headers
 from ..params import ParamsLayout, int64, pointer
 from ..launch import Launcher, contiguous_strides, current_raw_stream, new_output
 from .library import DEFAULT, KernelLibrary, check_traceable
@@ -38,7 +38,10 @@ READ_PARAMS = ParamsLayout(
         int64("fill", "low 32 bits: an invalid row's pattern (fp32 bits, or the BF16 bits twice)"),
     ],
 )
-READ_TEMPLATE = Template("nvfp4_mla_read.cu", "nvfp4_mla_read", READ_PARAMS, BLOCK_THREADS)
+READ_SOURCE = "nvfp4_mla_read.cu"
+READ_TEMPLATE = Template(
+    READ_SOURCE, "nvfp4_mla_read", READ_PARAMS, BLOCK_THREADS, headers=included_headers(READ_SOURCE)
+)
 
 _F32_NAN, _BF16_NAN = 0x7FC00000, abi.BF16_NAN_BITS
 _F32_INF = 0x7F800000

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from .. import abi
-from ..jit import Template
+from ..jit import Template, included_headers
 from ..params import ParamsLayout, int64, pointer
 
 
@@ -50,7 +50,14 @@ WRITE_PARAMS = ParamsLayout(
         int64("q_rows", "q_out rows, or in place groups of 8 heads"),
     ],
 )
-WRITE_TEMPLATE = Template("nvfp4_mla_write.cu", "nvfp4_mla_write", WRITE_PARAMS, UNITS_PER_BLOCK * UNIT_THREADS)
+WRITE_SOURCE = "nvfp4_mla_write.cu"
+WRITE_TEMPLATE = Template(
+    WRITE_SOURCE,
+    "nvfp4_mla_write",
+    WRITE_PARAMS,
+    UNITS_PER_BLOCK * UNIT_THREADS,
+    headers=included_headers(WRITE_SOURCE),
+)
 
 
 class WriterSpec(NamedTuple):

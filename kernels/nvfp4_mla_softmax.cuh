@@ -1,7 +1,6 @@
-// What every sparse-decode attention kernel shares (docs/format.md sections 9 and 12): the
-// attention Params (one host struct format, attention.ATTEND_PARAMS), the
-// live count of a table row, and the softmax's base-2 helpers and row finish, so every backend
-// computes a row's lse and output factor the same way and the split combine merges any of them.
+// The online softmax of every decode kernel (docs/format.md section 9): its base-2 helpers and a
+// row's finish (lse, output factor), so every backend computes them the same way and the split
+// combine merges any backend's partial rows.
 #pragma once
 
 #include "nvfp4_numerics.cuh"
@@ -60,29 +59,4 @@ __device__ __forceinline__ float output_factor(float l, float lse, const float* 
     return sinks ? inv_l / (1.0f + expf(sinks[head] - lse)) : inv_l;
 }
 
-// Live entries of a row of a pool's table: lens clamped to [0, k], or k without lens. (The pool's
-// fields one by one: a reference to a Params member would copy Params to the stack.)
-__device__ __forceinline__ i64 live_count(const void* lens, i64 lens_int64, i64 k, i64 row) {
-    if (k == 0 || lens == nullptr) return k;
-    const i64 n = lens_int64 ? static_cast<const i64*>(lens)[row] : static_cast<const int*>(lens)[row];
-    return n < 0 ? 0 : (n > k ? k : n);
-}
 
-__device__ __forceinline__ u32 shared_address(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
-
-// Programmatic dependent launch (sm_90 on; the host launches these kernels with it there, see
-// launch.Launcher): a kernel's blocks may start while the stream's previous kernel still runs, so
-// each thread waits for that kernel (its completion and its memory) before its first global
-// access, read or write. Both are no-ops in a kernel launched without it, and below sm_90.
-__device__ __forceinline__ void wait_for_prior_grids() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-// Lets the stream's next kernel launch before this one ends (it waits as above).
-__device__ __forceinline__ void launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
