@@ -38,10 +38,6 @@
 #include "nvfp4_mla_records.cuh"
 #include "nvfp4_mla_softmax.cuh"
 
-#if !COMBINE
-
-// ---------------------------------------------------------------- attention kernel
-
 constexpr int HT = HEAD_TILE;                    // heads of a block
 constexpr int BN = BLOCK_N;                      // tokens of a tile
 constexpr int WARPS = THREADS / 32;
@@ -53,7 +49,6 @@ constexpr int S_TILES = BN / 8;                  // Q.K^T: n-tiles of the tile's
 constexpr int RECORD = DATA_BYTES + SCALE_BYTES; // 384
 constexpr int RECORD_CHUNKS = RECORD / 16;
 constexpr int DATA_CHUNKS = DATA_BYTES / 16;
-constexpr int NOPE_CHUNKS = NOPE_DIM / 8;        // 16-byte chunks (8 BF16) of a row's NoPE dims
 // Blocks an SM should hold: 128 registers a thread with 4 warps a row block (64 accumulators),
 // up to 255 with 2 (128 accumulators).
 constexpr int MIN_BLOCKS = 1;
@@ -71,19 +66,39 @@ static_assert(TOKEN_THREADS * BN == THREADS && RECORD_CHUNKS % TOKEN_THREADS == 
 static_assert(N_TILES % 2 == 0 && K_STEPS >= 1, "P.V: n-tile pairs per ldmatrix");
 static_assert(HEAD_DIM / 8 == 64 && NOPE_CHUNKS == 56, "dequantize: lane L chunks L and L + 32, RoPE from 56");
 
-// Shared memory, in bytes (decode_mma.shared_bytes counts the same).
-constexpr int SM_Q = 0;                                // uint4 [WARPS][K_STEPS][32]: Q fragments (not with Q_IN_REGISTERS)
-constexpr int SM_K = SM_Q + (Q_IN_REGISTERS ? 0 : WARPS * K_STEPS * 32 * 16);  // BF16 [BN][ROW_ELEMS]: K and V
-constexpr int SM_RAW = SM_K + BN * ROW_ELEMS * 2;      // u8 [BN][384]: records (data row, scale slot)
-constexpr int SM_X = SM_RAW + BN * RECORD;             // float4 [WARPS][S_TILES][32]: partial scores
-constexpr int SM_TOKEN = SM_X + WARPS * S_TILES * 32 * 16;  // u64 [BN]: data-row address (0: masked)
-constexpr int SM_SCALE = SM_TOKEN + BN * 8;            // u64 [BN]: scale-slot address
-constexpr int SM_SLOT = SM_SCALE + BN * 8;             // i64 [2][BN]: slots of two tiles
-constexpr int SM_LIVE = SM_SLOT + 2 * BN * 8;          // u32 [2] (+ 8 bytes of padding): live-token masks
-constexpr int SM_SCALES = SM_LIVE + 16;                // u32 [256]: e4m3_bf16x2 of every scale byte
-static_assert(SM_SCALES + 256 * 4 == SMEM_BYTES, "shared layout must match decode.shared_bytes");
-static_assert(SM_RAW % 16 == 0 && SM_X % 16 == 0 && SM_TOKEN % 16 == 0, "16-byte aligned regions");
+// Q's MMA fragments in shared memory [warp][k-step][lane], or nothing with Q in registers (an
+// empty base takes no room).
+template <bool IN_REGISTERS>
+struct SharedQ {
+    uint4 q[WARPS][K_STEPS][32];
+};
+template <>
+struct SharedQ<true> {};
 
+// The block's shared memory: SMEM_BYTES, the host's count (ops/decode_mma.shared_bytes).
+struct SharedStorage : SharedQ<Q_IN_REGISTERS> {
+    u16 k[BN][ROW_ELEMS];                  // BF16 K and V of the tile
+    u8 raw[BN][RECORD];                    // the tile's records (data row, scale slot)
+    float4 scores[WARPS][S_TILES][32];     // partial scores of each warp's dims slice
+    u64 tokens[BN];                        // data-row addresses (0: masked)
+    u64 scales[BN];                        // scale-slot addresses
+    i64 slots[2][BN];                      // slots of two tiles
+    u32 live[4];                           // live-token masks of two tiles (and padding)
+    u32 scale_pairs[256];                  // e4m3_bf16x2 of every scale byte
+};
+static_assert(sizeof(SharedStorage) == SMEM_BYTES, "the shared layout must match the host's count");
+
+// The regions' byte offsets, for the address arithmetic of the code that fills and reads them.
+constexpr int SM_Q = 0;
+constexpr int SM_K = offsetof(SharedStorage, k);
+constexpr int SM_RAW = offsetof(SharedStorage, raw);
+constexpr int SM_X = offsetof(SharedStorage, scores);
+constexpr int SM_TOKEN = offsetof(SharedStorage, tokens);
+constexpr int SM_SCALE = offsetof(SharedStorage, scales);
+constexpr int SM_SLOT = offsetof(SharedStorage, slots);
+constexpr int SM_LIVE = offsetof(SharedStorage, live);
+constexpr int SM_SCALES = offsetof(SharedStorage, scale_pairs);
+static_assert(SM_RAW % 16 == 0 && SM_X % 16 == 0 && SM_TOKEN % 16 == 0, "16-byte aligned regions");
 
 // Tile t's live mask is double-buffered by the parity of the tile index (tile t + 1's is written
 // while tile t is dequantized), so every writer and reader of tile t must pick its word here, the
@@ -97,45 +112,29 @@ __device__ __forceinline__ int parity(int tile) { return tile & 1; }
 __device__ __forceinline__ void fetch_slot(const Params& p, i64 row, int tile, i64 swa_live, i64 extra_live,
                                            i64* slot_words, int lane) {
     i64* const dst = slot_words + parity(tile) * BN + lane;
-    const i64 n = tile * BN + lane;
-    const bool in_swa = n < p.swa.k;
-    // Fields picked one by one: a reference to a Params member would copy Params to the stack.
-    const i64 j = in_swa ? n : n - p.swa.k;
-    if (j >= (in_swa ? swa_live : extra_live)) {  // also past both tables (extra_live <= extra.k)
+    const SlotRef ref = slot_ref(p, row, tile * BN + lane, swa_live, extra_live);
+    if (!ref.live)
         *dst = -1;
-        return;
-    }
-    const i64 k = in_swa ? p.swa.k : p.extra.k;
-    const void* slots = in_swa ? p.swa.slots : p.extra.slots;
-    if (in_swa ? p.swa.slot_int64 : p.extra.slot_int64)
-        cp_async_small<8>(dst, static_cast<const i64*>(slots) + row * k + j);
+    else if (ref.int64)
+        cp_async_small<8>(dst, ref.words);
     else
-        cp_async_small<4>(dst, static_cast<const int*>(slots) + row * k + j);  // the low word (little-endian)
+        cp_async_small<4>(dst, ref.words);  // the low word (little-endian)
 }
 
-// The slot fetch_slot copied for token `lane` of `tile` (int32 slots: the low word, sign-extended).
+// The slot fetch_slot copied for token `lane` of `tile`.
 __device__ __forceinline__ i64 fetched_slot(const Params& p, int tile, const i64* slot_words, int lane) {
-    const i64* const word = slot_words + parity(tile) * BN + lane;
-    const bool int64 = tile * BN + lane < p.swa.k ? p.swa.slot_int64 : p.extra.slot_int64;
-    return int64 ? *word : *reinterpret_cast<const int*>(word);
+    const u32* const words = reinterpret_cast<const u32*>(slot_words + parity(tile) * BN + lane);
+    return slot_of_words(words[0], words[1], slot_is_int64(p, tile * BN + lane));
 }
 
 // Step 1 for `tile` (warp 0, a lane per token): the record addresses of its slot into `tokens`
 // (0 when masked) and `scales`, and the tile's live mask. Returns the lane's live bit.
 __device__ __forceinline__ bool address_tile(const Params& p, int tile, const i64* slot_words, u64* tokens,
                                              u64* scales, u32* live_masks, int lane) {
-    const i64 slot = fetched_slot(p, tile, slot_words, lane);
-    const bool in_swa = tile * BN + lane < p.swa.k;
-    u64 data = 0, scale = 0;
-    if (slot >= 0 && slot < (in_swa ? p.swa.capacity : p.extra.capacity)) {
-        const i64 page_size = in_swa ? p.swa.page_size : p.extra.page_size;
-        const i64 page = slot / page_size, entry = slot - page * page_size;
-        const u8* base = (in_swa ? p.swa.cache : p.extra.cache) + page * (in_swa ? p.swa.page_stride : p.extra.page_stride);
-        data = reinterpret_cast<u64>(base + entry * DATA_BYTES);
-        scale = reinterpret_cast<u64>(base + page_size * DATA_BYTES + entry * SCALE_BYTES);
-    }
+    const RecordAddress record = record_address(p, tile * BN + lane, fetched_slot(p, tile, slot_words, lane));
+    const u64 data = reinterpret_cast<u64>(record.data);
     tokens[lane] = data;
-    scales[lane] = scale;
+    scales[lane] = reinterpret_cast<u64>(record.scale);
     const u32 mask = __ballot_sync(NVFP4_FULL_MASK, data != 0);
     if (lane == 0) live_masks[parity(tile)] = mask;
     return data != 0;
@@ -153,14 +152,6 @@ __device__ __forceinline__ void copy_tile(const u64* tokens, const u64* scales, 
 #pragma unroll
     for (int part = first; part < RECORD_CHUNKS; part += TOKEN_THREADS)
         cp_async16(dst + part * 16, part < DATA_CHUNKS ? data + part * 16 : scale + (part - DATA_CHUNKS) * 16);
-}
-
-// 16-byte chunk c (8 BF16 values) of a record's row: a NoPE half group (chunks 0..55; its scale
-// from `scale_pairs`, e4m3_bf16x2 of every byte) or RoPE dims. NaN scales give NaN values (not
-// canonical: the products carry them whatever their bits).
-__device__ __forceinline__ uint4 dequantize_chunk(const u8* record, const u32* scale_pairs, int c) {
-    if (c >= NOPE_CHUNKS) return *reinterpret_cast<const uint4*>(record + NOPE_BYTES + (c - NOPE_CHUNKS) * 16);
-    return e2m1x8_scaled(*reinterpret_cast<const u32*>(record + c * 4), scale_pairs[record[DATA_BYTES + c / 2]]);
 }
 
 // Step 2: the live records in `raw` as BF16 rows of `ks` (zero rows for masked tokens). Lane L
@@ -235,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
                 qf[k * 32] = q;
         }
     }
-    for (int byte = tid; byte < 256; byte += THREADS) scale_pairs[byte] = e4m3_bf16x2(byte);  // before the first barrier
+    fill_scale_pairs(scale_pairs, tid, THREADS);
     // The lane's ldmatrix row addresses in ks; every fragment is at a constant offset from them.
     const u32 k_lane = shared_address(ks + ((lane & 7) + (m8 >> 1) * 8) * ROW_ELEMS + slice * COLS + (m8 & 1) * 8);
     const u32 v_lane = shared_address(ks + ((lane & 7) + (m8 & 1) * 8) * ROW_ELEMS + slice * COLS + (m8 >> 1) * 8);
@@ -390,64 +381,3 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
     }
 }
 
-#else
-
-// ---------------------------------------------------------------- split combine kernel
-
-static_assert(THREADS * 4 == HEAD_DIM && THREADS >= MAX_SPLITS, "one thread per 4 output dims and per split");
-
-// One block per (row, head): O = sum_s 2^(m_s - M) O_s, l = sum_s 2^(m_s - M) l_s, in split order.
-// Every split's (m, l) is loaded at once (a thread each) and its weight shared, and with them the
-// first PREFETCH splits' partial rows, so up to PREFETCH splits the block waits for one round trip
-// of loads, not two. The host builds PREFETCH 4 (no more registers than 0) and 16, whose registers
-// cost blocks an SM, so it takes that one only for a combine that fits the GPU in one wave
-// (decode.plan).
-extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(const Params p) {
-    __shared__ float weights[MAX_SPLITS], sums[MAX_SPLITS], warp_max[THREADS / 32];
-    launch_dependents();
-    wait_for_prior_grids();
-    const int tid = threadIdx.x;
-    const i64 row_head = blockIdx.x;  // row * num_heads + head
-    const int num_splits = static_cast<int>(p.num_splits);
-    const float4* partial = p.partial_o + row_head * num_splits * (HEAD_DIM / 4) + tid;
-    float4 early[PREFETCH > 0 ? PREFETCH : 1];
-#pragma unroll
-    for (int s = 0; s < PREFETCH; ++s)
-        early[s] = s < num_splits ? partial[s * (HEAD_DIM / 4)] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const float2 ml = tid < num_splits ? p.partial_ml[row_head * num_splits + tid] : make_float2(neg_inf(), 0.0f);
-    float m = ml.x;
-    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(NVFP4_FULL_MASK, m, o));
-    if ((tid & 31) == 0) warp_max[tid >> 5] = m;
-    __syncthreads();
-    m = warp_max[0];
-#pragma unroll
-    for (int w = 1; w < THREADS / 32; ++w) m = fmaxf(m, warp_max[w]);
-    const float m_base = softmax_base(m);  // lonely: every weight below is 0
-    if (tid < num_splits) {
-        weights[tid] = exp2_approx(ml.x - m_base);
-        sums[tid] = ml.y;
-    }
-    __syncthreads();
-    float l = 0.0f;
-    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const auto add = [&](int s, float4 x) {
-        const float w = weights[s];
-        l += sums[s] * w;
-        o.x += x.x * w;
-        o.y += x.y * w;
-        o.z += x.z * w;
-        o.w += x.w * w;
-    };
-#pragma unroll
-    for (int s = 0; s < PREFETCH; ++s)
-        if (s < num_splits) add(s, early[s]);
-#pragma unroll 16  // 16 partial loads in flight a round trip
-    for (int s = PREFETCH; s < num_splits; ++s) add(s, partial[s * (HEAD_DIM / 4)]);
-    const float lse = row_lse(m, l);
-    const float factor = output_factor(l, lse, p.sinks, row_head % p.num_heads);
-    p.out[row_head * (HEAD_DIM / 4) + tid] = make_uint2(bf16x2_bits(o.x * factor, o.y * factor),
-                                                        bf16x2_bits(o.z * factor, o.w * factor));
-    if (tid == 0) p.lse[row_head] = lse;
-}
-
-#endif

@@ -24,23 +24,8 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
     const int total_tiles = static_cast<int>((p.swa.k + p.extra.k + BN - 1) / BN);
 
     u32* const scale_pairs = reinterpret_cast<u32*>(smem + SM_SCALES);
-    for (int byte = tid; byte < 256; byte += THREADS) scale_pairs[byte] = e4m3_bf16x2(byte);
-    if (tid == 0) {
-        const u32 bars = shared_address(smem + SM_BARRIERS);
-        mbar_init(bars + (BAR_FULL + 0) * 8, 128 * PRODUCERS);  // every producer thread of the block
-        mbar_init(bars + (BAR_FULL + 1) * 8, 128 * PRODUCERS);
-        mbar_init(bars + (BAR_EMPTY + 0) * 8, CONSUMER_THREADS / 32 * CLUSTER);  // a consumer warp of each block
-        mbar_init(bars + (BAR_EMPTY + 1) * 8, CONSUMER_THREADS / 32 * CLUSTER);
-        for (int i = 0; i < 8 * PRODUCERS; ++i) mbar_init(bars + (BAR_RAW + i) * 8, RAW_ARRIVALS);
-        if constexpr (!NARROW) {
-            mbar_init(bars + BAR_P_FULL * 8, 128);
-            mbar_init(bars + BAR_P_EMPTY * 8, 128);
-        }
-        mbar_init(bars + (BAR_HELD + 0) * 8, CONSUMER_THREADS);
-        mbar_init(bars + (BAR_HELD + 1) * 8, CONSUMER_THREADS);
-        mbar_init(bars + BAR_Q * 8, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    fill_scale_pairs(scale_pairs, tid, THREADS);
+    if (tid == 0) init_barriers(shared_address(smem + SM_BARRIERS));
     const u32 rank = CLUSTER == 2 ? cluster_rank() : 0u;  // the item's parity: its head tile's, or its part's
     const u32 peer_bars = CLUSTER == 2 ? cluster_address(shared_address(smem + SM_BARRIERS), rank ^ 1u) : 0u;
     if constexpr (CLUSTER == 2)
@@ -53,7 +38,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
     if (p.num_splits <= EARLY_DEPENDENTS_MAX_SPLITS) launch_dependents();
     wait_for_prior_grids();  // the setup above touched no global memory
 
-    const int warpgroup = tid >> 7;
+    const int warpgroup = tid / WARPGROUP_THREADS;
     // The block's tiles of its earlier items, modulo 4: a tile's K/V buffer and phase, and a unit's
     // raw buffer and phase, are the low two bits of their counts. And the consumers' count of live
     // tiles, whose parity is the phase of P.
@@ -68,7 +53,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
         for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
             const Item it = item_at(p, item, head_tiles, total_tiles);
             produce_item(p, smem, it.row, it.tile_begin, it.num_tiles, UNITS_PER_TILE * tiles_before, tiles_before,
-                         tid - 128 * warpgroup, share, held);
+                         tid - WARPGROUP_THREADS * warpgroup, share, held);
             tiles_before = (tiles_before + it.num_tiles) & 3;
             held |= 1u << ((tiles_before + 3) & 1);  // the item's last tile (at least one) holds its outputs
         }
@@ -93,7 +78,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
         for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
             const Item it = item_at(p, item, head_tiles, total_tiles);
             consume_item1(p, smem, it.row, it.head0, it.split, it.part, tiles_before, it.num_tiles, processed,
-                          tid - 128, peer_bars);
+                          tid - WARPGROUP_THREADS, peer_bars);
             tiles_before = (tiles_before + it.num_tiles) & 3;
         }
     }

@@ -12,7 +12,8 @@ constexpr int HT = HEAD_TILE;                    // heads of a block: the M of e
 constexpr bool NARROW = HT == 16;                // one consumer warpgroup, two producers (the header comment)
 constexpr int PRODUCERS = NARROW ? 2 : 1;        // producer warpgroups
 constexpr int CONSUMERS = NARROW ? 1 : 2;        // consumer warpgroups
-constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+constexpr int WARPGROUP_THREADS = 128;
+constexpr int CONSUMER_THREADS = WARPGROUP_THREADS * CONSUMERS;
 constexpr int SHARERS = CLUSTER * PRODUCERS;     // producer warpgroups that split each tile (of the cluster or the block)
 constexpr int UNITS_PER_TILE = 2 / SHARERS;      // gather units a producer warpgroup handles per tile
 constexpr int BN = BLOCK_N;                      // tokens of a tile
@@ -20,7 +21,6 @@ constexpr int UNIT = 32;                         // tokens of a gather unit: 4 p
 constexpr int RECORD = DATA_BYTES + SCALE_BYTES; // 384
 constexpr int RAW_STRIDE = RECORD + 16;          // a raw record's bytes in shared memory (padded: conflict-free reads)
 constexpr int RAW_BYTES = 2 * UNIT * RAW_STRIDE; // a producer warpgroup's two raw units
-constexpr int NOPE_CHUNKS = NOPE_DIM / 8;        // 16-byte chunks (8 BF16) of a row's NoPE dims
 constexpr int CHUNKS = HEAD_DIM / 8;             // 64
 constexpr int GROUP_STRIDE = BN * 16;            // K/V: bytes between 8-dim groups (1024)
 constexpr int KV_BYTES = BN * HEAD_DIM * 2;      // a K/V tile buffer
@@ -34,6 +34,7 @@ constexpr int PV_STEPS = BN / 16;                // k-steps of P.V
 constexpr int S_BLOCKS = BN / 8;                 // n-blocks of 8 tokens in S
 constexpr int O_BLOCKS = HALF_DIMS / 8;          // n-blocks of 8 dims in a consumer's O
 constexpr int DIM_BLOCKS = HEAD_DIM / 64;        // NARROW: m-blocks of 64 dims in O^T
+constexpr int RAW_ARRIVALS = 2 * 32;             // a raw unit's barrier: each thread of the warp, twice
 constexpr int EARLY_DEPENDENTS_MAX_SPLITS = 32;   // splits up to which the next kernel launches at the start
 // Registers a thread of each warpgroup after setmaxnreg. The block starts with 168 a thread
 // (__launch_bounds__(384, 1): 64 K registers over 384 threads, in steps of 8), and setmaxnreg.inc
@@ -52,26 +53,56 @@ static_assert(CHUNKS == 64 && NOPE_CHUNKS == 56 && NOPE_BYTES == 224 && DATA_BYT
               "dequantize: thread chunks 4 i + lane / 8, RoPE from 56, the scale slot's 28 bytes after the data row");
 static_assert(REGS_CONSUMER0 + REGS_CONSUMER1 + REGS_PRODUCER <= 3 * REGS_AT_LAUNCH, "the block's registers");
 
-// Shared memory, in bytes.
-constexpr int SM_Q = 0;                                // BF16 Q [8 slabs of 64 dims][HT heads][64 dims], 128-byte swizzle
-constexpr int SM_P = SM_Q + HT * HEAD_DIM * 2;         // BF16 P [HT heads, 64 tokens], K-major core matrices
-constexpr int SM_KV = SM_P + HT * BN * 2;              // BF16 K = V [2][64 tokens, 512]
-constexpr int SM_RAW = SM_KV + 2 * KV_BYTES;           // u8 [PRODUCERS][2][32][RAW_STRIDE]: raw records (data row, scale slot)
-constexpr int SM_SCALES = SM_RAW + PRODUCERS * RAW_BYTES;  // u32 [256]: e4m3_bf16x2 of every scale byte
-// Not NARROW (consumer 0 to consumer 1, with P): float [HT] a row's rescale factor this tile, and its output factor.
-constexpr int SM_ALPHA = SM_SCALES + 256 * 4;
-constexpr int SM_FACTOR = SM_ALPHA + (NARROW ? 0 : HT * 4);
-// NARROW: float [2][4 warps][HT]: each consumer warp's per-head maxima of a tile (two tiles' worth,
-// so a warp may write the next tile's while another still reads this one's), and its sums at the end.
-constexpr int SM_EXCHANGE = SM_FACTOR + (NARROW ? 0 : HT * 4);
-constexpr int SM_TILE_MASK = SM_EXCHANGE + (NARROW ? 2 * 4 * HT * 4 : 0);  // u32 [2][2][4]: a K/V buffer's live tokens (per half, per producer warp)
-constexpr int SM_BARRIERS = SM_TILE_MASK + 64;         // u64 [NUM_BARRIERS]: mbarriers
-// BAR_RAW + 8 g + 2 w + h: warp w of producer warpgroup g, its raw unit h (each warp gathers and
-// dequantizes its own 8 tokens). BAR_P_FULL, BAR_P_EMPTY (not NARROW): the shared P and factors
-// from consumer 0 to consumer 1. BAR_HELD + b: K/V buffer b held for an item's outputs is free
-// again (every consumer thread of the block arrives once its rows are out). BAR_Q: an item's Q has
-// landed (its tensor copies' bytes).
-constexpr int BAR_FULL = 0, BAR_EMPTY = 2, BAR_RAW = 4, BAR_P_FULL = BAR_RAW + 8 * PRODUCERS, BAR_P_EMPTY = BAR_P_FULL + 1,
-              BAR_HELD = BAR_P_FULL + (NARROW ? 0 : 2), BAR_Q = BAR_HELD + 2, NUM_BARRIERS = BAR_Q + 1;
-static_assert(SM_BARRIERS + NUM_BARRIERS * 8 == SMEM_BYTES, "shared layout must match the host's count");
-static_assert(SM_RAW % 16 == 0 && RAW_STRIDE % 16 == 0 && SM_BARRIERS % 8 == 0, "aligned regions");
+// The block's mbarriers, indices into SharedStorage::barriers. FULL + b, EMPTY + b, HELD + b: K/V
+// buffer b filled by the producer(s), emptied by the consumer warps (of both blocks of a
+// cluster), and released by every consumer thread once an item's outputs staged there are out
+// (nvfp4_mla_sm90_pipeline.cuh). raw_barrier(g, w, h): warp w of producer warpgroup g, its raw
+// unit h (each warp gathers and dequantizes its own 8 tokens). P_FULL, P_EMPTY (not NARROW): the
+// shared P and factors from consumer 0 to consumer 1. Q: an item's Q has landed (its tensor
+// copies' bytes).
+enum Barrier : int {
+    BAR_FULL = 0,
+    BAR_EMPTY = 2,
+    BAR_RAW = 4,
+    BAR_P_FULL = BAR_RAW + 8 * PRODUCERS,
+    BAR_P_EMPTY = BAR_P_FULL + 1,
+    BAR_HELD = BAR_P_FULL + (NARROW ? 0 : 2),
+    BAR_Q = BAR_HELD + 2,
+    NUM_BARRIERS = BAR_Q + 1,
+};
+
+__device__ __forceinline__ int raw_barrier(int group, int warp, int half) { return BAR_RAW + 8 * group + 2 * warp + half; }
+
+// The named barriers (0 is __syncthreads'): the consumer warpgroups' meetings.
+enum NamedBarrier : int { CONSUMERS_BARRIER = 1 };
+
+// The block's shared memory: SMEM_BYTES, the host's count (ops/decode_sm90.shared_bytes). Q comes
+// first: the dynamic shared memory starts on a 1024-byte boundary, the period of Q's swizzle.
+struct SharedStorage {
+    u8 q[HT * HEAD_DIM * 2];       // BF16 Q [8 slabs of 64 dims][HT heads][64 dims], 128-byte swizzle
+    u8 p[HT * BN * 2];             // BF16 P [HT heads, 64 tokens], K-major core matrices
+    u8 kv[2][KV_BYTES];            // BF16 K = V, two tile buffers [64 tokens, 512]
+    u8 raw[PRODUCERS][RAW_BYTES];  // a producer warpgroup's raw records [2 units][32][RAW_STRIDE]: data row, scale slot
+    u32 scale_pairs[256];          // e4m3_bf16x2 of every scale byte
+    // Not NARROW (consumer 0 to consumer 1, with P): a row's rescale factor this tile [HT], then its
+    // output factor [HT]. NARROW: [2][4 warps][HT], each consumer warp's per-head maxima of a tile (two
+    // tiles' worth, so a warp may write the next tile's while another still reads this one's), and
+    // its sums at the end.
+    float exchange[NARROW ? 2 * 4 * HT : 2 * HT];
+    u32 tile_masks[2][2][4];       // a K/V buffer's live tokens, per half, per producer warp
+    u64 barriers[NUM_BARRIERS];    // Barrier
+};
+static_assert(sizeof(SharedStorage) == SMEM_BYTES, "the shared layout must match the host's count");
+
+// The regions' byte offsets, for the address arithmetic of the code that fills and reads them.
+constexpr int SM_Q = offsetof(SharedStorage, q);
+constexpr int SM_P = offsetof(SharedStorage, p);
+constexpr int SM_KV = offsetof(SharedStorage, kv);
+constexpr int SM_RAW = offsetof(SharedStorage, raw);
+constexpr int SM_SCALES = offsetof(SharedStorage, scale_pairs);
+constexpr int SM_ALPHA = offsetof(SharedStorage, exchange);
+constexpr int SM_FACTOR = SM_ALPHA + HT * 4;
+constexpr int SM_EXCHANGE = SM_ALPHA;
+constexpr int SM_TILE_MASK = offsetof(SharedStorage, tile_masks);
+constexpr int SM_BARRIERS = offsetof(SharedStorage, barriers);
+static_assert(SM_Q == 0 && SM_RAW % 16 == 0 && RAW_STRIDE % 16 == 0 && SM_TILE_MASK % 16 == 0, "aligned regions");

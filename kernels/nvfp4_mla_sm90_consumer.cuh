@@ -52,7 +52,7 @@ __device__ __forceinline__ void issue_q(const Params& p, u32 smem_q, u32 bar_q, 
 // both consumers meet (consumer 1 passes the barrier at its item's start too).
 __device__ __forceinline__ void wait_q(u32 bar_q, u32 phase) {
     mbar_wait(bar_q, phase);
-    named_barrier(1, 256);
+    sync_consumers();
 }
 
 // Consumer 0, one item: S, the softmax, P, and O over the first half of the item's dims (0..255 of
@@ -68,7 +68,7 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
     const int row_lo = warp * 16 + g, row_hi = row_lo + 8;  // the thread's rows of every fragment
     const u32 bars = shared_address(smem + SM_BARRIERS);
-    const u32* const tile_masks = reinterpret_cast<const u32*>(smem + SM_TILE_MASK);
+    const KvPipeline kv = {bars, peer_bars, reinterpret_cast<const u32*>(smem + SM_TILE_MASK)};
     float* const alphas = reinterpret_cast<float*>(smem + SM_ALPHA);
     float* const factors = reinterpret_cast<float*>(smem + SM_FACTOR);
     u8* const sp = smem + SM_P;
@@ -83,7 +83,7 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
 #pragma unroll
     for (int i = 0; i < 4 * O_BLOCKS; ++i) o[i] = 0.0f;
     float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.0f, l_hi = 0.0f;
-    const u32 bar_q = bars + BAR_Q * 8;
+    const u32 bar_q = barrier_at(bars, BAR_Q);
     if (ordinal == 0 && tid == 0) issue_q(p, base + SM_Q, bar_q, row, head0);
     wait_q(bar_q, ordinal & 1);
 
@@ -92,14 +92,14 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
     float s[4 * S_BLOCKS];
     u64 live = 0;
     const int tile_end = tile0 + num_tiles, hold = tile_end - 1;
-    int tile = next_live_tile(bars, peer_bars, tile_masks, tile0, tile_end, hold, lane, live);
+    int tile = kv.next_live(tile0, tile_end, hold, lane, live);
     if (tile < tile_end) {
-        issue_scores(s, desc_q, desc_k0 + (tile & 1) * KV_STEP);
+        issue_scores(s, desc_q, desc_k0 + buffer_of(tile) * KV_STEP);
         wgmma_wait_all();
         fence_registers(s);
     }
     while (tile < tile_end) {
-        const int b = tile & 1;
+        const int b = buffer_of(tile);
 
         // The online softmax of rows lo (elements 0, 1 of an n-block) and hi (2, 3); the quad's 4
         // lanes hold a row's 64 tokens, n-block j tokens 8 j + 2 quad + {0, 1}.
@@ -161,7 +161,7 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
         wgmma_commit();
 
         // P and the rescale factors for consumer 1 (once it is done with the last ones).
-        mbar_wait(bars + BAR_P_EMPTY * 8, (processed & 1) ^ 1);
+        mbar_wait(barrier_at(bars, BAR_P_EMPTY), (processed & 1) ^ 1);
 #pragma unroll
         for (int j = 0; j < S_BLOCKS; ++j) {
             u8* const at = sp + j * P_GROUP_STRIDE + quad * 4;
@@ -173,7 +173,7 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
             alphas[row_hi] = alpha_hi;
         }
         fence_proxy_async();
-        mbar_arrive(bars + BAR_P_FULL * 8);
+        mbar_arrive(barrier_at(bars, BAR_P_FULL));
 
         // The next tile's S behind the P.V: only tile + 1, whose buffer is the other one (tile + 2
         // would wait for this tile's buffer). Its first k-steps queue behind the P.V; the rest are
@@ -182,24 +182,24 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
         // buffer held, until the tensor cores had taken most of S: some 1,100 cycles at 128 heads).
         int next = tile + 1;
         u64 next_live = 0;
-        if (next < tile_end) next_live = acquire_tile(bars, tile_masks, next, lane);
+        if (next < tile_end) next_live = kv.acquire(next, lane);
         if (next_live != 0) {
-            issue_scores<0, QK_EARLY>(s, desc_q, desc_k0 + (next & 1) * KV_STEP);
+            issue_scores<0, QK_EARLY>(s, desc_q, desc_k0 + buffer_of(next) * KV_STEP);
             wgmma_wait<1>();  // P.V done (S may still run): this tile's buffer goes back to the producer now
         } else {
             wgmma_wait_all();
         }
         fence_registers(o);
-        if (tile != hold) release_tile(bars, peer_bars, b, lane);
-        if (next_live != 0) issue_scores<QK_EARLY, QK_STEPS>(s, desc_q, desc_k0 + (next & 1) * KV_STEP);
+        if (tile != hold) kv.release(b, lane);
+        if (next_live != 0) issue_scores<QK_EARLY, QK_STEPS>(s, desc_q, desc_k0 + buffer_of(next) * KV_STEP);
         wgmma_wait_all();
         fence_registers(s);
         ++processed;
         if (next < tile_end && next_live == 0) {  // nothing live in tile + 1: on to the next live tile, unpipelined
-            if (next != hold) release_tile(bars, peer_bars, next & 1, lane);
-            next = next_live_tile(bars, peer_bars, tile_masks, next + 1, tile_end, hold, lane, next_live);
+            if (next != hold) kv.release(buffer_of(next), lane);
+            next = kv.next_live(next + 1, tile_end, hold, lane, next_live);
             if (next < tile_end) {
-                issue_scores(s, desc_q, desc_k0 + (next & 1) * KV_STEP);
+                issue_scores(s, desc_q, desc_k0 + buffer_of(next) * KV_STEP);
                 wgmma_wait_all();
                 fence_registers(s);
             }
@@ -221,7 +221,7 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
             factors[row_hi] = factor_hi;
         }
     }
-    named_barrier(1, 256);  // both consumers' loops are done (the held buffer is free), the factors are in
+    sync_consumers();  // both consumers' loops are done (the held buffer is free), the factors are in
     if (!last && tid == 0) issue_q(p, base + SM_Q, bar_q, next_row, next_head0);  // every S is done: Q is free
     if (quad == 0 && part == 0) {  // both parts of a row have the same (m, l)
 #pragma unroll
@@ -235,8 +235,8 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
                     half ? make_float2(m_hi, l_hi) : make_float2(m_lo, l_lo);
         }
     }
-    write_rows(p, o, smem, row, head0, split, part, hold & 1, 0, row_lo, quad, factor_lo, factor_hi, tid);
-    release_held(bars, peer_bars, hold & 1, lane);
+    write_rows(p, o, smem, row, head0, split, part, buffer_of(hold), 0, row_lo, quad, factor_lo, factor_hi, tid);
+    kv.release_held(buffer_of(hold), lane);
 }
 
 // Consumer 1, one item: O over the second half of the item's dims (256..511 of whole rows) with
@@ -247,7 +247,7 @@ __device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
     const int row_lo = warp * 16 + g, row_hi = row_lo + 8;
     const u32 bars = shared_address(smem + SM_BARRIERS);
-    const u32* const tile_masks = reinterpret_cast<const u32*>(smem + SM_TILE_MASK);
+    const KvPipeline kv = {bars, peer_bars, reinterpret_cast<const u32*>(smem + SM_TILE_MASK)};
     const float* const alphas = reinterpret_cast<const float*>(smem + SM_ALPHA);
     const float* const factors = reinterpret_cast<const float*>(smem + SM_FACTOR);
     const u32 base = shared_address(smem);
@@ -259,15 +259,15 @@ __device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row
     float o[4 * O_BLOCKS];
 #pragma unroll
     for (int i = 0; i < 4 * O_BLOCKS; ++i) o[i] = 0.0f;
-    named_barrier(1, 256);  // consumer 0's wait_q
+    sync_consumers();  // consumer 0's wait_q
     for (int tile = tile0; tile < tile0 + num_tiles; ++tile) {
-        const int b = tile & 1;
-        const u64 live = acquire_tile(bars, tile_masks, tile, lane);
+        const int b = buffer_of(tile);
+        const u64 live = kv.acquire(tile, lane);
         if (live == 0) {
-            if (tile != hold) release_tile(bars, peer_bars, b, lane);
+            if (tile != hold) kv.release(b, lane);
             continue;
         }
-        mbar_wait(bars + BAR_P_FULL * 8, processed & 1);
+        mbar_wait(barrier_at(bars, BAR_P_FULL), processed & 1);
         const float alpha_lo = alphas[row_lo], alpha_hi = alphas[row_hi];
         if (__any_sync(NVFP4_FULL_MASK, alpha_lo != 1.0f || alpha_hi != 1.0f)) rescale_rows(o, alpha_lo, alpha_hi);
         fence_registers(o);
@@ -278,14 +278,15 @@ __device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row
         wgmma_commit();
         wgmma_wait_all();
         fence_registers(o);
-        mbar_arrive(bars + BAR_P_EMPTY * 8);  // every thread: its reads of the factors come before consumer 0's next writes
-        if (tile != hold) release_tile(bars, peer_bars, b, lane);
+        mbar_arrive(barrier_at(bars, BAR_P_EMPTY));  // every thread: its reads of the factors come before consumer 0's next writes
+        if (tile != hold) kv.release(b, lane);
         ++processed;
     }
 
-    named_barrier(1, 256);  // both consumers' loops are done (the held buffer is free), consumer 0's factors are in
+    sync_consumers();  // both consumers' loops are done (the held buffer is free), consumer 0's factors are in
     const bool split_outputs = p.num_splits > 1;  // then no factors were written: raw fp32 rows
     const float factor_lo = split_outputs ? 0.0f : factors[row_lo], factor_hi = split_outputs ? 0.0f : factors[row_hi];
-    write_rows(p, o, smem, row, head0, split, part, hold & 1, HALF_DIMS, row_lo, quad, factor_lo, factor_hi, tid + 128);
-    release_held(bars, peer_bars, hold & 1, lane);
+    write_rows(p, o, smem, row, head0, split, part, buffer_of(hold), HALF_DIMS, row_lo, quad, factor_lo, factor_hi,
+               tid + WARPGROUP_THREADS);
+    kv.release_held(buffer_of(hold), lane);
 }

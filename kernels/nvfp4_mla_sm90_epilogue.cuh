@@ -2,7 +2,7 @@
 // out as whole rows (docs/kernels/decode_sm90.md).
 #pragma once
 
-#include "nvfp4_mla_sm90_config.cuh"
+#include "nvfp4_mla_sm90_pipeline.cuh"
 
 // The outputs leave through shared memory: each consumer stages its half of every row (BF16 times
 // the row's factor without splits, the raw fp32 with), then the 256 consumer threads copy whole
@@ -59,7 +59,7 @@ __device__ __forceinline__ void copy_rows_out(const Params& p, const u8* region,
                                               int ctid) {
     constexpr int ROW_BYTES = STAGED_ROW_BYTES<SPLIT>;
     constexpr int WARP_STORES = (SPLIT ? ROW_BYTES : OUT_DIMS * 2) / 512;  // of a staged row
-    named_barrier(1, CONSUMER_THREADS);  // every row is staged
+    sync_consumers();  // every row is staged
     const i64 num_heads = p.num_heads, num_splits = p.num_splits;
     const int rows = static_cast<int>(min(static_cast<i64>(HT), num_heads - head0));
     const int warp = ctid >> 5, lane = ctid & 31;
@@ -98,7 +98,7 @@ __device__ __forceinline__ void write_rows(const Params& p, const float (&o)[4 *
     constexpr int PASS_DIMS = STAGED_ROW / 4, PASSES = OUT_DIMS / PASS_DIMS;
 #pragma unroll 1
     for (int pass = 0; pass < PASSES; ++pass) {  // one copy of the staging code
-        if (pass > 0) named_barrier(1, 256);  // the pass before is read out
+        if (pass > 0) sync_consumers();  // the pass before is read out
         const int pass_d0 = pass * PASS_DIMS;
         if (d0 >= pass_d0 && d0 < pass_d0 + PASS_DIMS)
             stage_rows<true>(o, region, (d0 - pass_d0) * 4, row_lo, quad, factor_lo, factor_hi);

@@ -40,7 +40,7 @@ __device__ __forceinline__ void reduce_heads(float (&v)[4], float* exchange, int
         for (int j = 0; j < 2; ++j)
             *reinterpret_cast<float2*>(exchange + warp * HT + 8 * j + 2 * quad) = make_float2(v[2 * j], v[2 * j + 1]);
     }
-    named_barrier(1, CONSUMER_THREADS);
+    sync_consumers();
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         float2 t = *reinterpret_cast<const float2*>(exchange + 8 * j + 2 * quad);
@@ -97,7 +97,7 @@ __device__ __forceinline__ void consume_item_narrow(const Params& p, u8* smem, i
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
     const int token_lo = warp * 16 + g;  // the thread's rows of S^T: tokens token_lo and token_lo + 8
     const u32 bars = shared_address(smem + SM_BARRIERS);
-    const u32* const tile_masks = reinterpret_cast<const u32*>(smem + SM_TILE_MASK);
+    const KvPipeline kv = {bars, 0u, reinterpret_cast<const u32*>(smem + SM_TILE_MASK)};
     float* const exchange = reinterpret_cast<float*>(smem + SM_EXCHANGE);
     u8* const sp = smem + SM_P;
     const float score_scale = static_cast<float>(p.score_scale);
@@ -117,21 +117,21 @@ __device__ __forceinline__ void consume_item_narrow(const Params& p, u8* smem, i
     float m[4], l[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) m[c] = neg_inf(), l[c] = 0.0f;
-    const u32 bar_q = bars + BAR_Q * 8;
+    const u32 bar_q = barrier_at(bars, BAR_Q);
     if (ordinal == 0 && tid == 0) issue_q(p, base + SM_Q, bar_q, row, head0);
     mbar_wait(bar_q, ordinal & 1);
 
     float s[8] = {};
     u64 live = 0;
     const int tile_end = tile0 + num_tiles, hold = tile_end - 1;
-    int tile = next_live_tile(bars, 0u, tile_masks, tile0, tile_end, hold, lane, live);
+    int tile = kv.next_live(tile0, tile_end, hold, lane, live);
     if (tile < tile_end) {
-        issue_scores_t(s, desc_k0 + (tile & 1) * KV_STEP, desc_q);
+        issue_scores_t(s, desc_k0 + buffer_of(tile) * KV_STEP, desc_q);
         wgmma_wait_all();
         fence_registers(s);
     }
     while (tile < tile_end) {
-        const int b = tile & 1;
+        const int b = buffer_of(tile);
         const bool live_lo = (live >> token_lo) & 1u, live_hi = (live >> (token_lo + 8)) & 1u;
         // The scaled scores in registers of their own: an instruction that writes s, which only the
         // wgmma defines, makes ptxas serialize every wgmma of the kernel (C7515).
@@ -177,7 +177,7 @@ __device__ __forceinline__ void consume_item_narrow(const Params& p, u8* smem, i
             for (int i = 0; i < 8 * DIM_BLOCKS; ++i) o[i] *= alpha[2 * ((i >> 2) & 1) + (i & 1)];
         }
         fence_proxy_async();
-        named_barrier(1, CONSUMER_THREADS);  // P^T is whole (every warp's wgmma reads all of it)
+        sync_consumers();  // P^T is whole (every warp's wgmma reads all of it)
         fence_registers(o);
         wgmma_fence();
 #pragma unroll
@@ -191,22 +191,22 @@ __device__ __forceinline__ void consume_item_narrow(const Params& p, u8* smem, i
         // The next tile's S^T behind the O^T (tile + 1 only: its buffer is the other one).
         int next = tile + 1;
         u64 next_live = 0;
-        if (next < tile_end) next_live = acquire_tile(bars, tile_masks, next, lane);
+        if (next < tile_end) next_live = kv.acquire(next, lane);
         if (next_live != 0) {
-            issue_scores_t(s, desc_k0 + (next & 1) * KV_STEP, desc_q);
+            issue_scores_t(s, desc_k0 + buffer_of(next) * KV_STEP, desc_q);
             wgmma_wait<1>();  // O^T done (S^T may still run): this tile's buffer goes back to the producers now
         } else {
             wgmma_wait_all();
         }
         fence_registers(o);
-        if (tile != hold) release_tile(bars, 0u, b, lane);
+        if (tile != hold) kv.release(b, lane);
         wgmma_wait_all();
         fence_registers(s);
         if (next < tile_end && next_live == 0) {  // nothing live in tile + 1: on to the next live tile, unpipelined
-            if (next != hold) release_tile(bars, 0u, next & 1, lane);
-            next = next_live_tile(bars, 0u, tile_masks, next + 1, tile_end, hold, lane, next_live);
+            if (next != hold) kv.release(buffer_of(next), lane);
+            next = kv.next_live(next + 1, tile_end, hold, lane, next_live);
             if (next < tile_end) {
-                issue_scores_t(s, desc_k0 + (next & 1) * KV_STEP, desc_q);
+                issue_scores_t(s, desc_k0 + buffer_of(next) * KV_STEP, desc_q);
                 wgmma_wait_all();
                 fence_registers(s);
             }
@@ -232,6 +232,6 @@ __device__ __forceinline__ void consume_item_narrow(const Params& p, u8* smem, i
         else
             reinterpret_cast<float2*>(p.partial_ml)[(row * num_heads + head) * num_splits + split] = make_float2(m[c], l[c]);
     }
-    write_rows_narrow(p, o, smem, row, head0, split, hold & 1, warp, g, quad, factor, tid);
-    release_held(bars, 0u, hold & 1, lane);
+    write_rows_narrow(p, o, smem, row, head0, split, buffer_of(hold), warp, g, quad, factor, tid);
+    kv.release_held(buffer_of(hold), lane);
 }

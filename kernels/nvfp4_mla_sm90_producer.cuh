@@ -2,7 +2,7 @@
 // dequantization into the K/V buffers (docs/kernels/decode_sm90.md).
 #pragma once
 
-#include "nvfp4_mla_sm90_config.cuh"
+#include "nvfp4_mla_sm90_pipeline.cuh"
 
 // The slot of an entry, loaded two units before its use as the table's words, unconverted: any
 // conversion or select here would wait for the loads. Both words all ones (the slot -1 as int32
@@ -15,58 +15,19 @@ struct SlotWords {
 constexpr SlotWords NO_SLOT = {~0u, ~0u};
 
 __device__ __forceinline__ SlotWords load_slot(const Params& p, i64 row, i64 n, i64 swa_live, i64 extra_live) {
-    const bool in_swa = n < p.swa.k;
-    // Fields picked one by one, as in the mma.sync kernel, whose Params are not __grid_constant__
-    // (there a reference to a Params member copies Params to the stack).
-    const i64 j = in_swa ? n : n - p.swa.k;
-    const bool int64 = in_swa ? p.swa.slot_int64 : p.extra.slot_int64;
-    const u32* const words = reinterpret_cast<const u32*>(static_cast<const u8*>(in_swa ? p.swa.slots : p.extra.slots) +
-                                                          (row * (in_swa ? p.swa.k : p.extra.k) + j) * (int64 ? 8 : 4));
+    const SlotRef ref = slot_ref(p, row, n, swa_live, extra_live);
     SlotWords s = NO_SLOT;
-    const bool live = j < (in_swa ? swa_live : extra_live);
-    if (live) s.lo = __ldg(words);
-    if (live && int64) s.hi = __ldg(words + 1);
+    if (ref.live) s.lo = __ldg(ref.words);
+    if (ref.live && ref.int64) s.hi = __ldg(ref.words + 1);
     return s;
 }
-
-// The slot of entry n from its load_slot words (int32 slots sign-extended).
-__device__ __forceinline__ i64 slot_value(const Params& p, i64 n, SlotWords s) {
-    const bool int64 = n < p.swa.k ? p.swa.slot_int64 : p.extra.slot_int64;
-    return int64 ? static_cast<i64>(static_cast<u64>(s.hi) << 32 | s.lo) : static_cast<i64>(static_cast<int>(s.lo));
-}
-
-// The record of entry n (slot `slot`, -1 when masked) of the row's tables: its data row and scale
-// slot, or null when masked (an invalid slot).
-struct RecordAddress {
-    const u8* data;
-    const u8* scale;
-};
-
-__device__ __forceinline__ RecordAddress record_address(const Params& p, i64 n, i64 slot) {
-    const bool in_swa = n < p.swa.k;
-    if (slot < 0 || slot >= (in_swa ? p.swa.capacity : p.extra.capacity)) return {nullptr, nullptr};
-    const i64 page_size = in_swa ? p.swa.page_size : p.extra.page_size;
-    i64 page, entry;
-    if (((slot | page_size) >> 31) == 0) {  // the common case: a 32-bit division
-        const u32 s = static_cast<u32>(slot), ps = static_cast<u32>(page_size);
-        page = s / ps;
-        entry = s - static_cast<u32>(page) * ps;
-    } else {
-        page = slot / page_size;
-        entry = slot - page * page_size;
-    }
-    const u8* base = (in_swa ? p.swa.cache : p.extra.cache) + page * (in_swa ? p.swa.page_stride : p.extra.page_stride);
-    return {base + entry * DATA_BYTES, base + page_size * DATA_BYTES + entry * SCALE_BYTES};
-}
-
-constexpr int RAW_ARRIVALS = 2 * 32;  // each thread of the warp: once itself, once when its copies land
 
 // Every producer thread: token t of the unit (entry n, its slot's load_slot words), part c0 of
 // its record: the 16-byte chunks c0, c0 + 4, ..., c0 + 20 of its 24 (22 of the data row, 2 of the scale slot),
 // copied with cp.async (a warp's instruction: 8 records x 64 contiguous bytes), arriving on the
 // warp's barrier `bar` of the unit. Returns the live mask of the warp's 8 tokens.
 __device__ __forceinline__ u32 gather_unit(const Params& p, i64 n, SlotWords slot, u8* raw_unit, u32 bar, int t, int c0) {
-    const RecordAddress record = record_address(p, n, slot_value(p, n, slot));
+    const RecordAddress record = record_address(p, n, slot_of_words(slot.lo, slot.hi, slot_is_int64(p, n)));
     const u32 mask = __ballot_sync(NVFP4_FULL_MASK, record.data != nullptr) & 0xFFu;  // lanes 0..7: the warp's tokens
     if (record.data != nullptr) {
         u8* const dst = raw_unit + t * RAW_STRIDE;
@@ -164,9 +125,12 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
     const i64 first = static_cast<i64>(tile_begin) * BN + share * UNIT + t;  // this thread's entry in unit 0
     // A warp gathers, dequantizes and reuses the raw records of its own 8 tokens: it waits on its
     // own raw barriers and only for itself (the warps proceed independently).
-    // Unit u of the item is the block's unit unit0 + u: its raw buffer is that count's parity.
-#define GATHER(unit, slot) gather_unit(p, first + (unit) * UNIT_STEP, slot, raw + ((unit0 + (unit)) & 1) * UNIT * RAW_STRIDE, \
-                                       bars + (BAR_RAW + 8 * group + 2 * warp + ((unit0 + (unit)) & 1)) * 8, t, c0)
+    // Unit u of the item is the block's unit unit0 + u: its raw buffer is that count's.
+    const auto gather = [&](int unit, SlotWords slot) {
+        const int buffer = buffer_of(unit0 + unit);
+        return gather_unit(p, first + unit * UNIT_STEP, slot, raw + buffer * UNIT * RAW_STRIDE,
+                           barrier_at(bars, raw_barrier(group, warp, buffer)), t, c0);
+    };
     SlotWords slot_a = NO_SLOT, slot_b = NO_SLOT;
     u32 unit_mask[2] = {0u, 0u};  // the warp's live tokens of the units in raw buffers 0 and 1
     if (units > 0) {
@@ -174,37 +138,32 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
         const SlotWords s1 = units > 1 ? load_slot(p, row, first + UNIT_STEP, swa_live, extra_live) : NO_SLOT;
         if (units > 2) slot_a = load_slot(p, row, first + 2 * UNIT_STEP, swa_live, extra_live);
         if (units > 3) slot_b = load_slot(p, row, first + 3 * UNIT_STEP, swa_live, extra_live);
-        const u32 mask0 = GATHER(0, s0);
-        const u32 mask1 = units > 1 ? GATHER(1, s1) : 0u;
+        const u32 mask0 = gather(0, s0);
+        const u32 mask1 = units > 1 ? gather(1, s1) : 0u;
         const bool odd = unit0 & 1;  // selects, not an index: the masks stay in registers
         unit_mask[0] = odd ? mask1 : mask0;
         unit_mask[1] = odd ? mask0 : mask1;
     }
 
     for (int u = 0; u < units; ++u) {
-        const int raw_half = (unit0 + u) & 1, tile = tile0 + u / UNITS_PER_TILE, b = tile & 1;
+        const int raw_half = buffer_of(unit0 + u), tile = tile0 + u / UNITS_PER_TILE, b = buffer_of(tile);
         const int half = SHARERS == 2 ? share : u & 1;  // the unit's half of the tile
-        const u32 full = bars + (BAR_FULL + b) * 8;
-        const u32 peer_full = peer + SM_BARRIERS + (BAR_FULL + b) * 8;  // with a cluster: the peer's full barrier
-        mbar_wait(bars + (BAR_RAW + 8 * group + 2 * warp + raw_half) * 8, ((unit0 + u) >> 1) & 1);  // the warp's records are in
+        const u32 full = barrier_at(bars, BAR_FULL + b);
+        const u32 peer_full = barrier_at(peer + SM_BARRIERS, BAR_FULL + b);  // with a cluster: the peer's full barrier
+        // The warp's records are in.
+        mbar_wait(barrier_at(bars, raw_barrier(group, warp, raw_half)), fill_parity(unit0 + u));
         const u32 mask = raw_half ? unit_mask[1] : unit_mask[0];
         RecordPart part = {};
         if ((mask >> (t & 7)) & 1u)  // the warp's mask: its 8 tokens
             read_part(raw + raw_half * UNIT * RAW_STRIDE + t * RAW_STRIDE, c0, part);
         __syncwarp();  // the warp has read its raw records of unit u out: refill the buffer with unit u + 2
         if (u + 2 < units) {
-            const u32 next_mask = GATHER(u + 2, slot_a);
+            const u32 next_mask = gather(u + 2, slot_a);
             if (raw_half) unit_mask[1] = next_mask; else unit_mask[0] = next_mask;
             slot_a = slot_b;
             slot_b = u + 4 < units ? load_slot(p, row, first + (u + 4) * UNIT_STEP, swa_live, extra_live) : NO_SLOT;
         }
-        if (half == 0 || SHARERS == 2) {  // the consumers (of both blocks) are done with buffer b
-            mbar_wait(bars + (BAR_EMPTY + b) * 8, ((tile >> 1) & 1) ^ 1);
-            if ((held >> b) & 1u) {  // and this block's consumers with the outputs staged there
-                mbar_wait(bars + (BAR_HELD + b) * 8, (held >> (2 + b)) & 1u);
-                held ^= (1u << b) | (1u << (2 + b));
-            }
-        }
+        if (half == 0 || SHARERS == 2) wait_buffer_free(bars, tile, held);
         if (lane == 0) {
             const int word = (b * 2 + half) * 4 + warp;
             tile_masks[word] = mask;
@@ -220,5 +179,4 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
                 mbar_arrive(full);
         }
     }
-#undef GATHER
 }

@@ -86,11 +86,11 @@ class CombineSpec(NamedTuple):
     @property
     def template(self) -> Template:
         function = "nvfp4_mla_decode_combine"
-        return Template(decode_mma.SOURCE, function, COMBINE_PARAMS, COMBINE_THREADS, 0, included_headers(decode_mma.SOURCE), dependent_launch=True)
+        return Template("nvfp4_mla_combine.cu", function, COMBINE_PARAMS, COMBINE_THREADS, 0, included_headers("nvfp4_mla_combine.cu"), dependent_launch=True)
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""
-        return {"COMBINE": 1, "MAX_SPLITS": self.max_splits, "PREFETCH": self.prefetch}
+        return {"MAX_SPLITS": self.max_splits, "PREFETCH": self.prefetch}
 
     def describe(self) -> str:
         return f"decode split combine, {self.prefetch} splits prefetched"

@@ -84,7 +84,6 @@ class MmaAttentionSpec(NamedTuple):
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""
         return {
-            "COMBINE": 0,
             "HEAD_TILE": self.head_tile,
             "DIM_SPLIT": DIM_SPLITS[self.head_tile],
             "BLOCK_N": BLOCK_N,
