@@ -1,38 +1,7 @@
-// Sparse MLA decode attention read straight from the NVFP4 records (semantics: docs/format.md, the
-// reference nvfp4_mla.reference.sparse_mla_decode). Two kernels, one per compile (-D COMBINE):
-//
-// nvfp4_mla_decode (COMBINE 0): one block per (query row, head tile of HEAD_TILE heads, split).
-//   Warp w owns row block w / DIM_SPLIT (16 heads: the M of the MMAs) and dims slice w % DIM_SPLIT
-//   (COLS = 512 / DIM_SPLIT dims) for both products; its Q fragments, in the MMA's register
-//   layout, stay in registers with 4 warps a row block (32 a thread), else are stored once in
-//   shared memory (a lane reads its own 16 bytes a k-step). The block walks its split's tiles of
-//   BLOCK_N = 32 selected tokens (the sliding-window table's entries, then the extra pool's).
-//   Per tile t:
-//     1. Warp 0 (a lane per token) turned tile t's slots, loaded two tiles ahead, into record
-//        addresses during tile t - 1 (0 and a clear live bit when masked: an invalid slot or an
-//        entry past lens, whose record and even slot beyond lens are never read), and the block
-//        started cp.async copies of the live records' 384 bytes. A tile with no live token is
-//        skipped.
-//     2. Dequantize: every warp a few tokens, lane L the 16-byte chunks L and L + 32 of a BF16 row
-//        (e2m1 x e4m3 exact, the scale's BF16 pair from a shared table of all 256 bytes, or the
-//        BF16 RoPE dims); masked tokens become zero rows. K = V = this
-//        [32, 512] tile in shared memory. Then tile t + 1's addresses and copies start.
-//     3. S = Q.K^T over the warp's dims slice with mma.sync m16n8k16 (BF16 in, fp32 accumulate);
-//        the DIM_SPLIT warps of a row block exchange their partial scores through shared memory
-//        and each adds all of them in slice order, so they hold bit-identical S.
-//     4. Online softmax in registers, base 2 (each warp its row block's 16 rows, redundantly):
-//        masked scores are -inf, p = 2^(s - m) in fp32, row sums of the fp32 p; a row's base m
-//        moves (and the output is rescaled) only when its max passes m by more than 2^8. P,
-//        rounded to BF16, is the A operand of 5.
-//     5. O += P.V over the warp's COLS output dims (COLS / 2 fp32 accumulators a thread).
-//   Without splits the block finishes the rows (1/l, sink factor, BF16, lse); with splits it
-//   writes its unnormalized O and (m, l) to the workspace.
-// nvfp4_mla_decode_combine (COMBINE 1): one block per (query row, head) merges the splits in
-//   split order (deterministic) and finishes the row the same way.
-//
-// -D constants: HEAD_TILE (16, 32 or 64), DIM_SPLIT, BLOCK_N, SMEM_BYTES (the host's count of the
-// shared layout below, checked), COMBINE; with COMBINE, MAX_SPLITS and PREFETCH; THREADS and the
-// record ABI come from jit.py/abi.py.
+// Sparse MLA decode attention read straight from the NVFP4 records, on every GPU from sm_80: one
+// block per (query row, head tile of HEAD_TILE heads, split), mma.sync tensor-core products
+// (docs/kernels/decode_mma.md; semantics: docs/format.md section 9). -D constants: HEAD_TILE
+// (16, 32 or 64), DIM_SPLIT, BLOCK_N, SMEM_BYTES; THREADS and the record ABI come from jit.py/abi.py.
 #include "nvfp4_mla_params.cuh"  // Params: attention.ATTEND_PARAMS, or decode.COMBINE_PARAMS
 #include "nvfp4_mla_ptx.cuh"
 #include "nvfp4_mla_records.cuh"
@@ -183,8 +152,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
     u32* const live_masks = reinterpret_cast<u32*>(smem + SM_LIVE);
     u32* const scale_pairs = reinterpret_cast<u32*>(smem + SM_SCALES);
 
-    // No launch_dependents: the split combine launching at this kernel's start was 6% slower at
-    // 1 x 2 rows of 16 heads over 1,024 tokens on the H200 (it launches when the blocks end).
+    // No launch_dependents: the split combine launching at this kernel's start was slower than at
+    // its end (docs/performance.md#programmatic-dependent-launch).
     wait_for_prior_grids();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int row_block = warp / DIM_SPLIT, slice = warp % DIM_SPLIT;

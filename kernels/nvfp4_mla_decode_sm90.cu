@@ -34,7 +34,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
         __syncthreads();
     // The stream's next kernel (the combine, or the next call) may launch now, except after many
     // splits: then the combine's blocks, each long, would pile onto the few SMs this grid leaves free
-    // and end last (H200, 1 row, 128 heads, 65 splits: 0.85x; 18 splits and fewer gain).
+    // and end last (docs/performance.md#programmatic-dependent-launch).
     if (p.num_splits <= EARLY_DEPENDENTS_MAX_SPLITS) launch_dependents();
     wait_for_prior_grids();  // the setup above touched no global memory
 

@@ -1,17 +1,7 @@
-// Gather-dequantize: records back to rows of values by slot (docs/format.md section 8),
-// specialized at compile time (-D) by:
-//   PAGE_SIZE       tokens per page
-//   SLOT_INT64      slots are int64 (else int32)
-//   IDENTITY_SLOTS  row i reads slot i (slots=None; no slot tensor)
-//   OUT_FP32        the rows are float32 (else bfloat16)
-//   ROWS_PER_TEAM   rows a team reads, all their loads in flight together
-//
-// A team of 16 threads (half a warp) owns ROWS_PER_TEAM consecutive output rows. It loads their
-// slots, then copies each valid row's 384-byte record (352-byte data row, 32-byte scale slot) into
-// shared memory with 16-byte cp.async (24 copies a record, 1.5 a thread, all rows' copies in
-// flight at once), waits once, and writes each row with 16-byte stores: thread t writes the
-// row's output chunks t, t + 16, ..., so each store instruction covers 256 contiguous bytes of a
-// row. Invalid slots read nothing; their rows are the fill pattern.
+// Gather-dequantize: records back to rows of values by slot (docs/format.md section 8;
+// docs/kernels/reader.md). A team of 16 threads reads ROWS_PER_TEAM rows: their records into
+// shared memory with cp.async, then whole output rows out. -D constants: PAGE_SIZE, SLOT_INT64,
+// IDENTITY_SLOTS, OUT_FP32, ROWS_PER_TEAM.
 #include "nvfp4_mla_params.cuh"  // Params: reader.READ_PARAMS
 #include "nvfp4_mla_ptx.cuh"
 

@@ -6,9 +6,8 @@
 
 // The outputs leave through shared memory: each consumer stages its half of every row (BF16 times
 // the row's factor without splits, the raw fp32 with), then the 256 consumer threads copy whole
-// rows out, a warp's store 512 contiguous bytes of a row. (Stores straight from the fragment
-// layout touch 8 rows an instruction: a block's 128 KB of fp32 partials took 3.7 us, against
-// 2.1 us at the 60 GB/s one SM stores.) The rows are staged in the K/V buffer of the item's last
+// rows out, a warp's store 512 contiguous bytes of a row (stores straight from the fragment layout
+// touch 8 rows an instruction: docs/performance.md#output-staging). The rows are staged in the K/V buffer of the item's last
 // tile, which the consumers hold until the rows are out (the producer fills the other buffer with
 // the next item's first tile meanwhile, and Q's buffer takes the next item's Q): 64 rows of 1 KB,
 // each the row's BF16, or in two passes one consumer's fp32 half. Chunk c (16 bytes) of staged row

@@ -1,25 +1,9 @@
-// One kernel for every writer entry, specialized at compile time (-D) by the geometry:
-//   PAGE_SIZE       tokens per page
-//   SLOT_INT64      slot_mapping is int64 (else int32)
-//   IDENTITY_SLOTS  row i goes to slot i (the pack entry; no slot_mapping)
-//   KV_ROPE         rotate the KV row's RoPE dims with cos_sin_cache[positions[i]] (else they are
-//                   already roped and copied bitwise: append/pack)
-//   COMPRESS_RATIO  KV entry: insert only when (pos + 1) % ratio == 0, RoPE row pos / ratio * ratio
-//   Q_MODE          0: no query work, 1: write the head-padded q_out, 2: rotate q in place
-//   NUM_HEADS       live query heads; Q_HEADS: heads of q_out (the padded count)
-//   APPLY_Q_ROPE    rotate the live heads (else copy them bitwise)
-//   Q_ROWS_PER_UNIT 16-byte query loads in flight per thread (variant.Q_ROWS_PER_UNIT)
-//   KV_ROWS_PER_WARP KV rows a warp inserts, their loads in flight together (compress ratio 1)
-//
-// Work is cut into units of 64 threads, as many as a 512-dim BF16 row has 16-byte chunks.
-// The first kv_blocks blocks insert the KV rows, a warp its own KV_ROWS_PER_WARP rows of a unit,
-// looping over the units (grid-stride) with the next unit's loads in flight; the host launches at
-// most as many of them as the GPU holds at once (launch.Launcher.resident_blocks). The blocks
-// after them write the query, UNITS_PER_BLOCK units each, each thread one 16-byte chunk of a
-// 512-dim BF16 row (Q_ROWS_PER_UNIT (token, head) rows of q_out, or in place Q_ROWS_PER_UNIT x 8
-// heads x 8 RoPE chunks); a small query is spread over more SMs, a unit or a row a block. With a
-// compress ratio above 1 the KV blocks take tiles of rows instead (insert_kv_tiles), to read only
-// the rows they insert.
+// One kernel for every writer entry (docs/kernels/writer.md): RoPE, NVFP4 quantization and the
+// insertion of KV rows, and the query's RoPE and head padding, specialized at compile time by the
+// -D constants PAGE_SIZE, SLOT_INT64, IDENTITY_SLOTS, KV_ROPE, COMPRESS_RATIO, Q_MODE (0: no
+// query work, 1: the head-padded q_out, 2: q in place), NUM_HEADS, Q_HEADS, APPLY_Q_ROPE,
+// Q_ROWS_PER_UNIT and KV_ROWS_PER_WARP. The first kv_blocks blocks insert the KV rows, the blocks
+// after them write the query.
 #include "nvfp4_numerics.cuh"
 #include "nvfp4_mla_params.cuh"  // Params: writer_spec.WRITE_PARAMS
 
@@ -220,8 +204,7 @@ __device__ __forceinline__ void insert_kv_units(const Params& p, u32 unit, u32 s
 // reads one row's slot and position, the block lists the tile's inserted rows in shared memory,
 // and its warps take them in turn (warp w: entries w, w + WARPS, ...). So the block's warps insert
 // equally many rows however the inserted rows fall: with a batch of rows a warp, random positions
-// gave the warps unequal counts and the fullest set the time (70% of copy at T = 65536, 81% with
-// the same rows inserted every other one; the tiles: 77%). A warp reads only its rows' data, with
+// gave the warps unequal counts and the fullest set the time (docs/kernels/writer.md). A warp reads only its rows' data, with
 // their cos and sin, the next row's while it quantizes one; the next tile's slots and positions
 // are in flight meanwhile. Tiles are as small as spreads the rows over every block.
 static_assert(KV_ROPE && !IDENTITY_SLOTS && Q_MODE == 0, "compress ratios belong to the KV entry");
@@ -296,7 +279,7 @@ struct KvRow {
 
 // Issues the loads of an inserted row and its cos and sin. The lane's addresses are recomputed
 // from the parameters each row: kept in registers (LaneBases), they made ptxas spill for sm_120.
-// Ratio 1 keeps its LaneBases: recomputing there made append 1.3-2% slower on the H200.
+// Ratio 1 keeps its LaneBases: recomputing there made append slower (docs/performance.md#writer-launch-grid).
 __device__ __forceinline__ KvRow load_inserted_row(const Params& p, int lane, u32 row, u32 rope_row) {
     KvRow r;
     const u64 row_start = mad_wide(row, CHUNKS * 16, reinterpret_cast<u64>(p.kv));
@@ -327,8 +310,8 @@ __device__ __forceinline__ void insert_kv_tiles(const Params& p) {
     for (;;) {
         u32 next_slot;
         const bool more = next_inserted_row(p, q, list, lane, warp, row, next_slot, rope_row);
-        // Assigned even without a next row: left unassigned then, the first tiles took 19.5 us at
-        // T = 65536 instead of 17.2 (the only other difference was a third counter).
+        // Assigned even without a next row: left unassigned, the first tiles ran slower
+        // (docs/performance.md#writer-launch-grid).
         KvRow next = r;
         if (more) next = load_inserted_row(p, lane, row, rope_row);
         store_kv_record(p, r.h0, r.h1, r.rope, r.cos, r.sin, slot, lane);
