@@ -2,7 +2,7 @@
 // block per (query row, head tile of HEAD_TILE heads, split), mma.sync tensor-core products
 // (docs/kernels/decode_mma.md; semantics: docs/format.md section 9). -D constants: HEAD_TILE
 // (16, 32 or 64), DIM_SPLIT, BLOCK_N, SMEM_BYTES; THREADS and the record ABI come from jit.py/abi.py.
-#include "nvfp4_mla_params.cuh"  // Params: attention.ATTEND_PARAMS, or decode.COMBINE_PARAMS
+#include "nvfp4_mla_params.cuh"  // Params: decode_backend.ATTEND_PARAMS
 #include "nvfp4_mla_ptx.cuh"
 #include "nvfp4_mla_records.cuh"
 #include "nvfp4_mla_softmax.cuh"

@@ -2,7 +2,7 @@
 // entries of a slot table's row, an entry's slot, its record's address, and the exact
 // dequantization of a record's values. An entry n of a query row counts over both tables: the
 // sliding-window pool's k entries, then the extra pool's. Params is the attention kernels'
-// (attention.ATTEND_PARAMS); its pools' fields are read one by one, never as a Pool reference
+// (decode_backend.ATTEND_PARAMS); its pools' fields are read one by one, never as a Pool reference
 // (which would copy Params to the stack where Params is not __grid_constant__).
 #pragma once
 

@@ -10,7 +10,7 @@ import torch
 import nvfp4_mla
 from nvfp4_mla import abi, jit, launch, reference
 from nvfp4_mla.device import Device
-from nvfp4_mla.ops import attention, decode, decode_mma, decode_sm90, decode_sm90_narrow, decode_split
+from nvfp4_mla.ops import decode, decode_backend, decode_combine, decode_mma, decode_schedule, decode_sm90
 from nvfp4_mla.testing import make_cache
 
 BF16 = torch.bfloat16
@@ -25,14 +25,15 @@ SM80_SHARED_OPTIN = 166_912
 def test_specs_and_names():
     specs = decode.specs("sm_80")
     assert {s.head_tile for s in specs if isinstance(s, decode_mma.MmaAttentionSpec)} == set(decode_mma.HEAD_TILES)
-    combines = (decode.CombineSpec.of(decode.COMBINE_PREFETCH_WAVES), decode.CombineSpec.of(decode.COMBINE_PREFETCH))
+    combines = decode_combine.specs()
+    assert combines == (decode_combine.CombineSpec.of(4), decode_combine.CombineSpec.of(16))
     assert specs[-2:] == combines and len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 2
-    assert [c.defines()["PREFETCH"] for c in combines] == [4, 16] and decode.CombineSpec.of(4) is combines[0]
+    assert [c.defines()["PREFETCH"] for c in combines] == [4, 16] and decode_combine.CombineSpec.of(4) is combines[0]
     # Alone and in pairs, each with whole output rows and with half rows; and the NARROW build.
     hopper = {decode_sm90.WgmmaAttentionSpec.of(c, parts) for c in (1, 2) for parts in (1, 2)}
     narrow = decode_sm90.WgmmaAttentionSpec.of(1, 1, 16)
     assert set(decode.specs("sm_90")) == {*specs, *hopper, narrow} and len(hopper) == 4  # the Hopper kernels too
-    assert decode_sm90_narrow.specs("sm_90") == (narrow,) and narrow not in hopper
+    assert decode_sm90.narrow_specs("sm_90") == (narrow,) and narrow not in hopper
     assert {s.template.arch for s in (*hopper, narrow)} == {"sm_90a"}
     assert {(s.defines()["CLUSTER"], s.defines()["DIM_PARTS"]) for s in hopper} == {(1, 1), (1, 2), (2, 1), (2, 2)}
     assert {s.defines()["HEAD_TILE"] for s in hopper} == {64} and narrow.defines()["HEAD_TILE"] == 16
@@ -96,7 +97,7 @@ def test_a_forced_backend_must_exist_and_support_the_gpu(monkeypatch):
 def test_a_forced_head_tile_needs_the_mma_sync_kernel(monkeypatch):
     """The wgmma kernel has one head tile: forcing another must not be ignored silently."""
     monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[90])
-    with pytest.raises(ValueError, match="decode_head_tile=32 is the mma_sync kernel's head tile, but this call runs"):
+    with pytest.raises(ValueError, match="decode_head_tile=32 applies to the mma_sync backends' kernels only, but"):
         decode.plan(nvfp4_mla.KernelLibrary(decode_head_tile=32), 0, 64, 8, 128, 0)
     with pytest.raises(ValueError, match="runs the wgmma_sm90 backend"):
         decode.plan(nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_head_tile=64), 0, 16, 1, 128, 0)
@@ -106,7 +107,7 @@ def test_a_block_cap_needs_the_wgmma_kernel(monkeypatch):
     """Only the wgmma kernels' blocks walk their items: capping the mma.sync kernel's grid (a block
     an item) must not be ignored silently."""
     monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[90])
-    message = r"decode_blocks=4 caps the blocks of the wgmma kernels \(wgmma_sm90, wgmma_sm90_narrow\)"
+    message = "decode_blocks=4 applies to the wgmma_sm90_narrow and wgmma_sm90 backends' kernels only"
     with pytest.raises(ValueError, match=message):
         decode.plan(nvfp4_mla.KernelLibrary(decode_blocks=4), 0, 16, 1, 128, 0)  # the rule: mma_sync
     with pytest.raises(ValueError, match="runs the mma_sync backend"):
@@ -138,7 +139,7 @@ def test_a_forced_dim_split_needs_a_backend_that_has_it(monkeypatch):
     ],
 )
 def test_half_rows_where_twice_the_items_fit_at_once(parts, items, max_blocks, want):
-    assert decode_split.choose_dim_parts(parts, items, max_blocks) == want
+    assert decode_schedule.choose_dim_parts(parts, items, max_blocks) == want
 
 
 @pytest.mark.parametrize(
@@ -156,7 +157,7 @@ def test_half_rows_where_twice_the_items_fit_at_once(parts, items, max_blocks, w
     ],
 )
 def test_the_split_and_the_parts_chosen_together(parts, blocks, num_tiles, head_rows, want):
-    got = decode_split.choose_split_and_parts(parts, blocks, num_tiles, 132, 132 if 2 in parts else 0, head_rows)
+    got = decode_schedule.choose_split_and_parts(parts, blocks, num_tiles, 132, 132 if 2 in parts else 0, head_rows)
     assert got == want
     splits, per_split, _ = got
     assert (splits - 1) * per_split < num_tiles <= splits * per_split  # every tile once
@@ -177,9 +178,9 @@ def test_the_split_and_the_parts_chosen_together(parts, blocks, num_tiles, head_
 def test_paired_halves_where_the_cost_model_prefers_them(rows, heads, num_tiles, want):
     """One head tile (16-64 heads) on the wgmma kernel: a row's two halves as a pair sharing each
     dequantized tile, where fewer splits (fewer partial rows) pay for doing S twice."""
-    assert decode_split.choose_split_and_parts((1, 2), rows, num_tiles, 132, 132, rows * heads, True) == want
+    assert decode_schedule.choose_split_and_parts((1, 2), rows, num_tiles, 132, 132, rows * heads, True) == want
     if want[2] == 2:  # without pairs, the same call keeps whole rows
-        assert decode_split.choose_split_and_parts((1, 2), rows, num_tiles, 132, 132, rows * heads)[2] == 1
+        assert decode_schedule.choose_split_and_parts((1, 2), rows, num_tiles, 132, 132, rows * heads)[2] == 1
 
 
 def test_the_q_tensor_map_is_encoded_once_then_moved(monkeypatch):
@@ -214,7 +215,9 @@ def test_the_q_tensor_map_is_encoded_once_then_moved(monkeypatch):
     with pytest.raises(RuntimeError, match="cuTensorMapReplaceAddress failed"):
         q_map(0)
     params = decode_sm90.PARAMS
-    assert params.size == 256 + launch.TENSOR_MAP_BYTES and params.format.startswith(attention.ATTEND_PARAMS.format)
+    assert params.size == 256 + launch.TENSOR_MAP_BYTES
+    assert params.names == (*decode_backend.ATTEND_PARAMS.names, "q_map")
+    assert params.offsets["q_map"] == 256  # the next 64 bytes after the attention Params
     assert decode_sm90.WgmmaAttentionSpec.of(1).template.params is params and params.size <= launch.PARAMS_CAPACITY
 
 
@@ -225,7 +228,7 @@ def test_the_wgmma_kernel_fits_the_hopper_block():
     # the consumer warps' exchange, 8 more raw-unit barriers and none for P.
     narrow_bytes = 232_136 - 48 * 1024 - 6 * 1024 - 2 * 64 * 4 + 25_600 + 512 + 8 * 8 - 2 * 8
     assert decode_sm90.shared_bytes(16) == narrow_bytes == 202_488 <= FAKE_GPUS[90].shared_optin
-    assert decode_sm90_narrow.SPEC.template.threads == 384 and decode_sm90_narrow.SPEC.template.max_shared_bytes == (
+    assert decode_sm90.NARROW_SPEC.template.threads == 384 and decode_sm90.NARROW_SPEC.template.max_shared_bytes == (
         decode_sm90.shared_bytes(16)
     )
 
@@ -272,20 +275,20 @@ def test_head_tile_choice(heads, optin, tile):
 @pytest.mark.parametrize("num_tokens", [1, 31, 32, 33, 640, 1152, 2176, 10_000])
 def test_split_covers_every_tile_once(blocks, num_tokens):
     num_tiles = -(-num_tokens // decode_mma.BLOCK_N)
-    _, splits, per_split = decode_split.cheapest_split(blocks, num_tiles, 132, 64 * blocks)
+    _, splits, per_split = decode_schedule.cheapest_split(blocks, num_tiles, 132, 64 * blocks)
     assert 1 <= splits <= min(num_tiles, decode.MAX_SPLITS)  # the combine takes at most MAX_SPLITS
     assert (splits - 1) * per_split < num_tiles <= splits * per_split  # no empty split, no tile left over
     if blocks % 132 == 0:
         assert splits == 1  # whole waves already: no combine
-    assert decode_split.cheapest_split(blocks, num_tiles, 132, 64 * blocks)[1:] == (splits, per_split)
+    assert decode_schedule.cheapest_split(blocks, num_tiles, 132, 64 * blocks)[1:] == (splits, per_split)
 
 
 def test_small_batches_are_split_to_fill_the_gpu():
     # batch 1, 128 heads in 2 tiles of 64, 128 + 512 tokens (20 tiles), 132 SMs of one block each
-    _, splits, per_split = decode_split.cheapest_split(2, 20, 132, 128)
+    _, splits, per_split = decode_schedule.cheapest_split(2, 20, 132, 128)
     assert (splits, per_split) == (20, 1)
     # batch 64, q_len 2, 4 tiles of 32 heads, 2 blocks an SM: 512 blocks already fill it
-    assert decode_split.cheapest_split(512, 36, 264, 128 * 128)[1:] == (1, 36)
+    assert decode_schedule.cheapest_split(512, 36, 264, 128 * 128)[1:] == (1, 36)
 
 
 # ---------------------------------------------------------------- the CPU path and validation

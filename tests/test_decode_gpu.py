@@ -27,7 +27,7 @@ import nvfp4_mla
 import nvfp4_mla.reference.decode as exact_decode
 from nvfp4_mla import abi, validation
 from nvfp4_mla.device import device_info
-from nvfp4_mla.ops import decode, decode_mma, decode_sm90
+from nvfp4_mla.ops import decode, decode_combine, decode_mma, decode_sm90
 from nvfp4_mla.testing import dirty_allocator, make_cache
 from nvfp4_mla.testing.kernels import VirtualArchKernels
 
@@ -487,23 +487,23 @@ def test_the_combine_builds_give_the_same_bits(seed):
 
     def combine_build(prefetch):
         def tune(spec):
-            return decode.CombineSpec.of(prefetch) if isinstance(spec, decode.CombineSpec) else spec
+            return decode_combine.CombineSpec.of(prefetch) if isinstance(spec, decode_combine.CombineSpec) else spec
 
         return tune
 
-    for num_splits in (3, decode.COMBINE_PREFETCH + 1, decode.MAX_SPLITS):
+    for num_splits in (3, decode_combine.PREFETCH + 1, decode.MAX_SPLITS):
         got = [
             run(q, pools, sinks=sinks, library=nvfp4_mla.KernelLibrary(decode_splits=num_splits, tune=combine_build(p)))
-            for p in (0, decode.COMBINE_PREFETCH_WAVES, decode.COMBINE_PREFETCH)
+            for p in (0, decode_combine.PREFETCH_WAVES, decode_combine.PREFETCH)
         ]
         for other in got[1:]:
             assert bits_equal(got[0][0], other[0]) and bits_equal(got[0][1], other[1]), f"{num_splits} splits"
         check(got[2], want, f"prefetching combine, {num_splits} splits")
     library, device = nvfp4_mla.KernelLibrary(decode_splits=2), q.get_device()
-    prefetching = library.launcher(device, library.spec(decode.CombineSpec.of(decode.COMBINE_PREFETCH)))
+    prefetching = library.launcher(device, library.spec(decode_combine.CombineSpec.of(decode_combine.PREFETCH)))
     one_wave = decode.plan(library, device, 64, prefetching.resident_blocks // 64, 128, 512)
     more = decode.plan(library, device, 64, prefetching.resident_blocks // 64 + 1, 128, 512)
-    waves = library.launcher(device, library.spec(decode.CombineSpec.of(decode.COMBINE_PREFETCH_WAVES)))
+    waves = library.launcher(device, library.spec(decode_combine.CombineSpec.of(decode_combine.PREFETCH_WAVES)))
     assert one_wave.combine is prefetching and more.combine is waves
 
 

@@ -230,10 +230,9 @@ def check_arch(arch: object) -> str:
 def _texts(spec: KernelSpec, sources: Mapping[str, str] | None) -> list[tuple[str, str]]:
     """(name, text) of the template's file, every header it lists and the generated header of its
     Params; ``sources`` replaces texts by name."""
-    template = spec.template
-    texts = [(name, source(name)) for name in (template.file, *template.headers)]
-    texts.append((PARAMS_HEADER, template.params.header()))
-    return [(name, (sources or {}).get(name) or text) for name, text in texts]
+    template, given = spec.template, sources or {}
+    texts = [(name, given.get(name) or source(name)) for name in (template.file, *template.headers)]
+    return [*texts, (PARAMS_HEADER, given.get(PARAMS_HEADER) or template.params.header())]
 
 
 def kernel_key(spec: KernelSpec, arch: str, sources: Mapping[str, str] | None = None) -> str:

@@ -27,10 +27,9 @@ import re
 import struct
 
 FORMAT_VERSION = 1
-# The largest project cubin (NVRTC 12.9, whole, every kernel of the catalogue on sm_80, sm_90,
-# sm_90a, sm_100, sm_100a, sm_120) is 300,592 bytes: the 64-head decode attention on sm_100, with
-# -lineinfo. 16 MiB leaves a 50x margin for new kernels and toolkits, and still keeps a huge or
-# sparse planted file from being read (a 1 GiB file took 16.7 s to refuse, issue 24).
+# Far above the largest cubin of the catalogue (a few hundred KB with -lineinfo), so new kernels and
+# toolkits fit, and still small enough that a huge or sparse planted file is refused before it is
+# read whole (docs/format.md section 11).
 MAX_FILE_BYTES = 16 << 20
 
 _START, _END = b"NVFP4MLA", b"NVFP4END"

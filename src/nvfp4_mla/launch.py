@@ -46,8 +46,8 @@ def _output_allocator() -> Callable[[tuple, tuple, Any], Any] | None:
     import torch
 
     # torch's own allocation without the dispatcher (what inductor's generated code calls): on the
-    # current device and stream, 1.2 us against new_empty's 2.5 us on the H200's host. Private,
-    # hence the fallbacks of new_output.
+    # current device and stream, about half of new_empty's host time (docs/performance.md#host-path).
+    # Private, hence the fallbacks of new_output.
     guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
     return getattr(guards, "_empty_strided_cuda", None)
 
@@ -137,9 +137,9 @@ class Bf16TensorMap:
     ``dims`` elements (innermost first) with ``strides`` bytes between the steps of every dim but
     the first, copied in boxes of ``box`` elements into 128-byte-swizzled shared memory (zeros
     outside ``dims``), for the tensor at any address. The first address encodes the map; another
-    one puts its address into a copy of that map (the cheaper driver call, 1.4 us against 3.7 on
-    the H200's host), and the map of the last address is kept: a decode step's q usually comes back
-    at the same address."""
+    one puts its address into a copy of that map (the cheaper driver call:
+    docs/performance.md#host-path), and the map of the last address is kept: a decode step's q
+    usually comes back at the same address."""
 
     __slots__ = ("_arguments", "_first", "_last")
 
@@ -277,8 +277,7 @@ class Launcher:
         self.shared_bytes = template.max_shared_bytes  # what a launch of a fixed shared layout asks for
         self._current_context, self._launch_kernel = driver.ctxGetCurrent, driver.launchKernel  # bound once
         # Programmatic dependent launch needs sm_90 and a kernel that waits for it; it hides the
-        # gap between two kernels of a stream (H200, a decode call of 1 row and 128 heads, its
-        # attention and combine, in a graph of calls: 11.3 -> 9.6 us).
+        # gap between two kernels of a stream (docs/performance.md#programmatic-dependent-launch).
         self._launch_dependent = _launch_kernel_ex() if template.dependent_launch and device.capability >= 90 else None
 
     @property

@@ -41,25 +41,7 @@ absolute targets (lines labelled "Hopper target:") on the rows the selection rul
 "rule"; "forced" rows run a backend or head tile the ``--head-tiles`` and ``--backends`` options
 force). The Hopper kernel's targets against FlashMLA are not measured here.
 
-**Predictions** (written before the first measurement; H200, about 4.3 TB/s copy and 790
-TFLOP/s matmul). The kernel's model: per tile of 32 tokens a block issues 4 x HT / 16 x 32 +
-HT / 16 x 64 x 2 MMAs and about 1.5 ldmatrix.x4 per 2 MMAs; shared memory bandwidth (128 B a
-clock), not the tensor cores, binds at about 0.35 MMA a clock per SM, and dequantizing a tile
-costs about 500 issue slots per SM whatever the head count.
-
-- batch 1, 128 heads, q_len 1, 640 tokens, graph-replayed: about 8-10 us (2 head tiles x 20
-  splits of one tile, then the combine; two dependent launches and their memory latencies),
-  inside the 15 us target;
-- batch >= 64, 128 heads: 150-250 TFLOP/s, about 20-30% of the matmul ceiling: below the 40%
-  target (shared-memory bound: Q fragments are re-read from shared memory for every tile);
-  64 heads likewise; 16 heads: about 40-55% of the byte roofline (dequantization and the
-  16-row MMA padding of 8-16 heads, not HBM, bind);
-- vs ``torch_bf16``: about 3-4x at 16 heads (the gather alone moves 2 KB per token in and
-  out), about 1.5-2x at 128 heads (its two matmuls are efficient cuBLAS calls); batch 1 about
-  5-10x (the torch path is a dozen launches);
-- vs ``torch_reader``: a little more than vs ``torch_bf16`` (the reader writes the same BF16 rows);
-- head tiles (``--head-tiles``): 64 heads a block beats 32 by 10-30% at 128 heads (the tile is
-  dequantized half as often), despite one block an SM.
+The predictions written before its first measurement are in docs/performance_history.md.
 """
 
 from __future__ import annotations

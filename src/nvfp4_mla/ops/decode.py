@@ -1,29 +1,28 @@
-"""The ``sparse_mla_decode`` op: fused sparse MLA decode attention over the NVFP4 cache, its
-backends, the rule that picks one, and its custom ops.
+"""The ``sparse_mla_decode`` op: fused sparse MLA decode attention over the NVFP4 cache, the
+planner that picks a backend and divides a call's work, the launches, and the custom ops.
 
 :func:`sparse_mla_decode` has the signature and semantics of
 :func:`nvfp4_mla.reference.sparse_mla_decode` (docs/format.md section 9), plus an optional ``out``.
 CUDA tensors go to a backend's kernels, other devices to the reference.
 
-**Backends.** Each is one module declaring an :class:`~nvfp4_mla.ops.attention.DecodeBackend`
-(its GPUs, its kernels, its attention kernel for a call): :data:`BACKENDS`, in order of
-preference. :func:`select_backend` is the one rule that picks among them.
+**Backends.** Each declares a :class:`~nvfp4_mla.ops.decode_backend.DecodeBackend` (its GPUs, its
+kernels, the shapes it prefers, the overrides it accepts): :data:`BACKENDS`, in order of
+preference. :func:`select_backend` takes the first that runs on the GPU and prefers the shape.
 
 **Execution.** One launch of the attention kernel (its work items are the query rows, head tiles
 and splits of the selected tokens, on the Hopper kernel also halves of the output dims where the
 plan takes them: a block each, or blocks that walk them in turn), plus one launch of the combine
-kernel (``kernels/nvfp4_mla_decode.cu``, shared by every backend) when the tokens are split across
-blocks. The split and the parts (:mod:`.decode_split`) are a pure function of the shapes and the
-device (never of the data), and the combine adds the splits in a fixed order, so equal inputs give
-equal bits on every run. A warm call does the checks of :mod:`nvfp4_mla.validation`, one plan
-lookup and its allocations (the outputs and, with splits, an fp32 workspace, all through torch's
-caching allocator on the current stream), with no host synchronisation: it can be captured in a
-CUDA graph.
+kernel (:mod:`.decode_combine`, shared by every backend) when the tokens are split across blocks.
+The split and the parts (:mod:`.decode_schedule`) are a pure function of the shapes and the device
+(never of the data), and the combine adds the splits in a fixed order, so equal inputs give equal
+bits on every run. A warm call does the checks of :mod:`nvfp4_mla.validation`, one plan lookup
+and its allocations (the outputs and, with splits, an fp32 workspace, all through torch's caching
+allocator on the current stream), with no host synchronisation: it can be captured in a CUDA
+graph.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -33,117 +32,53 @@ from torch.autograd.graph import increment_version
 
 from .. import abi, reference, validation
 from ..device import Device, device_info
-from ..jit import Template, included_headers
 from ..launch import Launcher, contiguous_strides, current_raw_stream, new_output
-from ..params import ParamsLayout, int64, pointer
-from . import decode_mma, decode_sm90, decode_sm90_narrow
-from .attention import DecodeBackend, arch_capability
-from .decode_split import MAX_SPLITS, choose_dim_parts, choose_split_and_parts
+from . import decode_combine, decode_mma, decode_sm90
+from .decode_backend import OVERRIDES, DecodeBackend, arch_capability
+from .decode_schedule import MAX_SPLITS, choose_dim_parts, choose_split_and_parts
 from .library import DEFAULT, KernelLibrary, check_traceable
 
-BACKENDS: dict[str, DecodeBackend] = {
-    b.name: b for b in (decode_mma.BACKEND, decode_sm90.BACKEND, decode_sm90_narrow.BACKEND)
-}
+# Every backend, in order of preference.
+BACKENDS: dict[str, DecodeBackend] = {b.name: b for b in (*decode_sm90.BACKENDS, decode_mma.BACKEND)}
 
-COMBINE_THREADS = MAX_SPLITS  # the combine kernel takes a split a thread
-
-# The split combine's two builds load the first splits' partial rows with the splits' (m, l), so
-# that up to that many splits a block waits for one round trip of loads, not two. 16 (H200, batch
-# 1 at 10 splits: 15.8 -> 13.9 us a call) take registers that leave 6 blocks an SM instead of 12,
-# which cost up to 3% where the combine takes more than one wave, so plan() takes that build only
-# where it fits one; elsewhere the build of 4, which needs no more registers than none (H200, 2-4
-# splits over 1,024-4,096 rows x heads: 0.999-1.020x against none, 11 shapes).
-COMBINE_PREFETCH = 16
-COMBINE_PREFETCH_WAVES = 4
 _LOG2E = 1.0 / math.log(2.0)
-
-COMBINE_PARAMS = ParamsLayout(
-    "Params",
-    [
-        pointer("partial_o", "const float4*", "[rows, num_heads, num_splits, 512]"),
-        pointer("partial_ml", "const float2*", "[rows, num_heads, num_splits]: m (log2 units), l"),
-        pointer("sinks", "const float*", "[num_heads] or null"),
-        pointer("out", "uint2*", "BF16 [rows, num_heads, 512]"),
-        pointer("lse", "float*", "[rows, num_heads]"),
-        int64("num_heads", "heads of q"),
-        int64("num_splits", "at most MAX_SPLITS"),
-    ],
-)
-
-
-class CombineSpec(NamedTuple):
-    """The split combine kernel, shared by every backend, loading the first ``prefetch`` splits'
-    partial rows with the splits' (m, l)."""
-
-    max_splits: int = MAX_SPLITS
-    prefetch: int = 0
-
-    @staticmethod
-    @functools.cache
-    def of(prefetch: int) -> CombineSpec:
-        return CombineSpec(MAX_SPLITS, prefetch)
-
-    @property
-    def template(self) -> Template:
-        function = "nvfp4_mla_decode_combine"
-        return Template("nvfp4_mla_combine.cu", function, COMBINE_PARAMS, COMBINE_THREADS, 0, included_headers("nvfp4_mla_combine.cu"), dependent_launch=True)
-
-    def defines(self) -> dict[str, int]:
-        """The kernel's ``-D`` constants."""
-        return {"MAX_SPLITS": self.max_splits, "PREFETCH": self.prefetch}
-
-    def describe(self) -> str:
-        return f"decode split combine, {self.prefetch} splits prefetched"
-
-
-# The shape rule's thresholds (H200, `nvfp4-mla bench decode --quick --backends` and graph-replayed
-# A/Bs, docs/performance.md): on sm_90 the wgmma kernel (64 heads a block, in clusters of two
-# blocks that share each dequantized tile) wins from 17 heads at every row count: 1.5-2.6x over the
-# mma.sync kernel at 64-128 rows and 1.4-1.6x at 1-2 rows from 33 heads, 1.05-1.32x at 1 row and
-# 17-32 heads (whose mma.sync blocks take 32 heads). Up to 16 heads:
-# - its NARROW build (16 heads as wgmma's N) from 6 rows, 1.05-1.29x over the 64-head build (6-256
-#   rows, 640-8,320 tokens; at 4 rows they tie), and from 2 rows over 4,096 tokens, 1.065-1.29x
-#   (8 and 16 heads, 2-5 rows, 4,224 tokens);
-# - below those, the 64-head build in paired half rows from 2 rows (1.01-1.27x at 16 heads) but
-#   the mma.sync kernel up to 8 heads (1.05-1.27x over the wgmma build at 2-5 rows, 640-2,176
-#   tokens, 4 and 8 heads, one shape 0.96x; its 16-head blocks pad 8 heads to 16, the wgmma
-#   build to 64);
-# - at 1 row the 64-head build from 4,096 tokens (1.02-1.25x at 8-16 heads), else the mma.sync
-#   kernel (0.92-1.03x).
-WGMMA_MIN_HEADS = 17
-LONG_TOKENS = 4096  # selected tokens a row from which the Hopper builds win at 1-5 rows too
-NARROW_MAX_HEADS = decode_sm90_narrow.HEAD_TILE
-NARROW_MIN_ROWS = 6  # or from 2 rows over LONG_TOKENS
-MMA_MAX_HEADS = 8  # at 2-5 rows under LONG_TOKENS: the mma.sync kernel up to this many heads
 
 
 def select_backend(gpu: Device, num_heads: int, rows: int, tokens: int) -> DecodeBackend:
     """The backend of a call of ``rows`` query rows of ``num_heads`` heads over ``tokens`` selected
-    tokens a row (both tables' widths): by architecture first (the backends that support the
-    GPU), then by shape where measurements show one wins. On Hopper: from
-    :data:`WGMMA_MIN_HEADS` heads the ``wgmma`` kernel; below, its NARROW build from
-    :data:`NARROW_MIN_ROWS` rows or from 2 rows over :data:`LONG_TOKENS` tokens, at 1 row the
-    64-head build over :data:`LONG_TOKENS` tokens, at 2-5 rows the 64-head build above
-    :data:`MMA_MAX_HEADS` heads; everything else (and every call on other GPUs) runs the
-    ``mma.sync`` kernel. docs/format.md section 12 and docs/performance.md give the numbers."""
-    wgmma, narrow = BACKENDS["wgmma_sm90"], BACKENDS["wgmma_sm90_narrow"]
-    long = tokens >= LONG_TOKENS
-    if wgmma.supports(gpu.capability) and num_heads >= WGMMA_MIN_HEADS:
-        return wgmma
-    few_heads_enough_rows = num_heads <= NARROW_MAX_HEADS and (rows >= NARROW_MIN_ROWS or (rows >= 2 and long))
-    if narrow.supports(gpu.capability) and few_heads_enough_rows:
-        return narrow
-    if wgmma.supports(gpu.capability) and (long if rows == 1 else num_heads > MMA_MAX_HEADS):
-        return wgmma
-    return BACKENDS["mma_sync"]
+    tokens a row (both tables' widths): the first of :data:`BACKENDS` that runs on the GPU and
+    prefers the shape. docs/format.md section 12 says where each is taken."""
+    capability = gpu.capability
+    found = next((b for b in BACKENDS.values() if b.supports(capability) and b.prefers(num_heads, rows, tokens)), None)
+    if found is None:
+        raise ValueError(f"no decode backend runs on {gpu.arch}")
+    return found
 
 
 def specs(arch: str) -> tuple:
     """Every kernel ``sparse_mla_decode`` may launch on a GPU of ``arch``: each supporting
-    backend's, and the two combine builds."""
+    backend's, and the combine's builds."""
     capability = arch_capability(arch)
     kernels = [s for b in BACKENDS.values() if b.supports(capability) for s in b.specs(arch)]
-    return (*kernels, CombineSpec.of(COMBINE_PREFETCH_WAVES), CombineSpec.of(COMBINE_PREFETCH))
+    return (*kernels, *decode_combine.specs())
+
+
+def check_overrides(lib: KernelLibrary, backend: DecodeBackend) -> None:
+    """ValueError for a field of ``lib`` that overrides what ``backend`` does not declare: one of
+    its OVERRIDES, or dim parts it has no form for."""
+    for field in OVERRIDES:
+        value = getattr(lib, field)
+        if value is not None and field not in backend.overrides:
+            takers = " and ".join(b.name for b in BACKENDS.values() if field in b.overrides)
+            raise ValueError(
+                f"{field}={value} applies to the {takers} backends' kernels only, but this call runs the "
+                f"{backend.name} backend: force decode_backend= with it"
+            )
+    if lib.decode_dim_parts is not None and lib.decode_dim_parts not in backend.dim_parts:
+        raise ValueError(
+            f"decode_dim_parts={lib.decode_dim_parts} is not a form of the {backend.name} backend's kernel "
+            f"(its forms: {backend.dim_parts})"
+        )
 
 
 class DecodePlan(NamedTuple):
@@ -176,21 +111,7 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
     backend = select_backend(gpu, num_heads, rows, k_swa + k_extra) if forced is None else BACKENDS[forced]
     if not backend.supports(gpu.capability):
         raise ValueError(f"decode backend {backend.name!r} does not run on {gpu.arch}")
-    if lib.decode_head_tile is not None and backend is not BACKENDS["mma_sync"]:
-        raise ValueError(
-            f"decode_head_tile={lib.decode_head_tile} is the mma_sync kernel's head tile, but this call runs the "
-            f"{backend.name} backend: force decode_backend='mma_sync' with it"
-        )
-    if lib.decode_blocks is not None and backend is BACKENDS["mma_sync"]:
-        raise ValueError(
-            f"decode_blocks={lib.decode_blocks} caps the blocks of the wgmma kernels (wgmma_sm90, wgmma_sm90_narrow), "
-            "which walk their items, but this call runs the mma_sync backend (a block an item)"
-        )
-    if lib.decode_dim_parts is not None and lib.decode_dim_parts not in backend.dim_parts:
-        raise ValueError(
-            f"decode_dim_parts={lib.decode_dim_parts} is not a form of the {backend.name} backend's kernel "
-            f"(its forms: {backend.dim_parts})"
-        )
+    check_overrides(lib, backend)
     attention = backend.attention(lib, gpu, num_heads, 1)
     blocks = rows * -(-num_heads // attention.head_tile)
     num_tiles = -(-(k_swa + k_extra) // attention.tile_tokens)
@@ -207,11 +128,7 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
     dim_parts = lib.decode_dim_parts or dim_parts
     if dim_parts != 1:
         attention = backend.attention(lib, gpu, num_heads, dim_parts)
-    combine = None
-    if num_splits > 1:
-        combine = lib.launcher(device_index, lib.spec(CombineSpec.of(COMBINE_PREFETCH)))
-        if rows * num_heads > combine.resident_blocks:  # more than one wave of its blocks
-            combine = lib.launcher(device_index, lib.spec(CombineSpec.of(COMBINE_PREFETCH_WAVES)))
+    combine = decode_combine.launcher(lib, device_index, rows * num_heads) if num_splits > 1 else None
     items = blocks * num_splits * attention.dim_parts
     found = DecodePlan(
         backend.name,

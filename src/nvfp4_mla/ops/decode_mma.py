@@ -1,7 +1,8 @@
 """The ``mma.sync`` backend of ``sparse_mla_decode``: ``kernels/nvfp4_mla_decode.cu`` on every GPU
-from sm_80 up (BF16 ``m16n8k16`` tensor-core products, 16, 32 or 64 heads a block).
+from sm_80 up (BF16 ``m16n8k16`` tensor-core products, 16, 32 or 64 heads a block), and the one
+that takes every call no other backend prefers.
 
-The kernel's header comment describes the block's work. Page sizes, slot dtypes, head counts,
+docs/kernels/decode_mma.md describes the block's work. Page sizes, slot dtypes, head counts,
 lengths and sinks are run-time arguments: each is used once per selected token or per row, next
 to 512 dequantized values and 4 * 512 * head_tile MMA flops, so specializing on them would only
 multiply the builds.
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from .. import abi
 from ..device import Device
 from ..jit import Template, included_headers
-from .attention import ATTEND_PARAMS, Attention, DecodeBackend
+from .decode_backend import ATTEND_PARAMS, HEAD_TILE, Attention, DecodeBackend
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
@@ -78,7 +79,13 @@ class MmaAttentionSpec(NamedTuple):
     @property
     def template(self) -> Template:
         return Template(
-            SOURCE, "nvfp4_mla_decode", ATTEND_PARAMS, self.threads, self.shared_bytes, included_headers(SOURCE), dependent_launch=True
+            SOURCE,
+            "nvfp4_mla_decode",
+            ATTEND_PARAMS,
+            self.threads,
+            self.shared_bytes,
+            included_headers(SOURCE),
+            dependent_launch=True,
         )
 
     def defines(self) -> dict[str, int]:
@@ -115,4 +122,9 @@ def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int
     return Attention(lib.launcher(device.index, spec), spec.head_tile, BLOCK_N)
 
 
-BACKEND = DecodeBackend("mma_sync", 80, 10**9, specs, attention)
+def prefers(num_heads: int, rows: int, tokens: int) -> bool:
+    """Every shape: the backend of last resort."""
+    return True
+
+
+BACKEND = DecodeBackend("mma_sync", 80, 10**9, specs, attention, prefers, frozenset({HEAD_TILE}))

@@ -1,14 +1,21 @@
-"""The ``wgmma`` backend of ``sparse_mla_decode``: ``kernels/nvfp4_mla_decode_sm90.cu`` on Hopper
-(sm_90, built for sm_90a: wgmma and setmaxnreg exist only there).
+"""The Hopper backends of ``sparse_mla_decode``: ``kernels/nvfp4_mla_decode_sm90.cu`` on sm_90,
+built for sm_90a (wgmma and setmaxnreg exist only there). docs/kernels/decode_sm90.md describes
+the kernel.
 
-64 heads a block (wgmma's M), tiles of 64 selected tokens, three warpgroups: a producer that
-gathers the records and dequantizes them exactly into shared memory, and two consumers that run
-the products and the online softmax. Two items that gather the same tiles run as a cluster of two
-blocks that share the dequantized tiles, each gathering and dequantizing half of every tile into
-both blocks' shared memory: the two head tiles of a query row (65-128 heads), or with one head
-tile the two halves of a row's output dims. The kernel's header comment describes the block's
-work. The same file's NARROW build (16 heads a block as wgmma's N) is the ``wgmma_sm90_narrow``
-backend (:mod:`.decode_sm90_narrow`); this module holds what both builds share.
+- ``wgmma_sm90`` (:data:`BACKEND`): 64 heads a block (wgmma's M), tiles of 64 selected tokens,
+  three warpgroups: a producer that gathers the records and dequantizes them exactly into shared
+  memory, and two consumers that run the products and the online softmax. Two items that gather
+  the same tiles run as a cluster of two blocks that share the dequantized tiles, each gathering
+  and dequantizing half of every tile into both blocks' shared memory: the two head tiles of a
+  query row (65-128 heads), or with one head tile the two halves of a row's output dims.
+- ``wgmma_sm90_narrow`` (:data:`NARROW_BACKEND`): the kernel's NARROW build, 16 heads a block as
+  the N of every wgmma (S^T = K.Q^T and O^T = V^T.P^T), so no MMA row is padding. One consumer
+  warpgroup holds the block's O^T, and the register file this frees runs two producer
+  warpgroups, each gathering and dequantizing one of every tile's two halves: at 16 heads the
+  64-head build's one producer is what binds.
+
+Both walk their items with persistent blocks. Where each is preferred was measured on the H200
+(docs/performance.md#decode-backend-rule).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from ..device import Device
 from ..jit import Template, included_headers
 from ..launch import TENSOR_MAP_BYTES, Bf16TensorMap, Launcher
 from ..params import raw_bytes
-from .attention import ATTEND_PARAMS, Attention, DecodeBackend
+from .decode_backend import ATTEND_PARAMS, BLOCKS, Attention, DecodeBackend
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
@@ -37,10 +44,18 @@ Q_SLAB_DIMS = 64  # dims of q a tensor copy loads (128-byte rows, the swizzle's 
 # num_heads, 512] as dims (512, num_heads, rows), boxes of 64 dims x HEAD_TILE heads x 1 row, 128-byte
 # swizzle, zeros past num_heads), so that one thread's tensor copies load an item's Q.
 PARAMS = ATTEND_PARAMS.extended(raw_bytes("q_map", TENSOR_MAP_BYTES, 64, "CUtensorMap of q (q_tensor_map)"))
-DIM_PARTS = (1, 2)  # an item's output rows: whole, or in two halves (a block each)
-
-
+PARTS = (1, 2)  # an item's output rows: whole, or in two halves (a block each)
 NARROW_HEAD_TILE = 16  # the NARROW build: 16 heads a block as wgmma's N, one consumer, two producers
+
+# The shapes each build takes. The 64-head build wins from WGMMA_MIN_HEADS heads at every row
+# count. Up to NARROW_HEAD_TILE heads the NARROW build wins from NARROW_MIN_ROWS rows, and from 2
+# rows over LONG_TOKENS selected tokens; below those the 64-head build in paired half rows wins
+# from 2 rows above MMA_MAX_HEADS heads, and at 1 row over LONG_TOKENS tokens; the mma.sync
+# kernel takes the rest (docs/performance.md#decode-backend-rule).
+WGMMA_MIN_HEADS = 17
+LONG_TOKENS = 4096
+NARROW_MIN_ROWS = 6
+MMA_MAX_HEADS = 8
 
 
 def producers(head_tile: int) -> int:
@@ -114,7 +129,15 @@ class WgmmaAttentionSpec(NamedTuple):
 
 
 def specs(arch: str) -> tuple[WgmmaAttentionSpec, ...]:
-    return tuple(WgmmaAttentionSpec.of(cluster, parts) for parts in DIM_PARTS for cluster in (1, 2))
+    """The 64-head build's kernels: alone and in clusters, whole and half rows."""
+    return tuple(WgmmaAttentionSpec.of(cluster, parts) for parts in PARTS for cluster in (1, 2))
+
+
+NARROW_SPEC = WgmmaAttentionSpec.of(1, 1, NARROW_HEAD_TILE)
+
+
+def narrow_specs(arch: str) -> tuple[WgmmaAttentionSpec, ...]:
+    return (NARROW_SPEC,)
 
 
 def cluster_of(num_heads: int, dim_parts: int = 1) -> int:
@@ -150,6 +173,15 @@ def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int
     return Attention(launcher, spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts, halves_pair, q_tensor_map)
 
 
+def narrow_attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int) -> Attention:
+    """The NARROW build's kernel of a call: 16 heads a block, whole output rows, persistent blocks."""
+    spec = lib.spec(NARROW_SPEC)
+    launcher = lib.launcher(device.index, spec)
+    blocks = persistent_blocks(lib, launcher)
+    q_map = functools.partial(q_tensor_map, head_tile=NARROW_HEAD_TILE)
+    return Attention(launcher, NARROW_HEAD_TILE, BLOCK_N, max(blocks, 1), 1, False, q_map)
+
+
 def persistent_blocks(lib: KernelLibrary, launcher: Launcher) -> int:
     """The blocks of a launch whose blocks walk items: as many as the GPU holds at once, or
     ``lib.decode_blocks`` if fewer."""
@@ -157,4 +189,18 @@ def persistent_blocks(lib: KernelLibrary, launcher: Launcher) -> int:
     return resident if lib.decode_blocks is None else min(lib.decode_blocks, resident)
 
 
-BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, DIM_PARTS)
+def prefers(num_heads: int, rows: int, tokens: int) -> bool:
+    """The 64-head build's shapes (where the NARROW build, before it, does not take them)."""
+    return num_heads >= WGMMA_MIN_HEADS or (tokens >= LONG_TOKENS if rows == 1 else num_heads > MMA_MAX_HEADS)
+
+
+def narrow_prefers(num_heads: int, rows: int, tokens: int) -> bool:
+    """The NARROW build's shapes: few heads over enough rows."""
+    return num_heads <= NARROW_HEAD_TILE and (rows >= NARROW_MIN_ROWS or (rows >= 2 and tokens >= LONG_TOKENS))
+
+
+BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, prefers, frozenset({BLOCKS}), PARTS)
+NARROW_BACKEND = DecodeBackend(
+    "wgmma_sm90_narrow", 90, 90, narrow_specs, narrow_attention, narrow_prefers, frozenset({BLOCKS})
+)
+BACKENDS = (NARROW_BACKEND, BACKEND)  # in order of preference

@@ -18,13 +18,14 @@ from torch.autograd.graph import increment_version
 
 from .. import abi, reference, validation
 from ..jit import Template, included_headers
-from ..params import ParamsLayout, int64, pointer
 from ..launch import Launcher, contiguous_strides, current_raw_stream, new_output
+from ..params import ParamsLayout, int64, pointer
 from .library import DEFAULT, KernelLibrary, check_traceable
 
 TEAM_THREADS = 16  # threads that read one row together (the kernel's TEAM)
 BLOCK_THREADS = 256
-ROWS_PER_TEAM = 2  # rows a team reads with all their loads in flight (1, 2, 4 measured alike on the H200)
+# Rows a team reads with all their loads in flight (docs/performance.md#reader-rows-per-team).
+ROWS_PER_TEAM = 2
 
 READ_PARAMS = ParamsLayout(
     "Params",

@@ -150,14 +150,11 @@ class WriterSpec(NamedTuple):
 
         The KV blocks loop over the KV units, so no more of them than the GPU holds at once
         (``resident_blocks``), and half as many when the query has work: its blocks follow them
-        and run beside their loop (on the H200, 1-12% faster than all of them; a quarter, three
-        quarters, all of them and more were slower, before and after quantizer v8). The query's
-        blocks do 4 units each, or, for a small query, spread over more SMs: a block a row (a group
-        of 8 heads) in place when there are at most as many as SMs, else a block a unit when there
-        are at most half as many units as SMs (the kernel tells the three apart by the number of
-        blocks). Measured on the H200 at T = 1: in place 64 and 128 heads 1.87 -> 1.62 us, main
-        64 and 128 heads 1.93 -> 1.81 us; a block a row was slower for q_out (1.98 us at 128
-        heads), and a block a unit at 128 and 256 units (0.04-0.17 us)."""
+        and run beside their loop. The query's blocks do 4 units each, or, for a small query,
+        spread over more SMs: a block a row (a group of 8 heads) in place when there are at most as
+        many as SMs, else a block a unit when there are at most half as many units as SMs (the
+        kernel tells the three apart by the number of blocks). Each choice was the fastest
+        measured (docs/performance.md#writer-launch-grid)."""
         cap = resident_blocks if self.q_mode == QMode.NONE else max(1, resident_blocks // 2)
         kv_blocks = min(_blocks(self.kv_units(num_kv_rows)), cap)
         q_rows, q_units = self.q_rows(num_tokens), self.q_units(num_tokens)

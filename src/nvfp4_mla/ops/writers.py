@@ -1,11 +1,9 @@
-"""The writer entries on the GPU: validate, look up the call's plan, launch once on torch's current stream.
+"""The writer entries on the GPU (semantics: docs/format.md sections 2-7, ``nvfp4_mla.reference``).
 
-Signatures and semantics are docs/format.md sections 2-7 (and ``nvfp4_mla.reference``, which
-defines the bytes). A call does the checks of :mod:`nvfp4_mla.validation`, at most one output
-allocation, one lookup of its plan in its :class:`~nvfp4_mla.ops.library.KernelLibrary` (keyed on
-the arguments' signature) and one kernel launch with raw pointers. No host synchronisation, so
-calls can be captured in CUDA graphs. Each entry runs on the default library unless given another
-(``library=``, for tests and benchmarks).
+A call does the checks of :mod:`nvfp4_mla.validation`, at most one output allocation, one lookup
+of its plan in its :class:`~nvfp4_mla.ops.library.KernelLibrary` (keyed on the arguments'
+signature; ``library=``, default the process's) and one launch with raw pointers on torch's
+current stream: no host synchronisation, so calls can be captured in CUDA graphs.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def check_decode(
 
 def _finite_real(x: object) -> bool:
     """A real number (not a bool) with a finite float value; an int too large for a float is not."""
-    if type(x) is float:  # the usual case, every decode call: the ABC check below costs 10x more
+    if type(x) is float:  # the usual case, every decode call: the ABC check below costs far more
         return math.isfinite(x)
     if not isinstance(x, numbers.Real) or isinstance(x, bool):
         return False

@@ -1,13 +1,16 @@
-"""What every backend of ``sparse_mla_decode`` shares: the attention kernels' parameters, the
-declaration of a backend, and what a backend decides for a call.
+"""The contract of a ``sparse_mla_decode`` backend: the attention kernels' parameters, what a
+backend declares (:class:`DecodeBackend`) and what it gives a call (:class:`Attention`).
 
-An attention kernel (``nvfp4_mla_decode`` in any of its backends' files) takes the ``Params`` of
-:data:`ATTEND_PARAMS` and works on items (query row, head tile, split of the selected tokens, and
-where a backend splits them, a part of the 512 output dims), the head tile fastest, a block each
-or (``Attention.max_blocks``) walked by at most that many blocks in turn: it writes ``out`` and
-``lse`` itself without splits, else unnormalized fp32 partial outputs that the op's combine kernel
-merges in split order. A backend is one module that declares :class:`DecodeBackend`;
-``ops.decode`` lists the backends and holds the rule that picks one.
+An attention kernel takes the ``Params`` of :data:`ATTEND_PARAMS` and works on items (query row,
+head tile, split of the selected tokens, and where a backend splits them, a part of the 512 output
+dims), the head tile fastest, a block each or (``Attention.max_blocks``) walked by at most that
+many blocks in turn: it writes ``out`` and ``lse`` itself without splits, else unnormalized fp32
+partial outputs that the combine kernel (:mod:`.decode_combine`) merges in split order.
+
+A backend declares the GPUs it runs on, its kernels, the shapes it prefers and the
+:class:`~nvfp4_mla.ops.library.KernelLibrary` overrides it accepts. The planner (:mod:`.decode`)
+takes the first backend in order of preference that runs on the GPU and prefers the call's shape,
+and refuses overrides the backend does not declare; it names no backend.
 """
 
 from __future__ import annotations
@@ -78,8 +81,14 @@ class Attention(NamedTuple):
     q_map: Callable[[int, int], Callable[[int], bytes]] | None = None
 
 
+# The KernelLibrary fields a backend may accept (DecodeBackend.overrides). Every backend takes
+# decode_backend (its own name), decode_splits, and decode_dim_parts among its dim_parts.
+HEAD_TILE, BLOCKS = "decode_head_tile", "decode_blocks"
+OVERRIDES = (HEAD_TILE, BLOCKS)
+
+
 class DecodeBackend(NamedTuple):
-    """One kernel family of ``sparse_mla_decode``."""
+    """One kernel family of ``sparse_mla_decode``, as the planner sees it."""
 
     name: str
     min_capability: int  # the GPUs it runs on: compute capability in [min, max] (90 for sm_90)
@@ -88,6 +97,10 @@ class DecodeBackend(NamedTuple):
     # (library, device, num_heads, dim_parts) -> its attention kernel for a call (loaded through
     # the library), each item's output dims in dim_parts parts (one of the dim_parts below)
     attention: Callable[[KernelLibrary, Device, int, int], Attention]
+    # (num_heads, rows, tokens) -> whether it takes a call of rows query rows of num_heads heads over
+    # tokens selected tokens a row (both tables' widths), where it runs and no backend before it does
+    prefers: Callable[[int, int, int], bool]
+    overrides: frozenset[str] = frozenset()  # the OVERRIDES it accepts
     dim_parts: tuple[int, ...] = (1,)  # the parts it may split a row's output dims into
 
     def supports(self, capability: int) -> bool:

@@ -1,7 +1,8 @@
 """How ``sparse_mla_decode`` divides a call's work into items: the split of the selected tokens
 across blocks and the parts of a row's output dims. Pure functions of the shapes and the device's
 block counts (never of the data), so equal inputs give equal bits on every run; ``ops.decode.plan``
-applies them."""
+applies them. The constants of the cost model were measured on the H200
+(docs/performance.md#split-cost-model)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,14 @@ from .. import abi
 MAX_SPLITS = abi.HEAD_DIM // 4  # the combine kernel's threads: it takes a split a thread
 # The cost model of a plan, in tile-times of one block (a whole row's tile): what a block costs
 # besides its tiles (its query load and its output rows), what the combine launch costs, and what
-# a split's partial row costs (512 fp32 written by the attention and read by the combine; H200,
-# 32 x 1 rows at 64 heads: 4 -> 2 splits in paired halves saved about 2 us of 23, 8.4 MB).
+# a split's partial row costs (512 fp32 written by the attention and read by the combine).
 _BLOCK_COST = 1
 _COMBINE_COST = 1
 _PARTIAL_ROW_COST = 1.6e-4
 # A tile of a row's half when the two halves run as a pair that shares each dequantized tile (see
-# choose_split_and_parts; H200, 64 heads: 2.07 against 3.05 us a tile).
+# choose_split_and_parts): less than a whole row's tile, more than half of it.
 _PAIRED_HALF_TILE_COST = 0.68
-# The share of a launch's blocks that half rows may fill (H200, against whole rows at the same
-# split: 1.06-1.19x up to 80 blocks of 132, 1.03-1.07x at 88-104, 0.94x at 130).
+# The share of a launch's blocks that half rows may fill: past it, whole rows were as fast.
 HALF_ROWS_SHARE = 0.8
 
 
@@ -64,11 +63,10 @@ def choose_split_and_parts(
 ) -> tuple[int, int, int]:
     """``(num_splits, tiles_per_split, dim_parts)``: :func:`cheapest_split` of whole rows, in half rows
     where :func:`choose_dim_parts` takes them. Splits of one tile too many for half rows become
-    splits of two tiles in half rows where those fit (H200, 2-4 query rows: 1.07-1.09x at 128
-    heads, 1.00-1.02x at 64). Where the kernel runs a row's two halves as a pair that shares each
-    dequantized tile (``halves_pair``), whole rows still give way to the pairs' cheapest split
-    when the cost model says it is cheaper: fewer splits, so fewer partial rows and a combine over
-    fewer (H200, 32 x 1 rows at 64 heads, 640 tokens: 2 splits in pairs against 4 whole, 1.035x)."""
+    splits of two tiles in half rows where those fit. Where the kernel runs a row's two halves as a
+    pair that shares each dequantized tile (``halves_pair``), whole rows still give way to the
+    pairs' cheapest split when the cost model says it is cheaper: fewer splits, so fewer partial
+    rows and a combine over fewer (docs/performance.md#split-cost-model)."""
     whole_cost, num_splits, tiles_per_split = cheapest_split(blocks, num_tiles, concurrent_blocks, head_rows)
     dim_parts = choose_dim_parts(parts, blocks * num_splits, max_blocks)
     if tiles_per_split == 1 and dim_parts == 1:

@@ -1,0 +1,87 @@
+"""The split combine of ``sparse_mla_decode``: ``kernels/nvfp4_mla_combine.cu``, shared by every
+backend. One block per (query row, head) merges the row's split partial outputs in split order and
+finishes the row (docs/kernels/combine.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, NamedTuple
+
+from ..jit import Template, included_headers
+from ..launch import Launcher
+from ..params import ParamsLayout, int64, pointer
+from .decode_schedule import MAX_SPLITS
+
+if TYPE_CHECKING:
+    from .library import KernelLibrary
+
+SOURCE = "nvfp4_mla_combine.cu"
+THREADS = MAX_SPLITS  # a split a thread (and 4 output dims a thread)
+
+COMBINE_PARAMS = ParamsLayout(
+    "Params",
+    [
+        pointer("partial_o", "const float4*", "[rows, num_heads, num_splits, 512]"),
+        pointer("partial_ml", "const float2*", "[rows, num_heads, num_splits]: m (log2 units), l"),
+        pointer("sinks", "const float*", "[num_heads] or null"),
+        pointer("out", "uint2*", "BF16 [rows, num_heads, 512]"),
+        pointer("lse", "float*", "[rows, num_heads]"),
+        int64("num_heads", "heads of q"),
+        int64("num_splits", "at most MAX_SPLITS"),
+    ],
+)
+
+# The two builds load the first splits' partial rows with the splits' (m, l), so that up to that
+# many splits a block waits for one round trip of loads, not two. The build of 16 takes registers
+# that halve the blocks an SM holds, so a call takes it only where its blocks fit the GPU in one
+# wave; elsewhere the build of 4, which needs no more registers than none
+# (docs/performance.md#combine-prefetch).
+PREFETCH = 16
+PREFETCH_WAVES = 4
+
+
+class CombineSpec(NamedTuple):
+    """A build of the split combine, loading the first ``prefetch`` splits' partial rows with the
+    splits' (m, l)."""
+
+    max_splits: int = MAX_SPLITS
+    prefetch: int = 0
+
+    @staticmethod
+    @functools.cache
+    def of(prefetch: int) -> CombineSpec:
+        return CombineSpec(MAX_SPLITS, prefetch)
+
+    @property
+    def template(self) -> Template:
+        return Template(
+            SOURCE,
+            "nvfp4_mla_decode_combine",
+            COMBINE_PARAMS,
+            THREADS,
+            0,
+            included_headers(SOURCE),
+            dependent_launch=True,
+        )
+
+    def defines(self) -> dict[str, int]:
+        """The kernel's ``-D`` constants."""
+        return {"MAX_SPLITS": self.max_splits, "PREFETCH": self.prefetch}
+
+    def describe(self) -> str:
+        return f"decode split combine, {self.prefetch} splits prefetched"
+
+
+def specs() -> tuple[CombineSpec, ...]:
+    """Both builds."""
+    return CombineSpec.of(PREFETCH_WAVES), CombineSpec.of(PREFETCH)
+
+
+def launcher(lib: KernelLibrary, device_index: int, row_heads: int) -> Launcher:
+    """The combine of a call of ``row_heads`` (query row, head) pairs, a block each: the build of
+    :data:`PREFETCH` where its blocks fit the GPU in one wave, else that of :data:`PREFETCH_WAVES`."""
+    found = lib.launcher(device_index, lib.spec(CombineSpec.of(PREFETCH)))
+    if row_heads > found.resident_blocks:
+        found = lib.launcher(device_index, lib.spec(CombineSpec.of(PREFETCH_WAVES)))
+    return found
