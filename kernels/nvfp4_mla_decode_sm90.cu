@@ -38,7 +38,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
     if (p.num_splits <= EARLY_DEPENDENTS_MAX_SPLITS) launch_dependents();
     wait_for_prior_grids();  // the setup above touched no global memory
 
-    const int warpgroup = tid / WARPGROUP_THREADS;
+    const int warpgroup = tid >> 7;  // tid / WARPGROUP_THREADS (a shift: tid is not negative)
     // The block's tiles of its earlier items, modulo 4: a tile's K/V buffer and phase, and a unit's
     // raw buffer and phase, are the low two bits of their counts. And the consumers' count of live
     // tiles, whose parity is the phase of P.

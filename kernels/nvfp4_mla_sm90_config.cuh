@@ -56,7 +56,7 @@ static_assert(REGS_CONSUMER0 + REGS_CONSUMER1 + REGS_PRODUCER <= 3 * REGS_AT_LAU
 // The block's mbarriers, indices into SharedStorage::barriers. FULL + b, EMPTY + b, HELD + b: K/V
 // buffer b filled by the producer(s), emptied by the consumer warps (of both blocks of a
 // cluster), and released by every consumer thread once an item's outputs staged there are out
-// (nvfp4_mla_sm90_pipeline.cuh). raw_barrier(g, w, h): warp w of producer warpgroup g, its raw
+// (nvfp4_mla_sm90_pipeline.cuh). BAR_RAW + 8 g + 2 w + h: warp w of producer warpgroup g, its raw
 // unit h (each warp gathers and dequantizes its own 8 tokens). P_FULL, P_EMPTY (not NARROW): the
 // shared P and factors from consumer 0 to consumer 1. Q: an item's Q has landed (its tensor
 // copies' bytes).
@@ -70,8 +70,6 @@ enum Barrier : int {
     BAR_Q = BAR_HELD + 2,
     NUM_BARRIERS = BAR_Q + 1,
 };
-
-__device__ __forceinline__ int raw_barrier(int group, int warp, int half) { return BAR_RAW + 8 * group + 2 * warp + half; }
 
 // The named barriers (0 is __syncthreads'): the consumer warpgroups' meetings.
 enum NamedBarrier : int { CONSUMERS_BARRIER = 1 };

@@ -36,18 +36,6 @@ __device__ __forceinline__ void init_barriers(u32 bars) {
 // Every consumer thread of the block meets the others.
 __device__ __forceinline__ void sync_consumers() { named_barrier(CONSUMERS_BARRIER, CONSUMER_THREADS); }
 
-// The producer, before it stores tile `tile` into its K/V buffer: the consumers (of both blocks)
-// are done with the buffer's last tile, and, where it holds an earlier item's staged outputs, with
-// those. `held`: bit b, buffer b holds outputs; bit 2 + b, the parity of its held barrier's phase.
-__device__ __forceinline__ void wait_buffer_free(u32 bars, int tile, u32& held) {
-    const int b = buffer_of(tile);
-    mbar_wait(barrier_at(bars, BAR_EMPTY + b), fill_parity(tile) ^ 1);
-    if ((held >> b) & 1u) {
-        mbar_wait(barrier_at(bars, BAR_HELD + b), (held >> (2 + b)) & 1u);
-        held ^= (1u << b) | (1u << (2 + b));
-    }
-}
-
 // The K/V buffers as a consumer warp takes and gives them back: this block's barriers, the peer
 // block's (with a cluster: its producer stores into this block's buffers too) and the tiles' live
 // masks.
@@ -81,7 +69,8 @@ struct KvPipeline {
         __syncwarp();
         if (lane == 0) {
             mbar_arrive(barrier_at(bars, BAR_EMPTY + b));
-            if constexpr (CLUSTER == 2) mbar_arrive_cluster(barrier_at(peer_bars, BAR_EMPTY + b));
+            // Written out, as the producer's barrier addresses are (nvfp4_mla_sm90_producer.cuh).
+            if constexpr (CLUSTER == 2) mbar_arrive_cluster(peer_bars + (BAR_EMPTY + b) * 8);
         }
     }
 

@@ -14,11 +14,20 @@ struct SlotWords {
 
 constexpr SlotWords NO_SLOT = {~0u, ~0u};
 
+// The entry's table word(s) are where slot_ref (nvfp4_mla_records.cuh) finds them. Written out
+// here, as produce_item's barrier addresses and phases are (barrier_at's and fill_parity's
+// arithmetic): this kernel's machine code follows their exact form, and through the shared
+// helpers it ran slower (docs/performance.md#hopper-register-split).
 __device__ __forceinline__ SlotWords load_slot(const Params& p, i64 row, i64 n, i64 swa_live, i64 extra_live) {
-    const SlotRef ref = slot_ref(p, row, n, swa_live, extra_live);
+    const bool in_swa = n < p.swa.k;
+    const i64 j = in_swa ? n : n - p.swa.k;
+    const bool int64 = in_swa ? p.swa.slot_int64 : p.extra.slot_int64;
+    const u32* const words = reinterpret_cast<const u32*>(static_cast<const u8*>(in_swa ? p.swa.slots : p.extra.slots) +
+                                                          (row * (in_swa ? p.swa.k : p.extra.k) + j) * (int64 ? 8 : 4));
     SlotWords s = NO_SLOT;
-    if (ref.live) s.lo = __ldg(ref.words);
-    if (ref.live && ref.int64) s.hi = __ldg(ref.words + 1);
+    const bool live = j < (in_swa ? swa_live : extra_live);
+    if (live) s.lo = __ldg(words);
+    if (live && int64) s.hi = __ldg(words + 1);
     return s;
 }
 
@@ -126,11 +135,8 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
     // A warp gathers, dequantizes and reuses the raw records of its own 8 tokens: it waits on its
     // own raw barriers and only for itself (the warps proceed independently).
     // Unit u of the item is the block's unit unit0 + u: its raw buffer is that count's.
-    const auto gather = [&](int unit, SlotWords slot) {
-        const int buffer = buffer_of(unit0 + unit);
-        return gather_unit(p, first + unit * UNIT_STEP, slot, raw + buffer * UNIT * RAW_STRIDE,
-                           barrier_at(bars, raw_barrier(group, warp, buffer)), t, c0);
-    };
+#define GATHER(unit, slot) gather_unit(p, first + (unit) * UNIT_STEP, slot, raw + ((unit0 + (unit)) & 1) * UNIT * RAW_STRIDE, \
+                                       bars + (BAR_RAW + 8 * group + 2 * warp + ((unit0 + (unit)) & 1)) * 8, t, c0)
     SlotWords slot_a = NO_SLOT, slot_b = NO_SLOT;
     u32 unit_mask[2] = {0u, 0u};  // the warp's live tokens of the units in raw buffers 0 and 1
     if (units > 0) {
@@ -138,32 +144,37 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
         const SlotWords s1 = units > 1 ? load_slot(p, row, first + UNIT_STEP, swa_live, extra_live) : NO_SLOT;
         if (units > 2) slot_a = load_slot(p, row, first + 2 * UNIT_STEP, swa_live, extra_live);
         if (units > 3) slot_b = load_slot(p, row, first + 3 * UNIT_STEP, swa_live, extra_live);
-        const u32 mask0 = gather(0, s0);
-        const u32 mask1 = units > 1 ? gather(1, s1) : 0u;
+        const u32 mask0 = GATHER(0, s0);
+        const u32 mask1 = units > 1 ? GATHER(1, s1) : 0u;
         const bool odd = unit0 & 1;  // selects, not an index: the masks stay in registers
         unit_mask[0] = odd ? mask1 : mask0;
         unit_mask[1] = odd ? mask0 : mask1;
     }
 
     for (int u = 0; u < units; ++u) {
-        const int raw_half = buffer_of(unit0 + u), tile = tile0 + u / UNITS_PER_TILE, b = buffer_of(tile);
+        const int raw_half = (unit0 + u) & 1, tile = tile0 + u / UNITS_PER_TILE, b = tile & 1;
         const int half = SHARERS == 2 ? share : u & 1;  // the unit's half of the tile
-        const u32 full = barrier_at(bars, BAR_FULL + b);
-        const u32 peer_full = barrier_at(peer + SM_BARRIERS, BAR_FULL + b);  // with a cluster: the peer's full barrier
-        // The warp's records are in.
-        mbar_wait(barrier_at(bars, raw_barrier(group, warp, raw_half)), fill_parity(unit0 + u));
+        const u32 full = bars + (BAR_FULL + b) * 8;
+        const u32 peer_full = peer + SM_BARRIERS + (BAR_FULL + b) * 8;  // with a cluster: the peer's full barrier
+        mbar_wait(bars + (BAR_RAW + 8 * group + 2 * warp + raw_half) * 8, ((unit0 + u) >> 1) & 1);  // the warp's records are in
         const u32 mask = raw_half ? unit_mask[1] : unit_mask[0];
         RecordPart part = {};
         if ((mask >> (t & 7)) & 1u)  // the warp's mask: its 8 tokens
             read_part(raw + raw_half * UNIT * RAW_STRIDE + t * RAW_STRIDE, c0, part);
         __syncwarp();  // the warp has read its raw records of unit u out: refill the buffer with unit u + 2
         if (u + 2 < units) {
-            const u32 next_mask = gather(u + 2, slot_a);
+            const u32 next_mask = GATHER(u + 2, slot_a);
             if (raw_half) unit_mask[1] = next_mask; else unit_mask[0] = next_mask;
             slot_a = slot_b;
             slot_b = u + 4 < units ? load_slot(p, row, first + (u + 4) * UNIT_STEP, swa_live, extra_live) : NO_SLOT;
         }
-        if (half == 0 || SHARERS == 2) wait_buffer_free(bars, tile, held);
+        if (half == 0 || SHARERS == 2) {  // the consumers (of both blocks) are done with buffer b
+            mbar_wait(bars + (BAR_EMPTY + b) * 8, ((tile >> 1) & 1) ^ 1);
+            if ((held >> b) & 1u) {  // and this block's consumers with the outputs staged there
+                mbar_wait(bars + (BAR_HELD + b) * 8, (held >> (2 + b)) & 1u);
+                held ^= (1u << b) | (1u << (2 + b));
+            }
+        }
         if (lane == 0) {
             const int word = (b * 2 + half) * 4 + warp;
             tile_masks[word] = mask;
@@ -179,4 +190,5 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
                 mbar_arrive(full);
         }
     }
+#undef GATHER
 }
