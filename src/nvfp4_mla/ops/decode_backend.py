@@ -83,8 +83,8 @@ class Attention(NamedTuple):
 
 # The KernelLibrary fields a backend may accept (DecodeBackend.overrides). Every backend takes
 # decode_backend (its own name), decode_splits, and decode_dim_parts among its dim_parts.
-HEAD_TILE, BLOCKS = "decode_head_tile", "decode_blocks"
-OVERRIDES = (HEAD_TILE, BLOCKS)
+HEAD_TILE_OVERRIDE, BLOCKS_OVERRIDE = "decode_head_tile", "decode_blocks"
+OVERRIDES = (HEAD_TILE_OVERRIDE, BLOCKS_OVERRIDE)
 
 
 class DecodeBackend(NamedTuple):

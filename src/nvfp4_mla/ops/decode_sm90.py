@@ -28,7 +28,7 @@ from ..device import Device
 from ..jit import Template, included_headers
 from ..launch import TENSOR_MAP_BYTES, Bf16TensorMap, Launcher
 from ..params import raw_bytes
-from .decode_backend import ATTEND_PARAMS, BLOCKS, Attention, DecodeBackend
+from .decode_backend import ATTEND_PARAMS, BLOCKS_OVERRIDE, Attention, DecodeBackend
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
@@ -199,8 +199,8 @@ def narrow_prefers(num_heads: int, rows: int, tokens: int) -> bool:
     return num_heads <= NARROW_HEAD_TILE and (rows >= NARROW_MIN_ROWS or (rows >= 2 and tokens >= LONG_TOKENS))
 
 
-BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, prefers, frozenset({BLOCKS}), PARTS)
+BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, prefers, frozenset({BLOCKS_OVERRIDE}), PARTS)
 NARROW_BACKEND = DecodeBackend(
-    "wgmma_sm90_narrow", 90, 90, narrow_specs, narrow_attention, narrow_prefers, frozenset({BLOCKS})
+    "wgmma_sm90_narrow", 90, 90, narrow_specs, narrow_attention, narrow_prefers, frozenset({BLOCKS_OVERRIDE})
 )
 BACKENDS = (NARROW_BACKEND, BACKEND)  # in order of preference
