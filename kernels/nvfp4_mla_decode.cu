@@ -15,7 +15,6 @@ constexpr int COLS = HEAD_DIM / DIM_SPLIT;       // dims of a warp's slice (both
 constexpr int K_STEPS = COLS / 16;               // Q.K^T: MMA k-steps of the slice
 constexpr int N_TILES = COLS / 8;                // P.V: MMA n-tiles of the slice
 constexpr int S_TILES = BN / 8;                  // Q.K^T: n-tiles of the tile's tokens
-constexpr int RECORD = DATA_BYTES + SCALE_BYTES; // 384
 constexpr int RECORD_CHUNKS = RECORD / 16;
 constexpr int DATA_CHUNKS = DATA_BYTES / 16;
 // Blocks an SM should hold: 128 registers a thread with 4 warps a row block (64 accumulators),

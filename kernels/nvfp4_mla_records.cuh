@@ -73,7 +73,8 @@ __device__ __forceinline__ void fill_scale_pairs(u32* scale_pairs, int tid, int 
     for (int byte = tid; byte < 256; byte += threads) scale_pairs[byte] = e4m3_bf16x2(byte);
 }
 
-constexpr int NOPE_CHUNKS = NOPE_DIM / 8;  // 16-byte chunks (8 BF16) of a row's NoPE dims
+constexpr int RECORD = DATA_BYTES + SCALE_BYTES;  // a record: its data row, then its scale slot
+constexpr int NOPE_CHUNKS = NOPE_DIM / 8;         // 16-byte chunks (8 BF16) of a row's NoPE dims
 
 // 16-byte chunk c (8 BF16 values) of a record's row, exactly: a NoPE half group (chunks 0..55:
 // e2m1 codes times the group's scale, as its pair from `scale_pairs`) or RoPE dims. A NaN scale

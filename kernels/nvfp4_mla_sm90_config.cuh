@@ -18,7 +18,6 @@ constexpr int SHARERS = CLUSTER * PRODUCERS;     // producer warpgroups that spl
 constexpr int UNITS_PER_TILE = 2 / SHARERS;      // gather units a producer warpgroup handles per tile
 constexpr int BN = BLOCK_N;                      // tokens of a tile
 constexpr int UNIT = 32;                         // tokens of a gather unit: 4 producer threads each
-constexpr int RECORD = DATA_BYTES + SCALE_BYTES; // 384
 constexpr int RAW_STRIDE = RECORD + 16;          // a raw record's bytes in shared memory (padded: conflict-free reads)
 constexpr int RAW_BYTES = 2 * UNIT * RAW_STRIDE; // a producer warpgroup's two raw units
 constexpr int CHUNKS = HEAD_DIM / 8;             // 64
