@@ -7,13 +7,7 @@
 #pragma once
 
 #include "nvfp4_mla_params.cuh"
-
-// Live entries of a row of a pool's table: lens clamped to [0, k], or k without lens.
-__device__ __forceinline__ i64 live_count(const void* lens, i64 lens_int64, i64 k, i64 row) {
-    if (k == 0 || lens == nullptr) return k;
-    const i64 n = lens_int64 ? static_cast<const i64*>(lens)[row] : static_cast<const int*>(lens)[row];
-    return n < 0 ? 0 : (n > k ? k : n);
-}
+#include "nvfp4_mla_work.cuh"  // live_count
 
 // Whether entry n's slot table holds int64 slots (else int32).
 __device__ __forceinline__ bool slot_is_int64(const Params& p, i64 n) {

@@ -10,7 +10,15 @@ import torch
 import nvfp4_mla
 from nvfp4_mla import abi, jit, launch, reference
 from nvfp4_mla.device import Device
-from nvfp4_mla.ops import decode, decode_backend, decode_combine, decode_mma, decode_schedule, decode_sm90
+from nvfp4_mla.ops import (
+    decode,
+    decode_backend,
+    decode_combine,
+    decode_mma,
+    decode_schedule,
+    decode_scheduler,
+    decode_sm90,
+)
 from nvfp4_mla.testing import make_cache
 
 BF16 = torch.bfloat16
@@ -27,7 +35,8 @@ def test_specs_and_names():
     assert {s.head_tile for s in specs if isinstance(s, decode_mma.MmaAttentionSpec)} == set(decode_mma.HEAD_TILES)
     combines = decode_combine.specs()
     assert combines == (decode_combine.CombineSpec.of(4), decode_combine.CombineSpec.of(16))
-    assert specs[-2:] == combines and len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 2
+    assert specs[-3:-1] == combines and specs[-1] == decode_scheduler.SchedulerSpec()
+    assert len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 3
     assert [c.defines()["PREFETCH"] for c in combines] == [4, 16] and decode_combine.CombineSpec.of(4) is combines[0]
     # Alone and in pairs, each with whole output rows and with half rows; and the NARROW build.
     hopper = {decode_sm90.WgmmaAttentionSpec.of(c, parts) for c in (1, 2) for parts in (1, 2)}

@@ -33,7 +33,7 @@ from torch.autograd.graph import increment_version
 from .. import abi, reference, validation
 from ..device import Device, device_info
 from ..launch import Launcher, contiguous_strides, current_raw_stream, new_output
-from . import decode_combine, decode_mma, decode_sm90
+from . import decode_combine, decode_mma, decode_scheduler, decode_sm90
 from .decode_backend import OVERRIDES, DecodeBackend, arch_capability
 from .decode_schedule import MAX_SPLITS, choose_dim_parts, choose_split_and_parts
 from .library import DEFAULT, KernelLibrary, check_traceable
@@ -57,10 +57,10 @@ def select_backend(gpu: Device, num_heads: int, rows: int, tokens: int) -> Decod
 
 def specs(arch: str) -> tuple:
     """Every kernel ``sparse_mla_decode`` may launch on a GPU of ``arch``: each supporting
-    backend's, and the combine's builds."""
+    backend's, the combine's builds and the scheduler."""
     capability = arch_capability(arch)
     kernels = [s for b in BACKENDS.values() if b.supports(capability) for s in b.specs(arch)]
-    return (*kernels, *decode_combine.specs())
+    return (*kernels, *decode_combine.specs(), *decode_scheduler.specs())
 
 
 def check_overrides(lib: KernelLibrary, backend: DecodeBackend) -> None:

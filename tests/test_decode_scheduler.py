@@ -1,0 +1,153 @@
+"""The decode scheduler: its CPU model holds the properties a work list promises, and on the GPU
+the kernel writes the model's list bit for bit (also from a captured graph whose lengths change
+between replays), and nothing past it."""
+
+import random
+
+import pytest
+import torch
+
+from nvfp4_mla import KernelLibrary
+from nvfp4_mla.launch import current_raw_stream
+from nvfp4_mla.ops import decode_scheduler as ds
+
+TILE = 64
+
+
+def check(tiles, parts, segment_cost, found):
+    """Every tile of every row in exactly one segment, in order; a row in one segment writes out,
+    a split row's segments take its slots in tile order; no part's cost past the mean by more
+    than one tile and one segment's cost."""
+    assert len(found.parts) == parts and len(found.split_rows) == parts
+    walked: dict[int, list[ds.Segment]] = {}
+    for part in found.parts:
+        share = 0
+        for seg in ds.segments(part, tiles):
+            walked.setdefault(seg.row, []).append(seg)
+            share += seg.tile_end - seg.tile_begin + segment_cost
+        assert share <= sum(tiles) / parts + segment_cost * len(tiles) / parts + segment_cost + 1
+    assert sorted(walked) == list(range(len(tiles)))
+    split = [(row, segs[0].slot) for row, segs in sorted(walked.items()) if len(segs) > 1]
+    slots = 0
+    for row, segs in walked.items():
+        assert [s.tile_begin for s in segs] == [0] + [s.tile_end for s in segs[:-1]]
+        assert segs[-1].tile_end == tiles[row]
+        if len(segs) == 1:
+            assert segs[0].slot == -1
+        else:
+            assert [s.slot for s in segs] == list(range(segs[0].slot, segs[0].slot + len(segs)))
+            slots += len(segs)
+    assert slots <= ds.max_slots(parts)
+    assert list(found.split_rows) == split + [(-1, slots)] * (parts - len(split))
+    assert [row for row, first in split] == sorted(row for row, _ in split)
+    assert [first for _, first in split] == sorted(first for _, first in split)
+    if split:
+        assert split[0][1] == 0
+
+
+def distributions(rng, rows, k):
+    yield "zeros", [0] * rows
+    yield "full", [k] * rows
+    yield "one long", [k if r == rows // 2 else 1 for r in range(rows)]
+    yield "short", [rng.randrange(0, 65) for _ in range(rows)]
+    yield "uniform", [rng.randrange(0, k + 1) for _ in range(rows)]
+    yield "one in eight long", [k if r % 8 == 0 else 128 for r in range(rows)]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 31, 256, 1000, 16384])
+def test_model_partitions_and_balances(rows, seed):
+    rng = random.Random(seed)
+    for parts in (1, 2, 7, 66, 132, ds.MAX_PARTS):
+        for segment_cost in (0, 1, 4):
+            for name, lens in distributions(rng, rows, 2048):
+                tiles = [ds.live_tiles(n, 0, TILE) for n in lens]
+                found = ds.schedule(tiles, parts, segment_cost)
+                check(tiles, parts, segment_cost, found)
+                assert ds.schedule(tiles, parts, segment_cost) == found, name
+
+
+def test_model_by_hand():
+    # Costs 4, 1, 1 in two parts of 3: row 0 is cut at its tile 3.
+    found = ds.schedule([4, 1, 1], 2, 0)
+    assert found.parts == (ds.WorkPart(0, 0, 0, 3, 0, -1), ds.WorkPart(0, 3, 3, 0, 1, -1))
+    assert found.split_rows == ((0, 0), (-1, 2))
+    # With a segment cost of 2: costs 6, 3, 3 in two parts of 6: no row is cut.
+    found = ds.schedule([4, 1, 1], 2, 2)
+    assert found.parts == (ds.WorkPart(0, 0, 1, 0, -1, -1), ds.WorkPart(1, 0, 3, 0, -1, -1))
+    assert found.split_rows == ((-1, 0), (-1, 0))
+    # Costs 1, 5 in three parts of 2: row 1 cut at tiles 1 and 3; the first part ends inside it.
+    found = ds.schedule([1, 5], 3, 0)
+    assert found.parts == (
+        ds.WorkPart(0, 0, 1, 1, -1, 0),
+        ds.WorkPart(1, 1, 1, 3, 1, -1),
+        ds.WorkPart(1, 3, 2, 0, 2, -1),
+    )
+    assert found.split_rows == ((1, 0), (-1, 3), (-1, 3))
+
+
+def test_row_tiles_clamp_lengths():
+    lens = torch.tensor([-5, 0, 1, 64, 65, 10**6])
+    assert ds.row_tiles(6, 100, lens, 0, None, 64) == [1, 1, 1, 1, 2, 2]
+    assert ds.row_tiles(2, 100, None, 30, torch.tensor([[29], [31]]), 64) == [3, 3]
+    assert ds.row_tiles(3, 0, None, 0, None, 32) == [1, 1, 1]
+
+
+# ---------------------------------------------------------------- on the GPU
+
+
+def _lens(rng, rows, k, dtype):
+    if k == 0 or rng.random() < 0.2:
+        return None
+    n = [rng.choice([-3, 0, 1, k, k + 7, rng.randrange(0, k + 1)]) for _ in range(rows)]
+    return torch.tensor(n, dtype=dtype, device="cuda")
+
+
+def _run(lib, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost, canary=-7):
+    work = torch.full((ds.work_ints(parts) + 64,), canary, dtype=torch.int32, device="cuda")
+    launcher = lib.launcher(torch.cuda.current_device(), lib.spec(ds.SchedulerSpec()))
+    stream = current_raw_stream(torch.cuda.current_device())
+    ds.launch(launcher, stream, work.data_ptr(), parts, rows, swa_k, swa_lens, extra_k, extra_lens, tile, cost)
+    return work
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 256, 1031, 16384])
+def test_device_list_is_the_model(rows, seed):
+    rng = random.Random(seed)
+    lib = KernelLibrary()
+    for parts in (1, 2, 66, 132, ds.MAX_PARTS):
+        for tile, cost in ((64, 0), (64, 4), (32, 3)):
+            swa_k = rng.choice([1, 128, 640])
+            extra_k = rng.choice([0, 512, 2048])
+            swa_lens = _lens(rng, rows, swa_k, rng.choice([torch.int32, torch.int64]))
+            extra_lens = _lens(rng, rows, extra_k, rng.choice([torch.int32, torch.int64]))
+            work = _run(lib, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost)
+            tiles = ds.row_tiles(rows, swa_k, swa_lens, extra_k, extra_lens, tile)
+            want = ds.schedule(tiles, parts, cost).ints()
+            got = work.tolist()
+            assert got[: len(want)] == want, (parts, tile, cost)
+            assert got[len(want) :] == [-7] * 64  # nothing written past the list
+
+
+@pytest.mark.gpu
+def test_graph_replays_follow_changed_lengths(seed):
+    """Captured once, with the lengths copied in by the graph's previous kernel: each replay's list
+    is the model's of that replay's lengths."""
+    rng = random.Random(seed)
+    lib = KernelLibrary()
+    rows, parts, k = 300, 132, 2048
+    source = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    lens = torch.zeros_like(source)
+    work = torch.zeros(ds.work_ints(parts), dtype=torch.int32, device="cuda")
+    launcher = lib.launcher(torch.cuda.current_device(), lib.spec(ds.SchedulerSpec()))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lens.copy_(source)
+        stream = current_raw_stream(torch.cuda.current_device())
+        ds.launch(launcher, stream, work.data_ptr(), parts, rows, 128, None, k, lens, 64, 4)
+    for _ in range(4):
+        values = [rng.choice([0, 1, 100, k, rng.randrange(k + 1)]) for _ in range(rows)]
+        source.copy_(torch.tensor(values, dtype=torch.int32))
+        graph.replay()
+        tiles = [ds.live_tiles(128, v, 64) for v in values]
+        assert work.tolist() == ds.schedule(tiles, parts, 4).ints()
