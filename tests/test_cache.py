@@ -8,8 +8,10 @@ run real processes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pwd
 import shutil
 import stat
 import subprocess
@@ -180,6 +182,31 @@ def test_a_huge_sparse_file_is_refused_by_its_size(kdir, compiles):
     assert any("over the 16 MiB cap" in w for w in caught)
 
 
+def _with_note_sections(cubin: bytes, count: int, length: int) -> bytes:
+    """``cubin`` with a section-header table appended: its own sections, then ``count`` note
+    sections that all overlap its first ``length`` bytes (a hostile file, digested like any other)."""
+    header = list(kernel_file._EHDR.unpack_from(cubin))
+    shoff, shnum = header[6], header[12]
+    table = cubin[shoff : shoff + shnum * kernel_file._SHDR.size]
+    note = kernel_file._SHDR.pack(0, kernel_file._SHT_NOTE, 0, 0, 0, length, 0, 0, 1, 0)
+    header[6], header[12] = len(cubin), shnum + count
+    return kernel_file._EHDR.pack(*header) + cubin[kernel_file._EHDR.size :] + table + note * count
+
+
+def test_a_file_of_many_overlapping_note_sections_is_a_miss(kdir, compiles):
+    """A re-digested file (a digest is no signature) with 65,535 sections, nearly all overlapping
+    notes: refused by the cap on sections before they cost anything, then compiled afresh.
+    (test_cache_files reproduces the audit's file, whose notes cover 12 MiB each.)"""
+    key = jit.kernel_key(SPEC, ARCH)
+    path = kdir / kernel_cache.KernelCache.file_name(key, ARCH)
+    cubin = jit.compile_kernel(SPEC, ARCH).cubin
+    hostile = _with_note_sections(cubin, 0xFFFF - kernel_file._EHDR.unpack_from(cubin)[12], 64)
+    path.write_bytes(kernel_file.pack(hostile, key, ARCH))
+    data, rebuilt, caught = build([kdir])
+    assert any(str(path) in w and "65535 sections" in w and "over the caps" in w for w in caught), caught
+    assert data == cubin and rebuilt == path and len(compiles) == 2
+
+
 def test_a_lock_file_planted_as_a_symlink_is_not_followed(kdir, tmp_path, compiles):
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
@@ -188,6 +215,57 @@ def test_a_lock_file_planted_as_a_symlink_is_not_followed(kdir, tmp_path, compil
     data, path, caught = build([kdir])
     assert path is None and proves(data, SPEC) and any("kept in memory" in w for w in caught)
     assert victim.read_bytes() == b"precious"
+
+
+def test_a_lock_file_that_is_not_a_regular_file_is_refused(kdir, compiles):
+    """A FIFO planted as the lock file: flock would take it, but only a regular file of ours is a
+    lock, so the kernel is kept in memory and nothing is written."""
+    name = kernel_cache.KernelCache.file_name(jit.kernel_key(SPEC, ARCH), ARCH)
+    os.mkfifo(kdir / (name + kernel_cache.LOCK_SUFFIX))
+    data, path, caught = build([kdir])
+    assert path is None and proves(data, SPEC) and len(compiles) == 1
+    assert any("is not a regular file" in w and "kept in memory" in w for w in caught), caught
+    assert not (kdir / name).exists()
+
+
+# Holds a flock on argv[1] until its stdin closes, or for two minutes at most: a build that waits
+# for the lock for ever then fails its test instead of hanging it.
+_HOLDER = textwrap.dedent(
+    """
+    import fcntl, os, select, sys
+    fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    print("held", flush=True)
+    select.select([sys.stdin], [], [], 120)
+    """
+)
+
+
+def test_a_lock_held_by_another_process_is_waited_for_a_bounded_time(kdir, compiles, monkeypatch):
+    """Another process holds the key's lock and never lets go (hung, stopped): after
+    NVFP4_MLA_LOCK_TIMEOUT seconds the kernel is compiled in memory, not written, with a warning;
+    precompile into a directory raises instead. Once the lock is free, the next build writes."""
+    name = kernel_cache.KernelCache.file_name(jit.kernel_key(SPEC, ARCH), ARCH)
+    monkeypatch.setenv("NVFP4_MLA_LOCK_TIMEOUT", "0.2")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(kdir / (name + kernel_cache.LOCK_SUFFIX))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline() == "held\n"
+        data, path, caught = build([kdir])
+        with pytest.raises(kernel_cache.CacheError, match=r"held by another process for over 0\.2 s"):
+            kernel_cache.KernelCache([]).build(SPEC, ARCH, directory=kdir)
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert path is None and proves(data, SPEC) and len(compiles) == 1  # precompile raised before compiling
+    assert any("held by another process for over 0.2 s" in w and "not written" in w for w in caught), caught
+    assert not (kdir / name).exists()
+    assert build([kdir])[1:] == (kdir / name, []) and len(compiles) == 2
 
 
 def test_a_symlinked_layer_of_another_user_is_refused(tmp_path, compiles):
@@ -246,6 +324,19 @@ def test_stale_temp_files_of_ours_are_removed_and_no_others(kdir, compiles):
         os.utime(path, (old, old))
     build([kdir])
     assert not ours.exists() and fresh.exists() and theirs.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files of another user")
+def test_stale_temp_files_of_another_user_are_kept(kdir, compiles):
+    """A temp file of our name and age, but another user's (a group-shared directory): not ours
+    to remove."""
+    theirs = kdir / f"{kernel_cache.TEMP_PREFIX}theirs.tmp"
+    theirs.write_bytes(b"half")
+    os.chown(theirs, NOBODY, NOBODY)
+    old = time.time() - 2 * kernel_cache.STALE_TEMP_SECONDS
+    os.utime(theirs, (old, old))
+    _, path, _ = build([kdir])
+    assert path is not None and theirs.exists() and theirs.stat().st_uid == NOBODY
 
 
 def test_symlink_and_directory_with_a_cubins_name_are_misses(kdir, tmp_path, compiles):
@@ -333,6 +424,50 @@ def test_no_writable_directory_compiles_in_memory_with_one_warning(tmp_path, com
     assert set(Path(tempfile.gettempdir()).glob("nvfp4_mla-[!t]*")) == before  # no temp dirs
 
 
+def test_a_created_directory_gets_its_mode_whatever_the_umask(tmp_path):
+    old = os.umask(0o077)
+    try:
+        assert kernel_cache.prepare_dir(tmp_path / "parent" / "image", kernel_cache.IMAGE_MODE) is None
+    finally:
+        os.umask(old)
+    assert (tmp_path / "parent" / "image").stat().st_mode & 0o777 == 0o755
+
+
+@pytest.mark.parametrize("swap", ["symbolic link", "directory of another user"])
+def test_a_created_directory_swapped_after_the_mkdir_changes_no_other_mode(tmp_path, monkeypatch, swap):
+    """precompile --cache-dir run as root under a parent others can write: between the mkdir and
+    the mode change, the new directory is swapped for a link to a file, or for another user's
+    directory. The mode is set through a descriptor of what was created (never by path, never
+    through a link), so nothing else changes mode and the directory is refused."""
+    if swap != "symbolic link" and os.geteuid() != 0:
+        pytest.skip("needs root to make a directory of another user")
+    victim = tmp_path / "victim"
+    if swap == "symbolic link":
+        victim.write_bytes(b"precious")
+    else:
+        victim.mkdir()
+        os.chown(victim, NOBODY, NOBODY)
+    victim.chmod(0o600)
+    target = tmp_path / "parent" / "kernels"
+    real_mkdir = os.mkdir
+
+    def mkdir_then_swap(path, mode=0o777, *, dir_fd=None):
+        real_mkdir(path, mode, dir_fd=dir_fd)
+        if os.fspath(path) == str(target):
+            os.rmdir(path)
+            if swap == "symbolic link":
+                os.symlink(victim, path)
+            else:
+                os.rename(victim, path)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_swap)
+    reason = kernel_cache.prepare_dir(target, kernel_cache.IMAGE_MODE)
+    monkeypatch.undo()
+    moved = victim if swap == "symbolic link" else target
+    assert moved.stat().st_mode & 0o777 == 0o600
+    assert reason is not None and str(target) in reason, reason
+
+
 def test_precompile_into_an_unusable_directory_raises_naming_it(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
@@ -364,9 +499,9 @@ def test_precompile_builds_the_reader_and_decode_kernels(kdir):
     specs = (*Geometry("read", 16, slot_dtype=None, dtype=torch.bfloat16).specs(ARCH), *decode.specs(ARCH))
     # the reader, the sm_90a wgmma kernel's NARROW build and its 64-head build alone and in
     # clusters (whole rows, then half rows), three mma.sync head tiles, the combine prefetching 4
-    # and 16 splits
-    assert len(built) == len(specs) == 11
-    assert [b.arch for b in built] == ["sm_90"] + ["sm_90a"] * 5 + ["sm_90"] * 5
+    # and 16 splits, the scheduler
+    assert len(built) == len(specs) == 12
+    assert [b.arch for b in built] == ["sm_90"] + ["sm_90a"] * 5 + ["sm_90"] * 6
     for b, spec in zip(built, specs):
         assert b.path is not None and proves(b.path.read_bytes(), spec, b.arch)
 
@@ -406,13 +541,16 @@ def test_arch_is_validated(kdir, arch, match):
         precompile([Geometry("kv", 16)], arch=arch, directory=kdir)
 
 
-def test_key_holds_the_full_nvrtc_identity():
-    """A patch upgrade of NVRTC replaces the library file, which is part of the key."""
-    identity = jit.nvrtc_identity()
+def test_files_record_the_nvrtc_that_compiled_them(kdir):
+    """Not in the key (test_cache_travel): the file records NVRTC's version and its library's
+    SHA-256, the bytes of the libnvrtc CuPy loaded."""
+    _, path, _ = build([kdir])
+    compiler = kernel_file.read(path.read_bytes(), jit.kernel_key(SPEC, ARCH), ARCH).compiler
     major, minor = __import__("cupy").cuda.nvrtc.getVersion()
-    assert identity.startswith(f"{major}.{minor}")
-    if sys.platform == "linux":
-        assert "libnvrtc" in identity and identity.count(":") >= 2
+    library = jit._libnvrtc()[1]
+    digest = hashlib.sha256(Path(library).read_bytes()).digest()
+    assert compiler == kernel_file.Compiler(major, minor, digest) == jit.nvrtc_build()
+    assert jit.nvrtc_identity() == f"{major}.{minor} sha256:{digest.hex()[:12]} ({library})"
 
 
 def test_concurrent_threads_compile_once(kdir, compiles):
@@ -455,11 +593,14 @@ _CHILD = textwrap.dedent(
 SOURCE_ROOT = str(Path(nvfp4_mla.__file__).resolve().parents[1])
 
 
-def child(env: dict, go: str = "", user: int | None = None) -> subprocess.Popen:
+def child(env: dict, go: str = "", user: int | None = None, unset: tuple[str, ...] = ()) -> subprocess.Popen:
+    """A process that builds SPEC through the default cache, as ``user``, with ``env`` added to this
+    process's environment and the variables ``unset`` removed from it."""
     prefix = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user is not None else []
+    inherited = {name: value for name, value in os.environ.items() if name not in unset}
     return subprocess.Popen(
         [*prefix, sys.executable, "-c", _CHILD, go],
-        env={**os.environ, "PYTHONPATH": SOURCE_ROOT, **env},  # cwd is /: the package by its absolute path
+        env={**inherited, "PYTHONPATH": SOURCE_ROOT, **env},  # cwd is /: the package by its absolute path
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -552,11 +693,35 @@ def test_file_unreadable_to_the_user_is_a_miss(shared_tmp):
     assert got["compiles"] == 1 and any("refused" in w for w in got["warnings"]), got
 
 
+def _uid_without_passwd_entry() -> int:
+    for uid in range(4242, 5000):
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            return uid
+    raise LookupError("every uid from 4242 to 4999 has a passwd entry")
+
+
+def test_no_home_still_serves_the_listed_directory(shared_tmp):
+    """HOME unset and a uid with no passwd entry (``Path.home()`` raises): the per-user layer is
+    skipped with one warning, and NVFP4_MLA_CACHE_DIR still takes the kernel."""
+    base, _ = shared_tmp
+    uid = _uid_without_passwd_entry()
+    kernels, cupy_cache = base / "kernels", base / "cupy"  # CuPy's own cache needs a home too
+    for directory in (kernels, cupy_cache):
+        directory.mkdir()
+        os.chown(directory, uid, uid)
+    env = {"NVFP4_MLA_CACHE_DIR": str(kernels), "CUPY_CACHE_DIR": str(cupy_cache)}
+    got = result(child(env, user=uid, unset=("HOME", "XDG_CACHE_HOME")))
+    assert got["compiles"] == 1 and got["path"].startswith(str(kernels)), got
+    assert len(got["warnings"]) == 1 and "the per-user kernel cache is skipped" in got["warnings"][0], got
+
+
 def test_missing_cupy_names_the_fix(monkeypatch):
     modules = sys.modules
     for name in [m for m in modules if m == "cupy" or m.startswith("cupy.")] + ["cupy"]:
         monkeypatch.setitem(modules, name, None)  # importing CuPy now fails
-    jit.nvrtc_identity.cache_clear()
+    jit.nvrtc_build.cache_clear()
     jit._libnvrtc.cache_clear()
     with pytest.raises(RuntimeError, match=r"need CuPy: install CuPy .*\.\[cu12\]"):
         launch.Launcher(b"", SPEC.template, Device(0, 90, 132, 232_448))
@@ -564,17 +729,17 @@ def test_missing_cupy_names_the_fix(monkeypatch):
         jit.compile_kernel(SPEC, ARCH)
 
 
-@pytest.mark.parametrize("part", ["source", "header", "options", "arch", "nvrtc"])
+@pytest.mark.parametrize("part", ["source", "header", "params header", "options", "arch"])
 def test_key_changes_with_everything_that_shapes_the_kernel(monkeypatch, part):
+    """What NVRTC is given; NVRTC itself is not in the key (test_cache_travel)."""
     before = jit.kernel_key(SPEC, ARCH)
     sources = None
     if part == "source":
         sources = {SPEC.template.file: jit.source(SPEC.template.file) + "\n// edit"}
     elif part == "header":
         sources = {jit.NUMERICS_HEADER: jit.source(jit.NUMERICS_HEADER) + "\n// edit"}
-    elif part == "nvrtc":
-        patched = jit.nvrtc_identity() + " patched"
-        monkeypatch.setattr(jit, "nvrtc_identity", lambda: patched)
+    elif part == "params header":
+        sources = {jit.PARAMS_HEADER: SPEC.template.params.header() + "\n// edit"}
     spec = SPEC._replace(kv_rows_per_warp=2) if part == "options" else SPEC
     assert jit.kernel_key(spec, "sm_80" if part == "arch" else ARCH, sources) != before
 

@@ -12,6 +12,9 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -228,6 +231,34 @@ def test_another_format_version_is_refused(monkeypatch):
     assert refused(data) == f"format version {version + 1}, not {version}"
 
 
+def test_the_file_records_the_compiler_and_the_digest_covers_it():
+    """Format 2: NVRTC's version and its library's SHA-256 after the arch, under the digest."""
+    compiler = kernel_file.Compiler(12, 9, hashlib.sha256(b"libnvrtc").digest())
+    data = kernel_file.pack(build(SCALE, "sm_90", KEY), KEY, "sm_90", compiler)
+    assert kernel_file.read(data, KEY, "sm_90") == (build(SCALE, "sm_90", KEY), compiler)
+    assert compiler.describe() == f"12.9 sha256:{compiler.library.hex()[:12]}"
+    at = data.index(compiler.library)
+    assert data[at - 9 : at] == b"sm_90" + struct.pack("<HH", 12, 9)  # right after the arch
+    for where in (at - 4, at - 2, at, at + 31):  # the version, either half, the library's digest
+        changed = bytearray(data)
+        changed[where] ^= 0x01
+        assert refused(bytes(changed)) == "digest mismatch"
+    unrecorded = kernel_file.read(packed(), KEY, "sm_90").compiler
+    assert unrecorded == kernel_file.UNRECORDED and unrecorded.describe() == "an unrecorded NVRTC"
+    with pytest.raises(ValueError, match="digest is 4 bytes"):
+        kernel_file.pack(b"", KEY, "sm_90", kernel_file.Compiler(12, 9, b"abcd"))
+
+
+def test_a_file_of_format_1_is_refused_by_its_version():
+    """Format 1's trailer (no NVRTC fields) under this format's name: refused by its version, not
+    misread (its files are named .v1 and never looked up anyway)."""
+    cubin = build(SCALE, "sm_90", KEY)
+    head = struct.pack("<8sIQ", b"NVFP4MLA", 1, len(cubin)) + kernel_file._fields(KEY, "sm_90")
+    digest = hashlib.sha256(cubin + head).digest()
+    old = cubin + head + digest + struct.pack("<I8s", len(head) + 32 + 12, b"NVFP4END")
+    assert refused(old) == f"format version 1, not {kernel_file.FORMAT_VERSION}"
+
+
 def key_segment(cubin: bytes) -> int:
     """The offset of the program header of the PT_LOAD segment that holds the key's proof."""
     (phoff,) = struct.unpack_from("<Q", cubin, 0x20)
@@ -279,6 +310,87 @@ def test_a_malformed_elf_is_refused(change):
     cubin = bytearray(build(SCALE, "sm_90", KEY))
     damage(cubin)
     assert re.search(reason, refused(kernel_file.pack(bytes(cubin), KEY, "sm_90")))
+
+
+def with_tables(cubin: bytes, sections: Sequence[tuple] = (), segments: Sequence[tuple] = (), size: int = 0) -> bytes:
+    """``cubin`` padded with zeros to ``size`` bytes, then new section- and program-header tables
+    appended: its own entries followed by the extra ``sections`` and ``segments`` (field tuples)."""
+    shoff, shnum = struct.unpack_from("<Q", cubin, 0x28)[0], struct.unpack_from("<H", cubin, 0x3C)[0]
+    phoff, phnum = struct.unpack_from("<Q", cubin, 0x20)[0], struct.unpack_from("<H", cubin, 0x38)[0]
+    body = bytearray(cubin.ljust(size, b"\0"))
+    section_table = cubin[shoff : shoff + 64 * shnum] + b"".join(struct.pack("<IIQQQQIIQQ", *s) for s in sections)
+    segment_table = cubin[phoff : phoff + 56 * phnum] + b"".join(struct.pack("<IIQQQQQQ", *p) for p in segments)
+    struct.pack_into("<QQ", body, 0x20, len(body) + len(section_table), len(body))  # e_phoff, e_shoff
+    struct.pack_into("<H", body, 0x38, phnum + len(segments))
+    struct.pack_into("<H", body, 0x3C, shnum + len(sections))
+    return bytes(body) + section_table + segment_table
+
+
+def note(offset: int, size: int) -> tuple:
+    return (0, 7, 0, 0, offset, size, 0, 0, 1, 0)  # SHT_NOTE, not allocated
+
+
+def test_the_tables_helper_keeps_a_valid_cubin_valid():
+    cubin = build(SCALE, "sm_90", KEY)
+    kernel_file.check_cubin(with_tables(cubin, [note(0, 64)], [(0,) * 8], size=len(cubin) + 100), KEY, "sm_90")
+
+
+def test_the_work_of_the_checks_is_capped():
+    """A digest is no signature: a re-digested file may hold any tables. What the checks examine is
+    capped (each copy of the proof was checked against every section, every note was copied), and
+    a file over a cap is refused even when it also holds the real kernel."""
+    cubin = build(SCALE, "sm_90", KEY)
+    shnum = struct.unpack_from("<H", cubin, 0x3C)[0]
+    caps = f"over the caps of {kernel_file.MAX_SECTIONS} and {kernel_file.MAX_SEGMENTS}"
+    sections = with_tables(cubin, [note(0, 64)] * (kernel_file.MAX_SECTIONS + 1 - shnum))
+    assert refused(kernel_file.pack(sections, KEY, "sm_90")).endswith(caps)
+    segments = with_tables(cubin, segments=[(0,) * 8] * kernel_file.MAX_SEGMENTS)
+    assert refused(kernel_file.pack(segments, KEY, "sm_90")).endswith(caps)
+    notes = with_tables(cubin, [note(0, len(cubin))] * (kernel_file.MAX_NOTE_BYTES // len(cubin) + 1))
+    assert "bytes of note sections, over the cap" in refused(kernel_file.pack(notes, KEY, "sm_90"))
+    copies = build(SHIFT, "sm_90", OTHER_KEY) + (proof(KEY) + b"\0") * (kernel_file.MAX_PROOF_COPIES + 1)
+    assert (
+        refused(kernel_file.pack(copies, KEY, "sm_90")) == f"the key appears over {kernel_file.MAX_PROOF_COPIES} times"
+    )
+    kernel_file.check_cubin(cubin + (proof(KEY) + b"\0") * 1000, KEY, "sm_90")  # the real one is found first
+
+
+# Unpacks argv[1] with kernel_file.py loaded alone (no torch: a small address space suffices) in a
+# process limited to 1 GiB of address space; prints the refusal.
+_BOUNDED = textwrap.dedent(
+    """
+    import importlib.util, resource, sys
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+    spec = importlib.util.spec_from_file_location("kernel_file", sys.argv[2])
+    kernel_file = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel_file)
+    with open(sys.argv[1], "rb") as f:
+        data = f.read()
+    try:
+        kernel_file.unpack(data, sys.argv[3], "sm_90")
+    except kernel_file.KernelFileError as exc:
+        print(exc)
+    """
+)
+
+
+def test_the_audits_file_of_overlapping_notes_is_refused_in_bounded_memory(tmp_path):
+    """The audit's file: 16 MiB, 65,535 note sections each over nearly 12 MiB of it, re-digested. The
+    notes were joined (a terabyte) and MemoryError escaped the read path; now the cap on sections
+    refuses it, in a process that could not even hold 100 of those copies."""
+    cubin = build(SCALE, "sm_90", KEY)
+    shnum = struct.unpack_from("<H", cubin, 0x3C)[0]
+    size = (12 << 20) - (64 << 10)  # with the 4 MiB section table, just under the size cap
+    hostile = kernel_file.pack(with_tables(cubin, [note(0, size)] * (0xFFFF - shnum), size=size), KEY, "sm_90")
+    assert kernel_file.check_size(len(hostile)) is None
+    path = tmp_path / "hostile.cubin"
+    path.write_bytes(hostile)
+    done = subprocess.run(
+        [sys.executable, "-c", _BOUNDED, str(path), kernel_file.__file__, KEY], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    caps = f"over the caps of {kernel_file.MAX_SECTIONS} and {kernel_file.MAX_SEGMENTS}"
+    assert done.stdout.strip().startswith("65535 sections and ") and done.stdout.strip().endswith(caps), done.stdout
 
 
 def test_the_arch_from_e_flags_and_ptxas_note():

@@ -3,6 +3,8 @@ builds (and optionally loads) them, e.g. while building a container image or at 
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -15,6 +17,60 @@ from .launch import Launcher
 from .ops import registry
 
 ENTRIES = tuple(registry.OPS)  # "main", "kv", "append", "pack", "read", "decode"
+ARCH_LIST_ENV = "TORCH_CUDA_ARCH_LIST"  # nvfp4-mla precompile's default architectures, as torch's builds take them
+_ARCH_ENTRY = re.compile(r"(\d+)\.(\d)([af]?)(\+PTX)?", re.IGNORECASE)
+
+
+class ArchList(NamedTuple):
+    """The architectures a ``TORCH_CUDA_ARCH_LIST`` value names, and what was set aside of it."""
+
+    archs: list[str]  # "sm_90a", ... in its order, each once
+    notes: list[str]  # one line for each part ignored (a +PTX suffix)
+
+
+def parse_arch_list(text: str) -> ArchList:
+    """The architectures of a ``TORCH_CUDA_ARCH_LIST`` value: entries like ``8.0 8.6 9.0 9.0a`` or
+    ``8.0;9.0+PTX``, separated by spaces or semicolons; ``9.0`` is sm_90, ``9.0a`` sm_90a. A
+    ``+PTX`` suffix is ignored with a note (the kernel cache holds cubins only: a kernel is built
+    for the architecture of the GPU it runs on).
+
+    Raises
+    ------
+    ValueError
+        Naming the variable, for an entry of another form or older than sm_80, or no entry.
+    """
+    archs: dict[str, None] = {}
+    notes = []
+    for entry in re.split(r"[\s;]+", text.strip()):
+        if not entry:
+            continue
+        match = _ARCH_ENTRY.fullmatch(entry)
+        if match is None:
+            raise ValueError(
+                f"{ARCH_LIST_ENV}={text!r}: cannot read {entry!r} (entries look like 8.0, 9.0a or 9.0+PTX, "
+                "separated by spaces or semicolons)"
+            )
+        major, minor, variant, ptx = match.groups()
+        arch = f"sm_{int(major)}{minor}{variant.lower()}"
+        try:
+            jit.check_arch(arch)
+        except ValueError as exc:
+            raise ValueError(f"{ARCH_LIST_ENV}={text!r}: {entry} ({arch}): {exc}") from None
+        if ptx:
+            notes.append(
+                f"{ARCH_LIST_ENV}: the +PTX of {entry} is ignored (nvfp4_mla builds cubins only); {arch} is built"
+            )
+        archs[arch] = None
+    if not archs:
+        raise ValueError(f"{ARCH_LIST_ENV}={text!r} names no architecture")
+    return ArchList(list(archs), notes)
+
+
+def env_arch_list() -> ArchList | None:
+    """:func:`parse_arch_list` of ``TORCH_CUDA_ARCH_LIST``; None when it is unset or blank. The
+    default architectures of ``nvfp4-mla precompile`` without ``--arch``."""
+    text = os.environ.get(ARCH_LIST_ENV, "")
+    return parse_arch_list(text) if text.strip() else None
 
 
 class Geometry(NamedTuple):

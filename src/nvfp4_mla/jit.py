@@ -166,13 +166,30 @@ def _libnvrtc() -> tuple[ctypes.CDLL, str]:
 
 
 @functools.cache
-def nvrtc_identity() -> str:
-    """NVRTC's version with its patch level: major.minor, plus the loaded library file's path,
-    size and modification time (a patch upgrade replaces the file)."""
+def nvrtc_build() -> kernel_file.Compiler:
+    """The NVRTC this process compiles with, as a kernel file records it: its version (major.minor)
+    and the SHA-256 of the libnvrtc file CuPy loaded, hashed once per process (about 0.2 s for
+    100 MB, beside seconds of compiling). Loads NVRTC: only compiles call it, never a lookup or a
+    load (:func:`loaded_nvrtc`)."""
     major, minor = _nvrtc().getVersion()
-    path = _libnvrtc()[1]
-    st = os.stat(path)
-    return f"{major}.{minor} {path}:{st.st_size}:{st.st_mtime_ns}"
+    digest = hashlib.sha256()
+    with open(_libnvrtc()[1], "rb") as library:
+        while chunk := library.read(1 << 20):
+            digest.update(chunk)
+    return kernel_file.Compiler(major, minor, digest.digest())
+
+
+def loaded_nvrtc() -> kernel_file.Compiler | None:
+    """:func:`nvrtc_build` when this process has already worked it out (it compiled), else None:
+    never imports or loads NVRTC, so a cache hit needs none."""
+    return nvrtc_build() if nvrtc_build.cache_info().currsize else None
+
+
+def nvrtc_identity() -> str:
+    """NVRTC in words: its version, the start of its library's digest and the library's path, e.g.
+    ``12.9 sha256:3f2a9c...e1 (/venv/.../libnvrtc.so.12)``. Loads NVRTC. Not in the key
+    (docs/format.md section 11): a kernel file records :func:`nvrtc_build`."""
+    return f"{nvrtc_build().describe()} ({_libnvrtc()[1]})"
 
 
 def whole_cubin(program: int) -> bytes:
@@ -237,12 +254,15 @@ def _texts(spec: KernelSpec, sources: Mapping[str, str] | None) -> list[tuple[st
 
 def kernel_key(spec: KernelSpec, arch: str, sources: Mapping[str, str] | None = None) -> str:
     """The full key of a compiled kernel: SHA-256 of its kernel function's name, every source file
-    it is built from, its options and the NVRTC identity.
+    it is built from, its options (the architecture among them). Needs no NVRTC: nothing of the
+    compiler is in it, neither its version nor its library's path, size or time (a kernel file
+    records the NVRTC that built it; docs/format.md section 11 says why), so a precompiled
+    directory hits wherever it is copied and whatever NVRTC is installed, or none.
 
     ``sources`` replaces the text of files by name (see :func:`compile_kernel`).
     """
     parts = [spec.template.function, *(f"{name}\0{text}" for name, text in _texts(spec, sources))]
-    text = "\0".join((*parts, " ".join(_options(spec, arch)), nvrtc_identity()))
+    text = "\0".join((*parts, " ".join(_options(spec, arch))))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

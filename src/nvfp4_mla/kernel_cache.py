@@ -7,7 +7,9 @@ key's proof inside its loaded image, a digest over every byte). Every operation 
 through one opened descriptor, so a swap of the path after the check changes nothing. Anything
 else, the driver's refusal of an image included, is a miss with one warning that names the file
 and the reason, and the kernel is compiled afresh: never a crash. Calls after the first do one dict
-lookup.
+lookup. Finding, checking and loading a file needs no NVRTC: the key holds nothing of the compiler,
+and the NVRTC a file records is compared only when this process has compiled (a mismatch is
+logged and the file used).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import stat
 import threading
 import time
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 
 from . import config, jit, kernel_file
@@ -91,14 +94,20 @@ def open_dir(path: Path) -> tuple[int, os.stat_result]:
 
 def prepare_dir(directory: Path, mode: int = PRIVATE_MODE) -> str | None:
     """Makes ``directory`` ready to receive kernels; returns why it cannot, or None. A directory
-    this creates gets ``mode`` (whatever the umask)."""
+    this creates gets ``mode`` (whatever the umask) through a descriptor opened without following a
+    link, never by path: precompile may run as root under a parent others can write, and a symbolic
+    link swapped in after the mkdir must not hand it another file to chmod. Parent directories
+    (created with the umask's mode when missing) are not judged."""
     try:
-        directory.mkdir(parents=True)
-        os.chmod(directory, mode)
+        directory.mkdir(mode, parents=True)  # never wider than mode, even before the fchmod
     except FileExistsError:
         pass
     except OSError as exc:
         return f"cannot create {directory}: {exc.strerror or exc}"
+    else:
+        reason = _set_mode(directory, mode)
+        if reason is not None:
+            return f"{directory}: {reason}"
     try:
         fd, _ = open_dir(directory)
     except (Refused, OSError) as exc:
@@ -109,10 +118,31 @@ def prepare_dir(directory: Path, mode: int = PRIVATE_MODE) -> str | None:
     return None
 
 
-def read_kernel(dir_fd: int, dir_st: os.stat_result, name: str, key: str, arch: str) -> bytes | None:
-    """The cubin of file ``name`` of an opened directory, None when there is none; :class:`Refused`
+def _set_mode(directory: Path, mode: int) -> str | None:
+    """Gives the directory just created at ``directory`` its ``mode``, through a descriptor: None,
+    or why not (the path no longer names a directory of this user: swapped after the mkdir)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "replaced by a symbolic link after it was created"
+        return f"it cannot be opened after it was created ({exc.strerror or exc})"
+    try:
+        owner = os.fstat(fd).st_uid
+        if owner != os.geteuid():
+            return f"replaced after it was created (now owned by uid {owner})"
+        os.fchmod(fd, mode)
+    except OSError as exc:
+        return f"cannot set its mode ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
+    return None
+
+
+def read_kernel(dir_fd: int, dir_st: os.stat_result, name: str, key: str, arch: str) -> kernel_file.KernelFile | None:
+    """The kernel file ``name`` of an opened directory, None when there is none; :class:`Refused`
     when a file is there but must not run (opened without following links or blocking, its size
-    capped before it is read, then :func:`nvfp4_mla.kernel_file.unpack`)."""
+    capped before it is read, then :func:`nvfp4_mla.kernel_file.read`)."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -129,7 +159,7 @@ def read_kernel(dir_fd: int, dir_st: os.stat_result, name: str, key: str, arch: 
         while left > 0 and (chunk := os.read(fd, left)):
             chunks.append(chunk)
             left -= len(chunk)
-        return kernel_file.unpack(b"".join(chunks), key, arch)
+        return kernel_file.read(b"".join(chunks), key, arch)
     except kernel_file.KernelFileError as exc:
         raise Refused(str(exc)) from None
     except OSError as exc:
@@ -138,21 +168,45 @@ def read_kernel(dir_fd: int, dir_st: os.stat_result, name: str, key: str, arch: 
         os.close(fd)
 
 
+class LockTimeout(Exception):
+    """Another process held a kernel's lock longer than :func:`nvfp4_mla.config.lock_timeout`."""
+
+
 class _FileLock:
     """An exclusive lock on ``name`` of an opened directory (one compile per key across processes).
     The lock file is opened relative to the directory, never through a symbolic link; ``remove``
-    deletes it on release (precompile into an image directory, as its only writer)."""
+    deletes it on release (precompile into an image directory, as its only writer). Waits at most
+    ``timeout`` seconds for another holder, then raises :class:`LockTimeout`: a hung or stopped
+    process must not stall every later compile of its key for ever."""
 
-    def __init__(self, dir_fd: int, name: str, remove: bool):
-        self.dir_fd, self.name, self.remove = dir_fd, name, remove
+    def __init__(self, dir_fd: int, name: str, remove: bool, timeout: float):
+        self.dir_fd, self.name, self.remove, self.timeout = dir_fd, name, remove, timeout
 
     def __enter__(self) -> None:
         flags = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         self.fd = os.open(self.name, flags, 0o644, dir_fd=self.dir_fd)
-        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+        try:
+            if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+                raise OSError(f"{self.name} is not a regular file")
+            self._wait()
+        except BaseException:
             os.close(self.fd)
-            raise OSError(f"{self.name} is not a regular file")
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+            raise
+
+    def _wait(self) -> None:
+        """Takes the lock, polling: flock has no timeout, and an alarm signal is the application's."""
+        deadline = time.monotonic() + self.timeout
+        pause = 0.001
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LockTimeout(f"{self.name} was held by another process for over {self.timeout:g} s") from None
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, 0.1)  # prompt when the holder is quick, cheap when it is slow
 
     def __exit__(self, *exc: object) -> None:
         try:
@@ -210,6 +264,7 @@ class KernelCache:
         self._launchers: dict[tuple, Launcher] = {}
         self._warned: set[str] = set()
         self._writable: Path | bool | None = False  # False: not looked for yet
+        self._compiles = 0  # compiles this cache ran (a driver's refusal of one just compiled is an error)
 
     def _warn(self, message: str) -> None:
         config.log.warning(message)
@@ -256,16 +311,30 @@ class KernelCache:
         self, dir_fd: int, dir_st: os.stat_result, directory: Path, name: str, key: str, arch: str
     ) -> bytes | None:
         try:
-            return read_kernel(dir_fd, dir_st, name, key, arch)
+            found = read_kernel(dir_fd, dir_st, name, key, arch)
         except Refused as exc:
             self._warn(f"kernel cache file {directory / name} refused: {exc}; compiling it afresh")
             return None
+        if found is None:
+            return None
+        ours = jit.loaded_nvrtc()  # never loads NVRTC: compared only when this process compiled
+        if ours is not None and found.compiler != ours:
+            config.log.debug(
+                "kernel %s was compiled by NVRTC %s, this process has %s: used all the same "
+                "(its key covers every input of the compile)",
+                directory / name,
+                found.compiler.describe(),
+                ours.describe(),
+            )
+        return found.cubin
 
-    def lookup(self, key: str, arch: str) -> tuple[bytes, Path] | None:
+    def lookup(self, key: str, arch: str, skip: Collection[Path] = ()) -> tuple[bytes, Path] | None:
         """The first trusted layer's kernel of ``key``, with its path; None on a miss. A refused or
-        unreadable layer is skipped with a warning."""
+        unreadable layer is skipped with a warning; so is a file in ``skip`` (the driver refused it)."""
         name = self.file_name(key, arch)
         for directory in self.layers:
+            if directory / name in skip:
+                continue
             try:
                 fd, st = open_dir(directory)
             except FileNotFoundError:
@@ -289,14 +358,24 @@ class KernelCache:
         :func:`jit.target_arch`, e.g. sm_90a) and where it lies (None: memory only), compiling on a
         miss. With ``directory``, it compiles into exactly that directory (or raises
         :class:`CacheError`), which it creates readable by others and leaves no lock file in.
-        ``fresh`` compiles even when a file is there (the driver refused it). One compile per key
-        across threads and processes."""
+        ``fresh`` compiles even when a file is there. One compile per key across threads and processes."""
+        return self._build(spec, arch, directory, fresh)
+
+    def _build(
+        self,
+        spec: jit.KernelSpec,
+        arch: str,
+        directory: Path | None = None,
+        fresh: bool = False,
+        skip: Collection[Path] = (),
+    ) -> tuple[bytes, Path | None]:
+        """:meth:`build`; ``skip``: files not to use (the driver refused them), other layers still serve."""
         arch = jit.target_arch(spec, jit.check_arch(arch))
         key = jit.kernel_key(spec, arch)
         name = self.file_name(key, arch)
         with self._lock:
             if directory is None:
-                found = None if fresh else self.lookup(key, arch)
+                found = None if fresh else self.lookup(key, arch, skip)
                 if found is not None:
                     return found
                 target = self.writable_dir()
@@ -307,18 +386,27 @@ class KernelCache:
                 target = directory
             if target is None:
                 return self._compile(spec, arch, key), None
+            fresh = fresh or target / name in skip
             data = None
             try:
                 fd, st = open_dir(target)
                 try:
-                    with _FileLock(fd, name + LOCK_SUFFIX, remove=directory is not None):
+                    with _FileLock(fd, name + LOCK_SUFFIX, directory is not None, config.lock_timeout()):
                         if not fresh:  # another process may have built it
                             data = self._read(fd, st, target, name, key, arch)
                         if data is None:
                             data = self._compile(spec, arch, key)
-                            publish(fd, name, kernel_file.pack(data, key, arch))
+                            publish(fd, name, kernel_file.pack(data, key, arch, jit.nvrtc_build()))
                 finally:
                     os.close(fd)
+            except LockTimeout as exc:  # its holder hangs or was stopped: compile without waiting for it
+                if directory is not None:
+                    raise CacheError(f"cannot write kernels into {directory}: {exc}") from exc
+                self._warn(
+                    f"kernel cache {target}: {exc} ({config.LOCK_TIMEOUT_ENV}); "
+                    "this kernel is compiled in memory and not written"
+                )
+                return self._compile(spec, arch, key), None
             except (OSError, Refused) as exc:  # the directory changed under us (removed, made read-only, ...)
                 if directory is not None:
                     raise CacheError(f"cannot write kernels into {directory}: {exc}") from exc
@@ -326,8 +414,8 @@ class KernelCache:
                 return (self._compile(spec, arch, key) if data is None else data), None
             return data, target / name
 
-    @staticmethod
-    def _compile(spec: jit.KernelSpec, arch: str, key: str) -> bytes:
+    def _compile(self, spec: jit.KernelSpec, arch: str, key: str) -> bytes:
+        self._compiles += 1  # under self._lock
         start = time.perf_counter()
         cubin = jit.compile_kernel(spec, arch, key).cubin
         config.log.info("compiled %s for %s in %.2f s", spec.describe(), arch, time.perf_counter() - start)
@@ -349,17 +437,30 @@ class KernelCache:
             with self._lock:
                 found = self._launchers.get(key)
                 if found is None:
-                    gpu = device_info(device_index)
-                    data, path = self.build(spec, gpu.arch)
-                    try:
-                        found = Launcher(data, spec.template, gpu)
-                    except LoadError as exc:
-                        if path is None:
-                            raise
-                        self._warn(f"kernel cache file {path} refused by the driver ({exc}); compiling it afresh")
-                        found = Launcher(self.build(spec, gpu.arch, fresh=True)[0], spec.template, gpu)
+                    found = self._load(device_index, spec)
                     self._launchers[key] = found
         return found
+
+    def _load(self, device_index: int, spec: jit.KernelSpec) -> Launcher:
+        """Loads ``spec``'s kernel, trying the next layer's file, then a fresh compile, when the
+        driver refuses one (a file compiled by a newer NVRTC than this driver takes, say: it stays
+        refused in its read-only image, and the kernel compiled afresh into a later layer must then
+        be found there by every later process, not compiled again)."""
+        gpu = device_info(device_index)
+        refused: list[Path] = []
+        while True:
+            compiles = self._compiles
+            data, path = self._build(spec, gpu.arch, skip=refused) if refused else self.build(spec, gpu.arch)
+            try:
+                return Launcher(data, spec.template, gpu)
+            except LoadError as exc:
+                if path is None or self._compiles != compiles:  # compiled just now: no file to blame
+                    raise
+                self._warn(
+                    f"kernel cache file {path} refused by the driver ({exc}); "
+                    "using a later layer's file or compiling it afresh"
+                )
+                refused.append(path)
 
 
 _default: KernelCache | None = None

@@ -9,6 +9,8 @@ key and arch)::
     n             u64       the cubin's length: the trailer starts at byte n
     k, key        u16, k    the kernel's full key
     a, arch       u16, a    "sm_90a", ...
+    major, minor  u16, u16  the version of the NVRTC that compiled it (0, 0: not recorded)
+    library       32 bytes  SHA-256 of that NVRTC's library file (zeros: not recorded)
     digest        32 bytes  SHA-256 of every byte before it: the cubin and the fields above
     t             u32       the trailer's length, start marker to end marker: the file is n + t bytes
     b"NVFP4END"   8 bytes   end marker
@@ -18,6 +20,10 @@ The trailer is read from the end: a cut or appended tail loses the end marker or
 file. A digest is no signature (who can write a cache directory can write one), so
 :func:`check_cubin` also checks what the driver loads: a whole CUDA ELF for this arch whose loaded
 image holds this key's proof.
+
+The NVRTC fields are provenance, not part of the key: a file compiled by another NVRTC is a
+valid kernel of its key (docs/format.md section 11). Format 1 had no NVRTC fields (its key held
+NVRTC's path, size and time); its files are named ``.v1`` and never looked up.
 """
 
 from __future__ import annotations
@@ -25,16 +31,27 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+from typing import NamedTuple
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # Far above the largest cubin of the catalogue (a few hundred KB with -lineinfo), so new kernels and
 # toolkits fit, and still small enough that a huge or sparse planted file is refused before it is
 # read whole (docs/format.md section 11).
 MAX_FILE_BYTES = 16 << 20
 
+# Caps on what check_cubin examines, far above what NVRTC writes (the catalogue's cubins: at most
+# 44 sections, 6 segments, 228 bytes of notes, the proof once). A digest is no signature, so a
+# hostile file can be re-digested: without them 65,535 overlapping note sections asked for a
+# terabyte, and the proof search costs its copies times the sections. Over a cap is a refusal.
+MAX_SECTIONS = 4096
+MAX_SEGMENTS = 256
+MAX_NOTE_BYTES = 64 << 10
+MAX_PROOF_COPIES = 16
+
 _START, _END = b"NVFP4MLA", b"NVFP4END"
 _HEAD = struct.Struct("<8sIQ")  # start marker, format version, cubin length
 _FIELD = struct.Struct("<H")  # the length of the key or arch bytes that follow it
+_NVRTC = struct.Struct("<HH32s")  # the compiler: NVRTC's major and minor version, its library's SHA-256
 _TAIL = struct.Struct("<I8s")  # trailer length, end marker
 _DIGEST = 32
 KEY_PREFIX = "nvfp4_mla-key:"  # followed by the 64 hex digits of the key: the string nvfp4_mla_key[] holds
@@ -63,6 +80,30 @@ _EM_CUDA, _SHT_NOTE, _SHT_NOBITS, _SHF_ALLOC, _PT_LOAD = 190, 7, 8, 0x2, 1
 # note (.note.nv.tkinfo) with its option "-arch sm_100a": that names the arch in full. Any other
 # ABI version is refused.
 _NOTE_ARCH = re.compile(rb"-arch (sm_\d+[af]?)[ \0]")
+
+
+class Compiler(NamedTuple):
+    """The NVRTC that compiled a kernel, as its file records it (``jit.nvrtc_build``)."""
+
+    major: int
+    minor: int
+    library: bytes  # SHA-256 of the libnvrtc file (32 bytes)
+
+    def describe(self) -> str:
+        """``12.9 sha256:3f2a9c4d5e6f`` (the digest's first 12 hex digits), or "unrecorded"."""
+        if self == UNRECORDED:
+            return "an unrecorded NVRTC"
+        return f"{self.major}.{self.minor} sha256:{self.library.hex()[:12]}"
+
+
+UNRECORDED = Compiler(0, 0, bytes(32))
+
+
+class KernelFile(NamedTuple):
+    """A kernel file that passed every check of :func:`read`."""
+
+    cubin: bytes
+    compiler: Compiler  # the NVRTC that compiled it: provenance, not part of the key
 
 
 def proof(key: str) -> bytes:
@@ -94,7 +135,7 @@ def _fields(key: str, arch: str) -> bytes:
     return _FIELD.pack(len(k)) + k + _FIELD.pack(len(a)) + a
 
 
-def pack(cubin: bytes, key: str, arch: str) -> bytes:
+def pack(cubin: bytes, key: str, arch: str, compiler: Compiler = UNRECORDED) -> bytes:
     """The bytes of a kernel file: ``cubin`` unchanged, then the trailer (module docstring).
 
     Parameters
@@ -105,20 +146,30 @@ def pack(cubin: bytes, key: str, arch: str) -> bytes:
         The kernel's full key (``jit.kernel_key``).
     arch : str
         The architecture it was compiled for, as NVRTC took it ("sm_90a").
+    compiler : Compiler
+        The NVRTC that compiled it (``jit.nvrtc_build()``; the cache always records it).
 
     Returns
     -------
     bytes
         What the cache writes, atomically, under the file's name.
     """
-    head = _HEAD.pack(_START, FORMAT_VERSION, len(cubin)) + _fields(key, arch)
+    if len(compiler.library) != _DIGEST:
+        raise ValueError(f"the NVRTC library's digest is {len(compiler.library)} bytes, not {_DIGEST}")
+    head = _HEAD.pack(_START, FORMAT_VERSION, len(cubin)) + _fields(key, arch) + _NVRTC.pack(*compiler)
     digest = hashlib.sha256(cubin)
     digest.update(head)
     return b"".join((cubin, head, digest.digest(), _TAIL.pack(len(head) + _DIGEST + _TAIL.size, _END)))
 
 
 def unpack(data: bytes, key: str, arch: str) -> bytes:
-    """The cubin of a kernel file of ``key`` for ``arch``, once every check has passed.
+    """The cubin of a kernel file of ``key`` for ``arch``, once every check has passed: :func:`read`'s."""
+    return read(data, key, arch).cubin
+
+
+def read(data: bytes, key: str, arch: str) -> KernelFile:
+    """The cubin of a kernel file of ``key`` for ``arch`` and the NVRTC that compiled it, once
+    every check has passed. Which NVRTC it was is not checked: it is not part of the key.
 
     Parameters
     ----------
@@ -129,8 +180,8 @@ def unpack(data: bytes, key: str, arch: str) -> bytes:
 
     Returns
     -------
-    bytes
-        The cubin, ready for the driver.
+    KernelFile
+        The cubin, ready for the driver, and the compiler its file records.
 
     Raises
     ------
@@ -146,7 +197,7 @@ def unpack(data: bytes, key: str, arch: str) -> bytes:
         raise KernelFileError(reason)
     trailer, _ = _TAIL.unpack_from(data, size - _TAIL.size)
     start = size - trailer
-    if not _HEAD.size + 2 * _FIELD.size + _DIGEST + _TAIL.size <= trailer <= size:
+    if not _HEAD.size + 2 * _FIELD.size + _NVRTC.size + _DIGEST + _TAIL.size <= trailer <= size:
         raise KernelFileError(f"cut or extended: a {trailer}-byte trailer in {size} bytes")
     marker, version, length = _HEAD.unpack_from(data, start)
     if marker != _START:
@@ -158,7 +209,8 @@ def unpack(data: bytes, key: str, arch: str) -> bytes:
     fields_end = size - _TAIL.size - _DIGEST
     if hashlib.sha256(memoryview(data)[:fields_end]).digest() != data[fields_end : size - _TAIL.size]:
         raise KernelFileError("digest mismatch")
-    fields = data[start + _HEAD.size : fields_end]
+    nvrtc_at = fields_end - _NVRTC.size
+    fields = data[start + _HEAD.size : nvrtc_at]
     if fields != _fields(key, arch):
         (k,) = _FIELD.unpack_from(fields)
         stored_key = fields[2 : 2 + k].decode(errors="replace")
@@ -168,7 +220,7 @@ def unpack(data: bytes, key: str, arch: str) -> bytes:
         raise KernelFileError(f"packed for {stored_arch}, not {arch}")
     cubin = data[:start]
     check_cubin(cubin, key, arch)
-    return cubin
+    return KernelFile(cubin, Compiler(*_NVRTC.unpack_from(data, nvrtc_at)))
 
 
 def check_cubin(cubin: bytes, key: str, arch: str) -> None:
@@ -178,6 +230,8 @@ def check_cubin(cubin: bytes, key: str, arch: str) -> None:
     header tables, every section's bytes but NOBITS ones and every segment's file bytes lie inside
     ``cubin``; the proof (``nvfp4_mla-key:<key>`` and its NUL: NVRTC puts it in ``.nv.global.init``)
     lies inside an allocated section that a PT_LOAD segment loads. Check fresh compiles too.
+    The work is capped (:data:`MAX_SECTIONS`, :data:`MAX_SEGMENTS`, :data:`MAX_NOTE_BYTES`,
+    :data:`MAX_PROOF_COPIES`): a file over a cap is refused, whatever else it holds.
 
     Parameters
     ----------
@@ -201,6 +255,10 @@ def check_cubin(cubin: bytes, key: str, arch: str) -> None:
         raise KernelFileError(f"not a CUDA ELF file (e_machine {machine})")
     if shentsize != _SHDR.size or phentsize != _PHDR.size or not shnum or not phnum:
         raise KernelFileError("malformed ELF header (table entry sizes or counts)")
+    if shnum > MAX_SECTIONS or phnum > MAX_SEGMENTS:
+        raise KernelFileError(
+            f"{shnum} sections and {phnum} segments, over the caps of {MAX_SECTIONS} and {MAX_SEGMENTS}"
+        )
     if shoff + shnum * _SHDR.size > size:
         raise KernelFileError("the section-header table runs past the end of the cubin")
     if phoff + phnum * _PHDR.size > size:
@@ -221,6 +279,9 @@ def check_cubin(cubin: bytes, key: str, arch: str) -> None:
     else:
         raise KernelFileError(f"unknown CUDA ELF ABI version {ident[8]} (e_flags {flags:#010x})")
     built = f"sm_{sm}a" if accel else f"sm_{sm}"
+    notes_bytes = sum(s[5] for s in sections if s[1] == _SHT_NOTE)  # before any copy: they may overlap
+    if notes_bytes > MAX_NOTE_BYTES:
+        raise KernelFileError(f"{notes_bytes} bytes of note sections, over the cap of {MAX_NOTE_BYTES}")
     notes = b"".join(cubin[s[4] : s[4] + s[5]] for s in sections if s[1] == _SHT_NOTE)
     noted = _NOTE_ARCH.search(notes)
     if noted is not None:  # it also names 'a' where e_flags do not (NVRTC 13), and 'f'
@@ -234,8 +295,11 @@ def check_cubin(cubin: bytes, key: str, arch: str) -> None:
     terminated = proof(key) + b"\0"
     loaded = [(s[4], s[4] + s[5]) for s in sections if s[1] != _SHT_NOBITS and s[2] & _SHF_ALLOC]
     segment_bytes = [(p[2], p[2] + p[5]) for p in segments if p[0] == _PT_LOAD]
-    at = cubin.find(terminated)
+    at, copies = cubin.find(terminated), 0
     while at >= 0:
+        copies += 1
+        if copies > MAX_PROOF_COPIES:  # each copy is checked against every section and segment
+            raise KernelFileError(f"the key appears over {MAX_PROOF_COPIES} times")
         end = at + len(terminated)
         if any(a <= at and end <= b for a, b in loaded) and any(a <= at and end <= b for a, b in segment_bytes):
             return
