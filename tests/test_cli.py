@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 import subprocess
 import sys
 import types
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import abi, gpu_unavailable_reason, kernel_file, reference
+from nvfp4_mla import Geometry, abi, gpu_unavailable_reason, kernel_cache, kernel_file, reference
 from nvfp4_mla.cli import SIGPIPE_EXIT, format_record, main
+from nvfp4_mla.ops import decode
 from nvfp4_mla.testing import CANARY, make_cache, random_rows, rope_table
 
 SRC = str(Path(nvfp4_mla.__file__).resolve().parents[1])  # so a subprocess imports this checkout
@@ -53,6 +55,18 @@ def test_info(capsys):
         assert "GPU:   no GPU" in out
     why_not = gpu_unavailable_reason()
     assert (f"GPU entries unavailable: {why_not}." in out) if why_not else ("unavailable" not in out)
+
+
+def test_info_names_a_single_arch_once(capsys):
+    """A backend of one architecture reads ``sm_90``, not ``sm_90-sm_90``."""
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for backend in decode.BACKENDS.values():
+        low, high = backend.min_capability, backend.max_capability
+        archs = f"sm_{low}" if low == high else f"sm_{low}+" if high >= 10**6 else f"sm_{low}-sm_{high}"
+        assert re.search(rf"^          backend {backend.name}: {re.escape(archs)}(  \(.*\))?$", out, re.M), out
+    assert re.search(r"sm_(\d+)-sm_\1\b", out) is None
+    assert any(b.min_capability == b.max_capability for b in decode.BACKENDS.values())  # the case is covered
 
 
 def test_info_lists_cache_layers_and_why_each_is_used_or_not(tmp_path):
@@ -106,6 +120,18 @@ def test_demo_refuses_a_bad_save_path_before_running(capsys, tmp_path, path, mes
     captured = capsys.readouterr()
     assert exit_info.value.code == 2 and captured.out == ""  # nothing ran
     assert captured.err.startswith("nvfp4-mla demo: error: --save ") and message in captured.err
+
+
+def test_inspect_shows_the_record_demo_summarised(capsys, tmp_path):
+    """demo --save FILE, then inspect FILE: inspect's default record is the one demo summarised."""
+    saved = tmp_path / "demo.pt"
+    assert main(["demo", "--cpu", "--save", str(saved)]) == 0
+    summary = [line for line in capsys.readouterr().out.splitlines() if " E4M3 group scales " in line]
+    assert len(summary) == 1 and summary[0].startswith("slot 5 = page 0, entry 5: ")
+    assert main(["inspect", str(saved)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "(slot 5: the first written record; --slot N shows another)"
+    assert out[1].startswith("slot 5 = page 0, entry 5 ")
 
 
 def test_inspect_shows_the_first_written_record_by_default(capsys, tmp_path):
@@ -272,12 +298,16 @@ def test_precompile_counts_unique_kernels(tmp_path):
 def test_precompile_reader_and_decode_kernels(tmp_path):
     """--read builds the reader for both output dtypes, --decode every kernel of sparse_mla_decode
     for the arch (three mma.sync head tiles, the wgmma kernel built for sm_90a alone and in clusters,
-    with whole and half rows, and its NARROW build, the split combine prefetching 4 and 16 splits)."""
+    with whole and half rows, and its NARROW build, the split combine prefetching 4 and 16 splits,
+    and whatever else the registry lists for decode); the progress has a line per kernel."""
     argv = ["precompile", "--page-size", "16", "--read", "--decode", "--arch", "sm_90", "--cache-dir", str(tmp_path)]
     done = run_module(*argv, env=cache_env(tmp_path / "unused"), capture_output=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == f"12 kernels ready in {tmp_path}"
-    assert len(list(tmp_path.glob("*.cubin"))) == 12 and len(list(tmp_path.glob("sm_90a-*.cubin"))) == 5
+    kernels = 2 + len(Geometry("decode").specs("sm_90"))
+    assert done.stdout.splitlines()[-1] == f"{kernels} kernels ready in {tmp_path}"
+    assert len(list(tmp_path.glob("*.cubin"))) == kernels and len(list(tmp_path.glob("sm_90a-*.cubin"))) == 5
+    progress = [line for line in done.stderr.splitlines() if line.startswith("[")]
+    assert len(progress) == kernels and progress[-1].startswith(f"[{kernels}/{kernels}] sm_90: ")
     assert list(tmp_path.glob("*.lock")) == []  # an image directory holds kernels only
 
 
@@ -301,6 +331,29 @@ def test_precompile_without_writable_cache(tmp_path):
     assert done.returncode == 1
     assert "no writable kernel cache directory, so the kernels stayed in memory" in done.stderr
     assert done.stdout == ""
+
+
+def test_precompile_progress_counts_kernels(capsys, monkeypatch, tmp_path):
+    """One progress line per kernel, not per request: --decode is several kernels, each named."""
+    built = []
+
+    def build(self, spec, arch, directory=None, fresh=False):  # a compile-free stand-in
+        built.append(spec)
+        return b"", directory / f"{arch}-{len(built)}.cubin"
+
+    monkeypatch.setattr(kernel_cache.KernelCache, "build", build)
+    argv = ["precompile", "--page-size", "16", "--read", "--decode", "--arch", "sm_90", "--cache-dir", str(tmp_path)]
+    assert main(argv) == 0
+    decode_specs = Geometry("decode").specs("sm_90")
+    kernels = 2 + len(decode_specs)
+    assert len(built) == kernels
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[-1] == f"{kernels} kernels ready in {tmp_path}"
+    assert captured.err.splitlines() == [
+        f"[1/{kernels}] sm_90: read, page 16, int64 slots -> float32",
+        f"[2/{kernels}] sm_90: read, page 16, int64 slots -> bfloat16",
+        *(f"[{i}/{kernels}] sm_90: {spec.describe()}" for i, spec in enumerate(decode_specs, 3)),
+    ]
 
 
 class _Terminal(io.StringIO):
@@ -339,7 +392,8 @@ def test_precompile_errors(capsys, argv, message):
 
 
 @pytest.mark.skipif(gpu_unavailable_reason() is None, reason="checks the message given without a usable GPU")
-def test_precompile_needs_arch_without_gpu(capsys):
+def test_precompile_needs_arch_without_gpu(capsys, monkeypatch):
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)  # else its architectures are the default
     with pytest.raises(SystemExit):
         main(["precompile", "--heads", "8"])
     assert "give --arch" in capsys.readouterr().err

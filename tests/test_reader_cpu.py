@@ -139,6 +139,32 @@ def test_validation_errors(change, phrase):
         read(**kwargs)
 
 
+@pytest.mark.parametrize("invalid", [10**400, -(10**400), 2**1024], ids=["10**400", "-10**400", "2**1024"])
+def test_invalid_beyond_the_float_range(invalid):
+    """An int too large for a float is a ValueError naming ``invalid`` (not float()'s
+    OverflowError), on the reference and on the kernel path; the largest ints a float holds pass."""
+    cache, slots = make_cache(2, 16), torch.tensor([-1])
+    with pytest.raises(ValueError, match=r"invalid must be a Python float .* beyond the float range"):
+        read(cache, slots, invalid=invalid)
+    with pytest.raises(ValueError, match="invalid must be a Python float"):
+        reader._dequantize(nvfp4_mla.ops.DEFAULT, cache, slots, torch.float32, invalid, None)
+    finite = 2**1023 if invalid > 0 else -(2**1023)
+    assert read(cache, slots, invalid=finite)[0, 0] == math.copysign(math.inf, finite)  # fp32 overflow, like 1e300
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta", "ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("name", ["cache", "slots", "out"])
+@pytest.mark.parametrize("kind", ["sparse_csr", "nested"])
+def test_sparse_and_nested_tensors_are_named(name, kind):
+    """A sparse or nested tensor is a ValueError naming the argument, not a RuntimeError from
+    inside torch (a sparse tensor has no strides, a nested one no shape)."""
+    args = {"cache": make_cache(2, 16), "slots": torch.arange(4), "out": torch.empty(4, abi.HEAD_DIM)}
+    t = args[name]
+    args[name] = t.reshape(len(t), -1).to_sparse_csr() if kind == "sparse_csr" else torch.nested.as_nested_tensor([t])
+    with pytest.raises(ValueError, match=f"{name} must be a dense tensor"):
+        read(args["cache"], args["slots"], out=args["out"])
+
+
 # ---------------------------------------------------------------- custom ops
 
 

@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 
+import nvfp4_mla
 from nvfp4_mla import config, reference, validation
 from nvfp4_mla.testing import CANARY, make_cache, random_rows, raw_bytes, rope_table, storage_bytes
 
@@ -376,6 +377,81 @@ def test_16_byte_aligned(name, offset):
 def test_pack_16_byte_aligned(offset):
     with pytest.raises(ValueError, match="latent_kv must be 16-byte aligned"):
         reference.nvfp4_quantize_pack_sparse_mla_cache(misaligned((2, 4, 512), torch.bfloat16, offset))
+
+
+# ------------------------------------------------------------------ dense tensors
+
+NOT_DENSE = ["sparse_csr", "nested", "jagged"]
+
+
+def not_dense(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """``t`` as a sparse CSR tensor (its rows flattened: CSR is 2-D), or a nested tensor of the
+    strided or the jagged layout: tensors without the strides (sparse) or the shape (nested) the
+    checks read."""
+    if kind == "sparse_csr":
+        return t.reshape(len(t), -1).to_sparse_csr()
+    if kind == "nested":
+        return torch.nested.as_nested_tensor([t])
+    return torch.nested.nested_tensor([t], layout=torch.jagged)
+
+
+def decode_args() -> dict:
+    """A valid ``sparse_mla_decode`` call with every optional tensor, both pools and ``out``."""
+    return dict(
+        q=random_rows((1, 1, H, 512)),
+        swa_cache=make_cache(2, 4),
+        swa_slots=torch.arange(4).view(1, 1, 4),
+        swa_lens=torch.tensor([[4]]),
+        extra_cache=make_cache(2, 4),
+        extra_slots=torch.arange(4).view(1, 1, 4),
+        extra_lens=torch.tensor([[3]]),
+        sinks=torch.zeros(H),
+        out=torch.empty(1, 1, H, 512, dtype=torch.bfloat16),
+    )
+
+
+ENTRIES = {  # entry -> (valid arguments, the call, {argument key: its name in messages})
+    "main": (main_args, call_main, {k: k for k in validation.writers.MAIN_NAMES}),
+    "kv": (main_args, call_kv, {k: k for k in validation.writers.KV_NAMES}),
+    "append": (main_args, call_append, {"kv": "latent_kv", "slot_mapping": "slot_mapping", "cache": "cache"}),
+    "pack": (
+        lambda: {"latent_kv": random_rows((2, 4, 512))},
+        lambda a: reference.nvfp4_quantize_pack_sparse_mla_cache(a["latent_kv"]),
+        {"latent_kv": "latent_kv"},
+    ),
+    # The check is shared (validation.common.check_tensors): the decode entry, CPU tensors
+    # and out included, which runs the reference and then checks out.
+    "decode": (decode_args, lambda a: nvfp4_mla.sparse_mla_decode(**a, sm_scale=0.1), {k: k for k in decode_args()}),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta", "ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("kind", NOT_DENSE)
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_sparse_and_nested_tensors_are_named(entry, kind):
+    """A sparse or nested tensor in any tensor argument gets a ValueError naming it, not a
+    RuntimeError from deep inside torch (a sparse tensor has no strides, a nested one no shape)."""
+    make, call, names = ENTRIES[entry]
+    call(make())  # the baseline is valid
+    for key, name in names.items():
+        args = make()
+        args[key] = not_dense(args[key], kind)
+        with pytest.raises(ValueError, match=re.escape(f"{name} must be a dense tensor")):
+            call(args)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta", "ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("kind", NOT_DENSE)
+def test_kernel_path_names_sparse_and_nested_tensors(kind):
+    """The kernel path's signature (read before the checks) never takes such a tensor for a dense
+    one (no key, or another key), so the full checks run and name it, before the CUDA rule."""
+    args, options = main_args(), ("main", 0, True, False)
+    args["cache"] = not_dense(args["cache"], kind)
+    assert validation.signature(tuple(args.values()), options) != validation.signature(
+        tuple(main_args().values()), options
+    )
+    with pytest.raises(ValueError, match="cache must be a dense tensor"):
+        validation.check_main(*args.values(), q_head_padded=0, apply_q_rope=True, q_inplace=False, need_cuda=True)  # type: ignore[misc]  # mypy cannot count the 6 tensors
 
 
 # ------------------------------------------------------------------ options

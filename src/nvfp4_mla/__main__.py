@@ -2,6 +2,12 @@
 
 import sys
 
-from .cli import main
+INTERRUPTED_EXIT = 130  # cli.INTERRUPTED_EXIT: this must not wait for cli's imports
+
+try:
+    from .cli import main
+except KeyboardInterrupt:  # Ctrl-C while cli's imports load (cli.main handles one after)
+    print("nvfp4-mla: interrupted", file=sys.stderr, flush=True)
+    sys.exit(INTERRUPTED_EXIT)
 
 sys.exit(main())

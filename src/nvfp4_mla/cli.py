@@ -9,8 +9,9 @@ cache; the record printer is :func:`nvfp4_mla.format_record`).
 from __future__ import annotations
 
 import argparse
+import io
 import os
-import pickle
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,8 @@ from .ops import decode, nvfp4_dequantize_sparse_mla_cache, registry
 from .records import first_written_slot, format_record, summarize_record
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
+INTERRUPTED_EXIT = 130  # 128 + SIGINT: what a shell reports for a command stopped with Ctrl-C
+UNBOUNDED = 10**6  # a decode backend's max_capability when it has no upper end
 
 # ---------------------------------------------------------------- info
 
@@ -83,22 +86,45 @@ def cache_summary(directory: Path, status: str) -> list[str]:
     Returns
     -------
     list of str
-        Lines indented by 4: the status, the total, then one line per architecture.
+        Lines indented by 4: the status, ``*.cubin`` entries skipped (not regular files, e.g. a
+        dangling symbolic link), the total, then one line per architecture.
     """
     if status != "trusted":
         return [f"    {status}" + (": not used" if status.startswith("refused") else "")]
-    files = sorted(directory.glob(f"*.v{kernel_file.FORMAT_VERSION}.cubin"))
-    stale = len(list(directory.glob("*.cubin"))) - len(files)
+    current = f".v{kernel_file.FORMAT_VERSION}.cubin"
+    file_sizes: dict[Path, int] = {}
+    skipped = []  # never used: the cache opens a kernel without following links, a regular file only
+    for f in sorted(directory.glob("*.cubin")):
+        try:
+            st = f.lstat()
+        except OSError:  # removed since it was listed
+            continue
+        if stat.S_ISREG(st.st_mode):
+            file_sizes[f] = st.st_size
+        else:
+            skipped.append(f.name)
+    files = [f for f in file_sizes if f.name.endswith(current)]
+    stale = len(file_sizes) - len(files)
     lines = ["    trusted" + (f"; {_kernels(stale)} of an older format, never used (delete them)" if stale else "")]
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        lines.append(f"    {len(skipped)} *.cubin not a regular file (e.g. a symbolic link), never used: {shown}")
     if not files:
         return [*lines, "    empty"]
     by_arch: dict[str, list[int]] = {}
     for f in files:
-        by_arch.setdefault(f.name.split("-", 1)[0], []).append(f.stat().st_size)
+        by_arch.setdefault(f.name.split("-", 1)[0], []).append(file_sizes[f])
     total = sum(sum(sizes) for sizes in by_arch.values())
     lines.append(f"    {_kernels(len(files))}, {_size(total)}")
     lines += [f"    {arch}: {_kernels(len(sizes))}, {_size(sum(sizes))}" for arch, sizes in sorted(by_arch.items())]
     return lines
+
+
+def arch_range(low: int, high: int) -> str:
+    """The GPUs a decode backend runs on: "sm_80+" (no upper end), "sm_90" (one) or "sm_80-sm_89"."""
+    if high >= UNBOUNDED:
+        return f"sm_{low}+"
+    return f"sm_{low}" if low == high else f"sm_{low}-sm_{high}"
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -114,11 +140,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     for op in registry.OPS.values():
         print(f"  {op.name:7} {op.summary}")
     for backend in decode.BACKENDS.values():
-        top = "" if backend.max_capability >= 10**6 else f"-sm_{backend.max_capability}"
         here = (
             "" if capability is None else ("  (runs here)" if backend.supports(capability) else "  (not on this GPU)")
         )
-        print(f"          backend {backend.name}: sm_{backend.min_capability}{top or '+'}{here}")
+        print(f"          backend {backend.name}: {arch_range(backend.min_capability, backend.max_capability)}{here}")
     print("kernel cache, searched in order (NVFP4_MLA_CACHE_DIR, then the per-user default):")
     cache = kernel_cache.default()
     for directory in cache.layers:
@@ -157,8 +182,8 @@ def _geometries(args: argparse.Namespace) -> list:
 
 
 def _progress(jobs: list, labels: list[str]) -> Iterator:
-    """Yields ``jobs``. On a terminal a tqdm bar on stderr shows the current label; otherwise
-    (a log file, CI) one plain line per job, so no carriage returns end up in logs."""
+    """Yields ``jobs`` (one a kernel). On a terminal a tqdm bar on stderr shows the current label;
+    otherwise (a log file, CI) one plain line per job, so no carriage returns end up in logs."""
     if sys.stderr.isatty():
         from tqdm import tqdm
 
@@ -173,12 +198,20 @@ def _progress(jobs: list, labels: list[str]) -> Iterator:
             yield job
 
 
-def cmd_precompile(args: argparse.Namespace) -> int:
-    from .geometry import precompile
+def cache_dir_arg(text: str) -> Path:
+    """``--cache-dir``'s value: a path, never an empty one (that would mean the working directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; give . for the working directory")
+    return Path(text)
 
+
+def cmd_precompile(args: argparse.Namespace) -> int:
     parser = args.parser
-    if args.page_size < 1:
-        parser.error(f"--page-size must be positive, got {args.page_size}")
+    # The entries' own bound (validation.check_page_size), checked here also for --decode alone.
+    if not 1 <= args.page_size <= validation.MAX_PAGE_SIZE:
+        parser.error(
+            f"--page-size must be positive and below 2^30 (a cache holds fewer than 2^30 slots), got {args.page_size}"
+        )
     if (args.q_head_padded or args.inplace) and not args.heads:
         parser.error("--q-head-padded and --inplace describe the main entry: give --heads too")
     geometries = _geometries(args)
@@ -194,31 +227,49 @@ def cmd_precompile(args: argparse.Namespace) -> int:
             archs = [jit.check_arch(arch) for arch in archs]
         except ValueError as exc:
             parser.error(str(exc))
-    else:
-        why_not = gpu_unavailable_reason()
-        if why_not:
-            parser.error(f"give --arch (e.g. --arch sm_90); no usable GPU to take it from: {why_not}")
-        archs = [device_info(torch.cuda.current_device()).arch]
+    else:  # TORCH_CUDA_ARCH_LIST when set (as torch's own builds take it), else this machine's GPU
+        from .geometry import ARCH_LIST_ENV, env_arch_list
+
+        try:
+            listed = env_arch_list()
+        except ValueError as exc:
+            parser.error(f"{exc}; fix it or give --arch")
+        if listed is not None:
+            for note in listed.notes:
+                print(f"nvfp4-mla: note: {note}", file=sys.stderr)
+            archs = listed.archs
+        else:
+            why_not = gpu_unavailable_reason()
+            if why_not:
+                parser.error(
+                    f"give --arch (e.g. --arch sm_90) or set {ARCH_LIST_ENV}; no usable GPU to take it from: {why_not}"
+                )
+            archs = [device_info(torch.cuda.current_device()).arch]
 
     # Different requests can share a kernel (the main entry without q_out is the KV entry with
-    # ratio 1): each kernel is built and counted once per architecture.
+    # ratio 1): each kernel is built and counted once per architecture. One job a kernel (what
+    # nvfp4_mla.precompile does for each kernel of a request), so the progress counts kernels: a
+    # request like --decode has several.
     try:  # argument errors before any compile
-        unique: dict[tuple, tuple[str, Any]] = {}
+        unique: dict[tuple, tuple[str, Any, str]] = {}
         for a in archs:
             for g in geometries:  # the first request of a kernel names it
-                unique.setdefault((a, *((type(s), s) for s in g.specs(a))), (a, g))
-        jobs = list(unique.values())
+                specs = g.specs(a)
+                for spec in specs:
+                    label = g.describe() if len(specs) == 1 else spec.describe()
+                    unique.setdefault((a, type(spec), spec), (a, spec, f"{a}: {label}"))
+        jobs = [(a, spec) for a, spec, _ in unique.values()]
     except ValueError as exc:
         parser.error(str(exc))
-    labels = [f"{arch}: {g.describe()}" for arch, g in jobs]
-    built = []
-    for arch, g in _progress(jobs, labels):
+    cache = kernel_cache.default()
+    built: list[Path | None] = []
+    for arch, spec in _progress(jobs, [label for _, _, label in unique.values()]):
         try:
-            built += precompile([g], arch=arch, directory=args.cache_dir)
+            built.append(cache.build(spec, arch, args.cache_dir)[1])
         except RuntimeError as exc:  # NVRTC missing, or --cache-dir cannot hold kernels (kernel_cache.CacheError)
             raise SystemExit(str(exc)) from None
-    paths = [p for p in dict.fromkeys(p.path for p in built) if p is not None]
-    if len(paths) < len({p.path for p in built}):
+    paths = [p for p in dict.fromkeys(built) if p is not None]
+    if len(paths) < len(set(built)):
         raise SystemExit(
             "no writable kernel cache directory, so the kernels stayed in memory: "
             "give --cache-dir or set NVFP4_MLA_CACHE_DIR to a directory you can write"
@@ -244,10 +295,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         fail(f"{args.path}: no such file")
     except OSError as exc:
         fail(f"{args.path}: cannot read it ({exc.strerror or exc})")
-    except (RuntimeError, EOFError, pickle.UnpicklingError):  # torch.load's errors on foreign bytes
+    except Exception:  # unpickling foreign bytes (/etc/passwd) raises about anything: IndexError, KeyError, ...
         fail(f"{args.path}: not a tensor saved with torch.save")
     if not isinstance(cache, torch.Tensor):
         fail(f"{args.path} holds a {type(cache).__name__}, not a cache tensor")
+    if cache.is_nested or cache.layout is not torch.strided:  # (a nested tensor's layout may be strided)
+        kind = "nested" if cache.is_nested else str(cache.layout).removeprefix("torch.")
+        fail(f"{args.path} holds a {kind} tensor, not a cache tensor (a dense torch.uint8 tensor)")
+    if cache.is_meta:
+        fail(f"{args.path} holds a tensor on the meta device: a shape without data, nothing to show")
     try:
         slot = args.slot
         if slot is None:
@@ -276,6 +332,19 @@ def _check_save_path(parser: argparse.ArgumentParser, path: str) -> None:
         parser.exit(2, f"{parser.prog}: error: --save {path}: not writable by this user\n")
 
 
+def _save(parser: argparse.ArgumentParser, cache: torch.Tensor, path: str) -> None:
+    """``torch.save`` into ``path``; a failed write (a full disk) is one error line, exit status 2.
+    Serialized in memory first: torch.save's own writer reports a failed write as an obscure
+    RuntimeError, a plain file write as an OSError with its reason."""
+    buffer = io.BytesIO()
+    torch.save(cache, buffer)
+    try:
+        with open(path, "wb") as file:
+            file.write(buffer.getbuffer())
+    except OSError as exc:
+        parser.exit(2, f"{parser.prog}: error: --save {path}: cannot write it ({exc.strerror or exc})\n")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import nvfp4_mla
 
@@ -286,7 +355,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     q = torch.randn(num_tokens, num_heads, abi.HEAD_DIM, generator=gen).to(torch.bfloat16)
     kv = torch.randn(num_tokens, abi.HEAD_DIM, generator=gen).to(torch.bfloat16)
     cache = torch.zeros(num_pages, page_size, abi.RECORD_BYTES, dtype=torch.uint8)
-    slots = torch.tensor([5, 17, 30, 2])
+    slots = torch.tensor([5, 17, 30, 12])  # not in order; slot 5 first in the cache, what inspect shows first
     positions = torch.tensor([0, 1, 7, 63])
     inputs = (q, kv, cache, slots, positions, reference.rope_table(64, "cpu"))
 
@@ -308,7 +377,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"{num_tokens} tokens, {num_heads} heads padded to {q_out.shape[1]}, written into a "
         f"[{num_pages}, {page_size}, {abi.RECORD_BYTES}] cache at slots {slots.tolist()}"
     )
-    row, slot = 0, int(slots[0])
+    # The record inspect shows by default (the first written one), so demo --save, then inspect,
+    # shows the record summarised here.
+    slot = first_written_slot(cache)
+    assert slot is not None  # four rows were written
+    row = slots.tolist().index(slot)
     print(format_record(cache, slot) if args.full else summarize_record(cache, slot))
     decoded = nvfp4_dequantize_sparse_mla_cache(cache, slots[row : row + 1])[0]
     nope_in = kv[row, : abi.NOPE_DIM].float()
@@ -318,7 +391,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"(max |input| {nope_in.abs().max().item():.4g}); the {abi.ROPE_DIM} RoPE values are stored as BF16."
     )
     if args.save:
-        torch.save(cache, args.save)
+        _save(args.parser, cache, args.save)
         print(f"cache saved to {args.save}; try: nvfp4-mla inspect {args.save}")
     elif not args.full:
         print("The whole record: nvfp4-mla demo --full (or --save FILE, then nvfp4-mla inspect FILE).")
@@ -351,12 +424,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "precompile",
         help="compile kernels into the disk cache (serving start-up)",
-        description="Compile the kernels of one serving geometry into the disk cache; with --arch no GPU is needed.",
+        description=(
+            "Compile the kernels of one serving geometry into the disk cache; with --arch (or "
+            "TORCH_CUDA_ARCH_LIST) no GPU is needed."
+        ),
     )
-    p.add_argument("--arch", nargs="+", metavar="SM", help="e.g. sm_80 sm_90 (default: this machine's GPU)")
+    p.add_argument(
+        "--arch",
+        nargs="+",
+        metavar="SM",
+        help="e.g. sm_80 sm_90 (default: TORCH_CUDA_ARCH_LIST when set, else this machine's GPU)",
+    )
     p.add_argument(
         "--cache-dir",
-        type=Path,
+        type=cache_dir_arg,
         metavar="D",
         help="compile into exactly this directory (e.g. for a container image), else into the kernel cache",
     )
@@ -400,10 +481,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def print_interrupted() -> None:
+    """What a Ctrl-C leaves on stderr: one line, not a traceback."""
+    print("nvfp4-mla: interrupted", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line on ``argv`` (default ``sys.argv[1:]``) and returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
+    try:  # (a Ctrl-C anywhere in a command, its imports included, ends here)
         if argv[:1] == ["bench"]:  # forwarded untouched, --help included
             status = cmd_bench(argv[1:])
         else:
@@ -415,4 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         # so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return SIGPIPE_EXIT
+    except KeyboardInterrupt:
+        print_interrupted()
+        return INTERRUPTED_EXIT
     return status

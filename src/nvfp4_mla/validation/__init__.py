@@ -14,11 +14,13 @@ from .common import (
     check_mutable,
     check_pointers,
     check_tensors,
+    dense,
     signature,
 )
 from .decode import check_decode
 from .reader import READ_DTYPES, check_dequantize, check_read_dtype
 from .writers import (
+    MAX_PAGE_SIZE,
     PACK_POINTER_CHECKS,
     append_pointer_checks,
     check_append,
@@ -35,6 +37,7 @@ from .writers import (
 )
 
 __all__ = [
+    "MAX_PAGE_SIZE",
     "PACK_POINTER_CHECKS",
     "READ_DTYPES",
     "CacheLayout",
@@ -58,6 +61,7 @@ __all__ = [
     "check_slot_dtype",
     "check_tensors",
     "debug_check_rows",
+    "dense",
     "kv_pointer_checks",
     "main_pointer_checks",
     "signature",

@@ -20,6 +20,7 @@ SLOT_DTYPES = (torch.int32, torch.int64)
 _CUDA_FIX = " (move it with .cuda(), or use nvfp4_mla.reference for CPU tensors)"
 _PLAIN_OPTIONS = (bool, int, str)  # option types a signature holds (hashable; keyed with the type, so True is not 1)
 _Tensor = torch.Tensor
+_STRIDED = torch.strided
 
 
 class CacheLayout(NamedTuple):
@@ -44,12 +45,23 @@ def fail(message: str) -> NoReturn:
     raise ValueError(message)
 
 
+def dense(t: object) -> bool:
+    """Whether ``t`` is a dense torch tensor: the one kind the checks below can read. A sparse
+    tensor has no strides and a nested one no shape: reading them raises from deep inside torch."""
+    return isinstance(t, _Tensor) and t.layout is _STRIDED and not t.is_nested
+
+
 def check_tensors(tensors: tuple, names: tuple) -> None:
-    """Every argument is a torch tensor (a numpy array or a list gets a message naming it)."""
+    """Every argument is a dense torch tensor (a numpy array, a list, a sparse or a nested tensor
+    gets a message naming it)."""
     for t, name in zip(tensors, names):
         if not isinstance(t, torch.Tensor):
             kind = type(t)
             fail(f"{name} must be a torch.Tensor, got {kind.__module__}.{kind.__qualname__}")
+        if t.is_nested:  # (before the layout: a jagged nested tensor has layout torch.jagged)
+            fail(f"{name} must be a dense tensor, got a nested tensor; pass a padded dense tensor")
+        if t.layout is not _STRIDED:
+            fail(f"{name} must be a dense tensor (layout torch.strided), got layout {t.layout}; pass {name}.to_dense()")
 
 
 def check_bf16_rows(t: torch.Tensor, name: str, dims: str, ndim: int) -> None:
@@ -96,8 +108,8 @@ def signature(tensors: tuple, options: tuple) -> tuple | None:
 
     Calls with equal signatures pass or fail those checks alike (their outcome is a function of
     these values), so the kernel path runs them once per signature and :func:`check_pointers` on
-    every call. None when an argument is not a tensor or an option not a plain bool, int or str:
-    the full checks then say which.
+    every call. None when an argument is not a dense tensor or an option not a plain bool, int or
+    str: the full checks then say which.
     """
     key: list = []
     for option in options:
@@ -108,7 +120,10 @@ def signature(tensors: tuple, options: tuple) -> tuple | None:
     for t in tensors:
         if not isinstance(t, _Tensor):
             return None
-        key += (t.shape, t.dtype, t.stride(), t.device)
+        try:
+            key += (t.shape, t.dtype, t.stride(), t.device)
+        except RuntimeError:  # a sparse or nested tensor has no strides (the full checks name it)
+            return None
     return tuple(key)
 
 
@@ -198,7 +213,7 @@ def check_aligned(tensors: tuple, names: tuple) -> None:
 
 def check_cache(cache: torch.Tensor) -> CacheLayout:
     """Checks a cache view of docs/format.md section 3 and returns its layout."""
-    if not isinstance(cache, torch.Tensor):
+    if not dense(cache):
         check_tensors((cache,), ("cache",))
     if cache.dtype is not torch.uint8:
         fail(f"cache must have dtype torch.uint8, got {cache.dtype}")

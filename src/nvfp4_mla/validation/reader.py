@@ -31,7 +31,7 @@ def check_dequantize(
     if slots is None:
         out_shape: tuple[int, ...] = (layout.num_pages * layout.page_size, abi.HEAD_DIM)
     else:
-        if not isinstance(slots, torch.Tensor):  # on every decode step: the loop only when it fails
+        if not common.dense(slots):  # on every decode step: the loop only when it fails
             common.check_tensors((slots,), ("slots",))
         if slots.dtype not in common.SLOT_DTYPES:
             common.fail(f"slots must have dtype torch.int32 or torch.int64, got {slots.dtype}")
@@ -43,8 +43,16 @@ def check_dequantize(
     check_read_dtype(dtype)
     if type(invalid) not in (float, int):
         common.fail(f"invalid must be a Python float (the value of the rows of invalid slots), got {invalid!r}")
+    if type(invalid) is int:
+        try:
+            float(invalid)  # what the entries do with it
+        except OverflowError:  # (no repr of it in the message: an int of over 4300 digits has none)
+            common.fail(
+                f"invalid must be a Python float (the value of the rows of invalid slots), got an int of "
+                f"{invalid.bit_length()} bits, beyond the float range; pass float('inf') or float('-inf')"
+            )
     if out is not None:
-        if not isinstance(out, torch.Tensor):
+        if not common.dense(out):
             common.check_tensors((out,), ("out",))
         if out.dtype != dtype:
             common.fail(f"out must have the dtype asked for ({dtype}), got {out.dtype}")

@@ -178,9 +178,20 @@ def check_compress_ratio(compress_ratio: object) -> None:
         fail(f"compress_ratio must be one of {abi.COMPRESS_RATIOS}, got {compress_ratio!r}")
 
 
+# The largest page size an entry can use: a writer's cache holds fewer than 2^30 slots
+# (_check_write_range), so one page of it fewer too; no write can fill a larger page for the reader.
+MAX_PAGE_SIZE = abi.MAX_WRITE_ROWS - 1
+
+
 def check_page_size(page_size: object) -> None:
+    """A precompile request's page size: one an entry's cache can have."""
     if type(page_size) is not int or page_size < 1:
         fail(f"page_size must be a positive int, got {page_size!r}")
+    if page_size > MAX_PAGE_SIZE:
+        fail(
+            f"page_size must be a positive int below 2^30 (a cache holds fewer than 2^30 slots: the kernels "
+            f"index them in 32 bits), got {page_size}"
+        )
 
 
 def check_slot_dtype(slot_dtype: object) -> None:
