@@ -230,10 +230,10 @@ def test_kernel_library_binds_each_entry_to_its_library(kv_rows_per_warp, stubbe
     assert library.spec(spec) == spec._replace(kv_rows_per_warp=kv_rows_per_warp)
     kv = torch.zeros(4, 512, dtype=torch.bfloat16)
     cache = reference.new_cache(2, 16, "HND", "cpu")
-    with pytest.raises(ValueError):  # the same validation as the shipped entries: CPU tensors refused
-        entries.nvfp4_quantize_append_sparse_mla_cache(kv, torch.arange(4), cache)
+    with pytest.raises(ValueError):  # the same validation as the shipped entries
+        entries.nvfp4_quantize_append_sparse_mla_cache(kv, torch.arange(4.0), cache)
     with pytest.raises(ValueError):
-        entries.nvfp4_quantize_pack_sparse_mla_cache(kv.view(1, 4, 512))
+        entries.nvfp4_quantize_pack_sparse_mla_cache(kv)
 
 
 # ---------------------------------------------------------------- the arm in the measuring loop

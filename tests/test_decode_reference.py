@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nvfp4_mla import abi, reference, validation
-from nvfp4_mla.testing import make_cache
+from nvfp4_mla.testing import flat_bytes, make_cache
 
 decode = reference.sparse_mla_decode
 SM_SCALE = abi.HEAD_DIM**-0.5
@@ -305,6 +305,66 @@ def test_argument_checks(change, message):
     q, cache, slots = args.pop("q"), args.pop("swa_cache"), args.pop("swa_slots")
     with pytest.raises(ValueError, match=message):
         decode(q, cache, slots, **args)
+
+
+# ------------------------------------------------------------------ out=
+
+
+def test_out_is_filled_and_returned(seed):
+    """out= gives the values of the call without it, in out (every element, over a dirty out),
+    and returns out itself; lse is the same."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(4, 8, "NHD", 16, g), Pool(3, 32, "HND", 0, g)
+    batch, q_len, heads = 3, 2, 8
+    q = queries(batch, q_len, heads, g)
+    args = dict(
+        swa_lens=torch.randint(-1, 17, (batch, q_len), generator=g, dtype=torch.int32),
+        extra_cache=extra.cache,
+        extra_slots=extra.slots(batch, q_len, 40, g, torch.int32),
+        sm_scale=SM_SCALE,
+        sinks=torch.randn(heads, generator=g),
+    )
+    swa_slots = swa.slots(batch, q_len, 16, g)
+    want = decode(q, swa.cache, swa_slots, **args)
+    out = torch.full(q.shape, math.nan, dtype=torch.bfloat16)
+    got = decode(q, swa.cache, swa_slots, out=out, **args)
+    assert got[0] is out
+    assert torch.equal(out.view(torch.int16), want[0].view(torch.int16))
+    assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
+
+
+def test_out_of_an_empty_batch():
+    args = _good()
+    q = torch.zeros(0, 1, 4, 512, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    got, lse = decode(q, args["swa_cache"], torch.zeros(0, 1, 8, dtype=torch.int64), sm_scale=SM_SCALE, out=out)
+    assert got is out and lse.shape == (0, 1, 4)
+
+
+@pytest.mark.parametrize(
+    ("make_out", "message"),
+    [
+        (lambda q: torch.empty((*q.shape[:-1], 256), dtype=torch.bfloat16), "out must have q's shape"),
+        (lambda q: torch.empty(q.shape[1:], dtype=torch.bfloat16), "out must have q's shape"),
+        (lambda q: torch.empty(q.shape), "out must have dtype torch.bfloat16"),
+        (lambda q: torch.empty((*q.shape[:-1], 1024), dtype=torch.bfloat16)[..., ::2], "out must be contiguous"),
+        (lambda q: torch.empty(q.shape, dtype=torch.bfloat16, device="meta"), "same CUDA device"),
+        (lambda q: q, "q overlaps out"),
+        (lambda q: [0.0], "out must be a torch.Tensor"),
+    ],
+    ids=["last dim", "rank", "dtype", "strided", "device", "is q", "not a tensor"],
+)
+def test_bad_out_is_refused_before_writing(make_out, message):
+    """A wrong out raises ValueError like the fused entry's, and nothing is written (a valid-shaped
+    but refused out keeps its bytes)."""
+    args = _good()
+    q, cache, slots = args.pop("q"), args.pop("swa_cache"), args.pop("swa_slots")
+    out = make_out(q)
+    before = flat_bytes(out) if isinstance(out, torch.Tensor) and out.device.type == "cpu" else None
+    with pytest.raises(ValueError, match=message):
+        decode(q, cache, slots, out=out, **args)
+    if before is not None:
+        assert torch.equal(flat_bytes(out), before)
 
 
 # ------------------------------------------------------------------ CUDA tensors

@@ -249,7 +249,7 @@ def _decode(lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, ex
         return _decode_cuda(
             lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out
         )
-    result, lse = reference.sparse_mla_decode(
+    return reference.sparse_mla_decode(
         q,
         swa_cache,
         swa_slots,
@@ -259,14 +259,8 @@ def _decode(lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, ex
         extra_lens=extra_lens,
         sm_scale=sm_scale,
         sinks=sinks,
+        out=out,
     )
-    if out is None:
-        return result, lse
-    validation.check_decode(
-        q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, False, out
-    )
-    out.copy_(result)
-    return out, lse
 
 
 # ---------------------------------------------------------------- torch custom ops

@@ -1,9 +1,12 @@
 """The writer entries on the GPU (semantics: docs/format.md sections 2-7, ``nvfp4_mla.reference``).
 
-A call does the checks of :mod:`nvfp4_mla.validation`, at most one output allocation, one lookup
-of its plan in its :class:`~nvfp4_mla.ops.library.KernelLibrary` (keyed on the arguments'
-signature; ``library=``, default the process's) and one launch with raw pointers on torch's
-current stream: no host synchronisation, so calls can be captured in CUDA graphs.
+A call with a CUDA tensor among its tensors takes the kernel path; a call with none (CPU
+tensors) runs the same entry of :mod:`nvfp4_mla.reference`, which writes the same bytes.
+
+A kernel-path call does the checks of :mod:`nvfp4_mla.validation`, at most one output
+allocation, one lookup of its plan in its :class:`~nvfp4_mla.ops.library.KernelLibrary` (keyed on
+the arguments' signature; ``library=``, default the process's) and one launch with raw pointers
+on torch's current stream: no host synchronisation, so calls can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -14,8 +17,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
-from .. import abi, config, launch, validation
-from ..reference import new_cache
+from .. import abi, config, launch, reference, validation
 from .library import DEFAULT, KernelLibrary, check_traceable
 from .writer_spec import WriterSpec
 
@@ -60,6 +62,16 @@ def _plan(
     scalars = (page_stride, num_pages * page_size, max_position, num_kv_rows, kv_blocks, spec.q_rows(num_tokens))
     plan = WriterPlan(checks, bound, device_index, scalars, out_shape, launch.contiguous_strides(out_shape))
     return plan if signature is None else lib.remember(signature, plan)
+
+
+def _on_cuda(tensors: tuple) -> bool:
+    """Whether a call takes the kernel path: any of its tensors is a CUDA tensor. Only calls with
+    none go to the reference, so a call that mixes CUDA and CPU tensors is refused by the kernel
+    path's checks (``must be a CUDA tensor``), as it always was."""
+    for t in tensors:  # noqa: SIM110  # a loop, not any(): no generator on every GPU call
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            return True
+    return False
 
 
 # ---------------------------------------------------------------- the entries on a library
@@ -166,7 +178,7 @@ def _pack(lib: KernelLibrary, latent_kv, kv_layout):
             0,
             0,
             num_pages * page_size,
-            tuple(new_cache(num_pages, page_size, kv_layout, "meta").shape),
+            tuple(reference.new_cache(num_pages, page_size, kv_layout, "meta").shape),
         )
     (kv_ptr,) = validation.check_pointers(tensors, plan.checks)
     cache = launch.new_output(latent_kv, plan.out_shape, plan.out_strides, torch.uint8, plan.device_index)
@@ -179,7 +191,8 @@ def _pack(lib: KernelLibrary, latent_kv, kv_layout):
 # ---------------------------------------------------------------- torch custom ops
 # Registered so torch.compile traces the entries without a graph break (the fake
 # implementations give output shapes). Eager calls skip the dispatcher: it would cost more host
-# time than the whole launch path.
+# time than the whole launch path. At run time the ops call the public entries (not compiling
+# then), which send CUDA tensors to the kernels and CPU tensors to the reference.
 
 _Tensor = torch.Tensor
 
@@ -195,8 +208,8 @@ def _rope_quantize_insert_op(
     q_head_padded: int,
     apply_q_rope: bool,
 ) -> _Tensor:
-    return _rope_quantize_insert(
-        DEFAULT, q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, False
+    return cake_dsv4_nvfp4_rope_quantize_insert(
+        q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded=q_head_padded, apply_q_rope=apply_q_rope
     )
 
 
@@ -216,8 +229,16 @@ def _rope_quantize_insert_inplace_op(
     q_head_padded: int,
     apply_q_rope: bool,
 ) -> None:
-    _rope_quantize_insert(
-        DEFAULT, q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, True
+    cake_dsv4_nvfp4_rope_quantize_insert(
+        q,
+        kv,
+        cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        q_head_padded=q_head_padded,
+        apply_q_rope=apply_q_rope,
+        q_inplace=True,
     )
 
 
@@ -230,7 +251,9 @@ def _(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply
 def _kv_rope_quantize_insert_op(
     kv: _Tensor, cache: _Tensor, slot_mapping: _Tensor, positions: _Tensor, cos_sin_cache: _Tensor, compress_ratio: int
 ) -> None:
-    _kv_rope_quantize_insert(DEFAULT, kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
+    cake_dsv4_nvfp4_kv_rope_quantize_insert(
+        kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio=compress_ratio
+    )
 
 
 @_kv_rope_quantize_insert_op.register_fake
@@ -240,7 +263,7 @@ def _(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio):
 
 @torch.library.custom_op("nvfp4_mla::quantize_append", mutates_args=("cache",))
 def _append_op(latent_kv: _Tensor, slot_mapping: _Tensor, cache: _Tensor) -> None:
-    _append(DEFAULT, latent_kv, slot_mapping, cache)
+    nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache)
 
 
 @_append_op.register_fake
@@ -250,12 +273,12 @@ def _(latent_kv, slot_mapping, cache):
 
 @torch.library.custom_op("nvfp4_mla::quantize_pack", mutates_args=())
 def _pack_op(latent_kv: _Tensor, kv_layout: str) -> _Tensor:
-    return _pack(DEFAULT, latent_kv, kv_layout)
+    return nvfp4_quantize_pack_sparse_mla_cache(latent_kv, kv_layout=kv_layout)
 
 
 @_pack_op.register_fake
 def _(latent_kv, kv_layout):
-    return new_cache(latent_kv.shape[0], latent_kv.shape[1], kv_layout, latent_kv.device)
+    return reference.new_cache(latent_kv.shape[0], latent_kv.shape[1], kv_layout, latent_kv.device)
 
 
 _is_compiling = torch.compiler.is_compiling
@@ -286,12 +309,16 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
     out-of-range slots are skipped. A row whose position is outside ``cos_sin_cache`` is not
     inserted and its live ``q_out`` heads are BF16 NaN (left untouched in place).
 
+    On CUDA tensors this is one launch of a compiled kernel; a call with no CUDA tensor (CPU
+    tensors) runs :func:`nvfp4_mla.reference.cake_dsv4_nvfp4_rope_quantize_insert` instead, which
+    writes the same bytes. The same holds for every writer entry, each with its reference.
+
     Parameters
     ----------
     q : torch.Tensor
-        Contiguous CUDA BF16 ``[num_tokens, num_heads, 512]`` queries (448 NoPE dims, then 64 RoPE dims).
+        Contiguous BF16 ``[num_tokens, num_heads, 512]`` queries (448 NoPE dims, then 64 RoPE dims).
     kv : torch.Tensor
-        Contiguous CUDA BF16 ``[num_tokens, 512]`` latent KV rows, one per query token (unrotated).
+        Contiguous BF16 ``[num_tokens, 512]`` latent KV rows, one per query token (unrotated).
     cache : torch.Tensor
         uint8 NVFP4 paged cache: ``[num_pages, page_size, 384]``, HND ``[num_pages, 1, page_size, 384]``
         or NHD ``[num_pages, page_size, 1, 384]``; any page size; page stride a multiple of 16 bytes
@@ -311,7 +338,7 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
         Rotate dims 448..511 of ``q`` in place and return ``q`` (needs ``num_heads`` in
         8, 16, 32, 64, 128 and ``q_head_padded`` 0 or ``num_heads``).
     library : KernelLibrary, optional
-        The kernels and plan table to use (tests and benchmarks); default: the process's.
+        The kernels and plan table to use on CUDA tensors (tests and benchmarks); default: the process's.
 
     Returns
     -------
@@ -340,17 +367,29 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
         return torch.ops.nvfp4_mla.rope_quantize_insert(
             q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope
         )
-    return _rope_quantize_insert(
-        DEFAULT if library is None else library,
+    if _on_cuda((q, kv, cache, slot_mapping, positions, cos_sin_cache)):
+        return _rope_quantize_insert(
+            DEFAULT if library is None else library,
+            q,
+            kv,
+            cache,
+            slot_mapping,
+            positions,
+            cos_sin_cache,
+            q_head_padded,
+            apply_q_rope,
+            q_inplace,
+        )
+    return reference.cake_dsv4_nvfp4_rope_quantize_insert(
         q,
         kv,
         cache,
         slot_mapping,
         positions,
         cos_sin_cache,
-        q_head_padded,
-        apply_q_rope,
-        q_inplace,
+        q_head_padded=q_head_padded,
+        apply_q_rope=apply_q_rope,
+        q_inplace=q_inplace,
     )
 
 
@@ -379,7 +418,7 @@ def cake_dsv4_nvfp4_kv_rope_quantize_insert(
     compress_ratio : int
         1 or 2.
     library : KernelLibrary, optional
-        The kernels and plan table to use (tests and benchmarks); default: the process's.
+        The kernels and plan table to use on CUDA tensors (tests and benchmarks); default: the process's.
 
     Returns
     -------
@@ -392,8 +431,12 @@ def cake_dsv4_nvfp4_kv_rope_quantize_insert(
         return torch.ops.nvfp4_mla.kv_rope_quantize_insert(
             kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio
         )
-    lib = DEFAULT if library is None else library
-    return _kv_rope_quantize_insert(lib, kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
+    if _on_cuda((kv, cache, slot_mapping, positions, cos_sin_cache)):
+        lib = DEFAULT if library is None else library
+        return _kv_rope_quantize_insert(lib, kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
+    return reference.cake_dsv4_nvfp4_kv_rope_quantize_insert(
+        kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio=compress_ratio
+    )
 
 
 def nvfp4_quantize_append_sparse_mla_cache(
@@ -404,14 +447,14 @@ def nvfp4_quantize_append_sparse_mla_cache(
     Parameters
     ----------
     latent_kv : torch.Tensor
-        Contiguous CUDA BF16 ``[num_rows, 512]``.
+        Contiguous BF16 ``[num_rows, 512]``.
     slot_mapping : torch.Tensor
         Contiguous 1-D int32 or int64, at most ``num_rows`` entries; negative and out-of-range
         slots are skipped.
     cache : torch.Tensor
         As in :func:`cake_dsv4_nvfp4_rope_quantize_insert`.
     library : KernelLibrary, optional
-        The kernels and plan table to use (tests and benchmarks); default: the process's.
+        The kernels and plan table to use on CUDA tensors (tests and benchmarks); default: the process's.
 
     Returns
     -------
@@ -421,7 +464,9 @@ def nvfp4_quantize_append_sparse_mla_cache(
     if _is_compiling():
         check_traceable(library)
         return torch.ops.nvfp4_mla.quantize_append(latent_kv, slot_mapping, cache)
-    return _append(DEFAULT if library is None else library, latent_kv, slot_mapping, cache)
+    if _on_cuda((latent_kv, slot_mapping, cache)):
+        return _append(DEFAULT if library is None else library, latent_kv, slot_mapping, cache)
+    return reference.nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache)
 
 
 def nvfp4_quantize_pack_sparse_mla_cache(
@@ -432,11 +477,11 @@ def nvfp4_quantize_pack_sparse_mla_cache(
     Parameters
     ----------
     latent_kv : torch.Tensor
-        Contiguous CUDA BF16 ``[num_pages, page_size, 512]`` (already roped).
+        Contiguous BF16 ``[num_pages, page_size, 512]`` (already roped).
     kv_layout : str
         "HND" gives ``[num_pages, 1, page_size, 384]``, "NHD" ``[num_pages, page_size, 1, 384]``.
     library : KernelLibrary, optional
-        The kernels and plan table to use (tests and benchmarks); default: the process's.
+        The kernels and plan table to use on CUDA tensors (tests and benchmarks); default: the process's.
 
     Returns
     -------
@@ -447,4 +492,6 @@ def nvfp4_quantize_pack_sparse_mla_cache(
     if _is_compiling():
         check_traceable(library)
         return torch.ops.nvfp4_mla.quantize_pack(latent_kv, kv_layout)
-    return _pack(DEFAULT if library is None else library, latent_kv, kv_layout)
+    if _on_cuda((latent_kv,)):
+        return _pack(DEFAULT if library is None else library, latent_kv, kv_layout)
+    return reference.nvfp4_quantize_pack_sparse_mla_cache(latent_kv, kv_layout=kv_layout)

@@ -93,6 +93,7 @@ def sparse_mla_decode(
     extra_lens: torch.Tensor | None = None,
     sm_scale: float,
     sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode attention over one or two NVFP4 caches (semantics in the module docstring).
 
@@ -111,16 +112,25 @@ def sparse_mla_decode(
         The softmax scale applied to ``q . row``.
     sinks
         Optional fp32 ``[heads]`` attention-sink logits.
+    out
+        Optional BF16 ``[batch, q_len, heads, 512]`` output to fill (contiguous, on q's device,
+        sharing no memory with the inputs), as in :func:`nvfp4_mla.sparse_mla_decode`. It is
+        returned, holding the same values as the result of the call without ``out``.
 
     Returns
     -------
     tuple[torch.Tensor, torch.Tensor]
-        ``out``, BF16 ``[batch, q_len, heads, 512]`` (before the inverse RoPE of the last 64 dims),
-        and ``lse``, fp32 ``[batch, q_len, heads]`` (natural log of the scaled scores, before the
-        sink; ``+inf`` for a row with nothing live).
+        ``out``, BF16 ``[batch, q_len, heads, 512]`` (before the inverse RoPE of the last 64 dims;
+        the given ``out`` when there is one), and ``lse``, fp32 ``[batch, q_len, heads]`` (natural
+        log of the scaled scores, before the sink; ``+inf`` for a row with nothing live).
+
+    Raises
+    ------
+    ValueError
+        On any argument outside the contract (``out`` included), before anything is written.
     """
     swa, extra = validation.check_decode(
-        q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, need_cuda=False
+        q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, False, out
     )
     pools = [(swa_cache, swa_slots, swa_lens, swa)]
     if extra is not None and extra_cache is not None and extra_slots is not None:  # validated: all or none
@@ -129,5 +139,8 @@ def sparse_mla_decode(
     rows = torch.cat([r for r, _ in gathered], dim=2).double()  # once, for both products
     live = torch.cat([m for _, m in gathered], dim=2)
     scores = masked_scores(q, rows, live, float(sm_scale))
-    out, lse = attention_output(scores, rows, live, sinks)
-    return to_bf16(out.float()), canonicalize_nan(lse.float())
+    values, lse = attention_output(scores, rows, live, sinks)
+    result = to_bf16(values.float())
+    if out is not None:
+        result = out.copy_(result)
+    return result, canonicalize_nan(lse.float())
