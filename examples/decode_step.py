@@ -218,17 +218,7 @@ def check_against_reference(out: torch.Tensor, inputs: StepInputs, layer: Layer,
         cos_sin,
         q_head_padded=heads,
     )
-    want, _ = nvfp4_mla.reference.sparse_mla_decode(
-        q_rot.view(q_rot.shape[0], 1, heads, HEAD_DIM),
-        layer.swa_cache,
-        inputs.swa_slots,
-        swa_lens=inputs.swa_lens,
-        extra_cache=layer.extra_cache,
-        extra_slots=inputs.extra_slots,
-        extra_lens=inputs.extra_lens,
-        sm_scale=SM_SCALE,
-        sinks=layer.sinks,
-    )
+    want, _ = layer_attend(nvfp4_mla.reference, layer, inputs, q_rot)
     return ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
