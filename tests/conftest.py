@@ -2,6 +2,8 @@
 
 import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,27 @@ import torch
 from nvfp4_mla import gpu_unavailable_reason
 
 GPU_SKIP_REASON = gpu_unavailable_reason()
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", ... under pytest-xdist (make test)
+_WORKER_TMP = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """Each pytest-xdist worker gets its own temp directory (TMPDIR, for its subprocesses too), so
+    a test that compares the temp directory's listing before and after a call
+    (test_cache.py's no-temp-dirs check) sees no files of a test running on another worker (the
+    benchmark's first-use probe makes one). Mode 1777 like /tmp: tests run children as another user."""
+    if XDIST_WORKER is None:
+        return
+    private = tempfile.mkdtemp(prefix=f"pytest-xdist-{XDIST_WORKER}-")
+    os.chmod(private, 0o1777)
+    os.environ["TMPDIR"] = tempfile.tempdir = private
+    config.stash[_WORKER_TMP] = private
+
+
+def pytest_unconfigure(config):
+    private = config.stash.get(_WORKER_TMP, None)
+    if private is not None:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
