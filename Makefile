@@ -51,16 +51,14 @@ venv: $(VENV)/.demo-installed
 demo: $(VENV)/.demo-installed
 	$(PY) -m nvfp4_mla demo
 
-# Lint, format, types, then the tests (GPU tests skip with their reason on a machine without one) on
+# Lint, format, types (the hooks of .pre-commit-config.yaml), then the tests (GPU tests skip with their reason on a machine without one) on
 # one pytest-xdist worker a core (at most 8), each with one torch thread, all but test_ops_compile.py:
 # `make test-kernels` runs that one (NVRTC compiling every kernel for every arch, about 80 s on
 # 2 cores), and CI runs both.
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$((n < 8 ? n : 8)))
 
 test: $(VENV)/.test-installed
-	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
-	$(PY) -m mypy
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pre_commit run --all-files --show-diff-on-failure
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --ignore=tests/test_ops_compile.py
 
 test-kernels: $(VENV)/.test-installed
