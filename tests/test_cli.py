@@ -337,7 +337,7 @@ def test_precompile_progress_counts_kernels(capsys, monkeypatch, tmp_path):
     """One progress line per kernel, not per request: --decode is several kernels, each named."""
     built = []
 
-    def build(self, spec, arch, directory=None, fresh=False):  # a compile-free stand-in
+    def build(self, spec, arch, directory=None, skip=()):  # a compile-free stand-in
         built.append(spec)
         return b"", directory / f"{arch}-{len(built)}.cubin"
 

@@ -352,30 +352,20 @@ class KernelCache:
         return None
 
     def build(
-        self, spec: jit.KernelSpec, arch: str, directory: Path | None = None, fresh: bool = False
+        self, spec: jit.KernelSpec, arch: str, directory: Path | None = None, skip: Collection[Path] = ()
     ) -> tuple[bytes, Path | None]:
         """The verified cubin of ``spec`` for a GPU of ``arch`` (built for
         :func:`jit.target_arch`, e.g. sm_90a) and where it lies (None: memory only), compiling on a
         miss. With ``directory``, it compiles into exactly that directory (or raises
         :class:`CacheError`), which it creates readable by others and leaves no lock file in.
-        ``fresh`` compiles even when a file is there. One compile per key across threads and processes."""
-        return self._build(spec, arch, directory, fresh)
-
-    def _build(
-        self,
-        spec: jit.KernelSpec,
-        arch: str,
-        directory: Path | None = None,
-        fresh: bool = False,
-        skip: Collection[Path] = (),
-    ) -> tuple[bytes, Path | None]:
-        """:meth:`build`; ``skip``: files not to use (the driver refused them), other layers still serve."""
+        ``skip``: files not to use (the driver refused them); other layers still serve, and one in
+        the writable layer is compiled over. One compile per key across threads and processes."""
         arch = jit.target_arch(spec, jit.check_arch(arch))
         key = jit.kernel_key(spec, arch)
         name = self.file_name(key, arch)
         with self._lock:
             if directory is None:
-                found = None if fresh else self.lookup(key, arch, skip)
+                found = self.lookup(key, arch, skip)
                 if found is not None:
                     return found
                 target = self.writable_dir()
@@ -386,7 +376,7 @@ class KernelCache:
                 target = directory
             if target is None:
                 return self._compile(spec, arch, key), None
-            fresh = fresh or target / name in skip
+            fresh = target / name in skip
             data = None
             try:
                 fd, st = open_dir(target)
@@ -450,7 +440,7 @@ class KernelCache:
         refused: list[Path] = []
         while True:
             compiles = self._compiles
-            data, path = self._build(spec, gpu.arch, skip=refused) if refused else self.build(spec, gpu.arch)
+            data, path = self.build(spec, gpu.arch, skip=refused)
             try:
                 return Launcher(data, spec.template, gpu)
             except LoadError as exc:

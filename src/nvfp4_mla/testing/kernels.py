@@ -5,6 +5,7 @@ planned with a forced grid (:func:`one_kv_block`). Each goes into a
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 from .. import jit, kernel_cache
@@ -24,7 +25,7 @@ class MemoryKernels(kernel_cache.KernelCache):
         raise NotImplementedError
 
     def build(
-        self, spec: jit.KernelSpec, arch: str, directory: Path | None = None, fresh: bool = False
+        self, spec: jit.KernelSpec, arch: str, directory: Path | None = None, skip: Collection[Path] = ()
     ) -> tuple[bytes, Path | None]:
         if directory is not None:
             raise kernel_cache.CacheError(f"{self.what} are kept in memory, never in a kernel cache directory")
