@@ -333,10 +333,10 @@ def test_torch_cuda_arch_list_errors_name_the_variable(text, match):
 @pytest.fixture
 def no_gpu(monkeypatch):
     """The command sees no usable GPU, here or on a GPU machine."""
-    from nvfp4_mla import cli
+    from nvfp4_mla.cli import precompile as command
 
-    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda *a: "no GPU (test)")
-    monkeypatch.setattr(cli, "device_info", lambda *a: pytest.fail("the GPU was asked for its arch"))
+    monkeypatch.setattr(command, "gpu_unavailable_reason", lambda *a: "no GPU (test)")
+    monkeypatch.setattr(command, "device_info", lambda *a: pytest.fail("the GPU was asked for its arch"))
 
 
 KV_ARGV = ["precompile", "--kv-ratio", "1", "--page-size", "16", "--slot-dtype", "int32"]
