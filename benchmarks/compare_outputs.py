@@ -2,8 +2,9 @@
 
 Runs the writers (every mode, canary-filled caches: the whole storage is an output), the reader
 (both dtypes, int32, int64 and no slots, invalid slots) and the decode (every backend this GPU
-runs, forced, with and without splits, at 16, 64 and 128 heads, both pools with lengths, sinks,
-and the rule's own choice over 1-4 and 64 rows) on inputs drawn on the CPU from fixed seeds, and
+runs, forced, its work whole and cut in five: the mma.sync kernel's splits, the Hopper backends'
+work-list parts; at 16, 64 and 128 heads, both pools with lengths, sinks, and the rule's own
+choice over 1-4 and 64 rows) on inputs drawn on the CPU from fixed seeds, and
 saves what each call wrote. Only the public entries and ``KernelLibrary`` are used, so any tree's
 ``nvfp4_mla`` on the path runs it::
 
@@ -129,10 +130,14 @@ def decode(results):
         results[label] = (out, lse)
 
     for name in names:
+        # A backend that walks a work list takes its parts (decode_parts), the others their splits
+        # (decode_splits): a tree from before the work list forces splits on every backend.
+        walks = "decode_parts" in getattr(decode_op.BACKENDS[name], "overrides", ())
+        field, what = ("decode_parts", "parts") if walks else ("decode_splits", "splits")
         for heads in (16, 64, 128):
-            for splits in (1, 5):
-                library = nvfp4_mla.KernelLibrary(decode_backend=name, decode_splits=splits)
-                call(f"decode {name} {heads} heads {splits} splits", 3, 2, heads, 512, library)
+            for n in (1, 5):
+                library = nvfp4_mla.KernelLibrary(decode_backend=name, **{field: n})
+                call(f"decode {name} {heads} heads {n} {what}", 3, 2, heads, 512, library)
     for rows in (1, 2, 3, 4, 64):
         for heads in (16, 64, 128):
             call(f"decode rule {rows} rows {heads} heads", rows, 1, heads, 1024)

@@ -1,33 +1,60 @@
-// The split combine of every sparse-decode backend: one block per (query row, head) merges the
-// row's split partial outputs in split order (deterministic) and finishes the row as the attention
-// kernels do (docs/kernels/combine.md). -D constants: MAX_SPLITS, PREFETCH; THREADS and the record
-// ABI come from jit.py/abi.py.
+// The split combine of every sparse-decode backend: one block per (split row, head) merges the
+// row's partial outputs in slot order (deterministic) and finishes the row as the attention kernels
+// do (docs/kernels/combine.md). -D constants: MAX_SPLITS, PREFETCH; THREADS and the record ABI come
+// from jit.py/abi.py.
 #include "nvfp4_mla_params.cuh"  // Params: decode_combine.COMBINE_PARAMS
 #include "nvfp4_mla_ptx.cuh"
 #include "nvfp4_mla_softmax.cuh"
+#include "nvfp4_mla_work.cuh"  // SplitRow
 
-static_assert(THREADS * 4 == HEAD_DIM && THREADS >= MAX_SPLITS, "one thread per 4 output dims and per split");
+constexpr int SPLITS_PER_THREAD = MAX_SPLITS / THREADS;
+static_assert(THREADS * 4 == HEAD_DIM && MAX_SPLITS % THREADS == 0, "one thread per 4 output dims, whole splits a thread");
 
-// One block per (row, head): O = sum_s 2^(m_s - M) O_s, l = sum_s 2^(m_s - M) l_s, in split order.
-// Every split's (m, l) is loaded at once (a thread each) and its weight shared, and with them the
-// first PREFETCH splits' partial rows, so up to PREFETCH splits the block waits for one round trip
-// of loads, not two. The host builds PREFETCH 4 (no more registers than 0) and 16, whose registers
-// cost blocks an SM, so it takes that one only for a combine that fits the GPU in one wave
-// (decode.plan).
+// A block's row and its partials: the row's `count` partial entries start at entry `first` of the
+// workspace (an entry is a head's partial row and its (m, l)), `stride` entries apart.
+struct RowPartials {
+    i64 row, first, stride;
+    int count;
+};
+
+// Block b's (row, head): without a work list, row b / num_heads with num_splits partials at
+// consecutive entries (row * num_heads + head) * num_splits + s; with one, split row b / num_heads
+// of the list, its slots' entries slot * num_heads + head (row -1: no such split row, nothing to do).
+__device__ __forceinline__ RowPartials row_partials(const Params& p, i64 block, i64 head) {
+    const i64 i = block / p.num_heads;
+    if (p.split_rows == nullptr) return {i, (i * p.num_heads + head) * p.num_splits, 1, static_cast<int>(p.num_splits)};
+    const SplitRow r = p.split_rows[i], next = p.split_rows[i + 1];
+    return {r.row, r.first_slot * p.num_heads + head, p.num_heads, next.first_slot - r.first_slot};
+}
+
+// One block per (row, head): O = sum_s 2^(m_s - M) O_s, l = sum_s 2^(m_s - M) l_s, in slot order.
+// Every partial's (m, l) is loaded at once (SPLITS_PER_THREAD a thread) and its weight shared, and
+// with them the first PREFETCH partial rows, so up to PREFETCH partials the block waits for one
+// round trip of loads, not two. The host builds PREFETCH 4 (no more registers than 0) and 16,
+// whose registers cost blocks an SM, so it takes that one only for a combine that fits the GPU in
+// one wave (decode.plan).
 extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(const Params p) {
     __shared__ float weights[MAX_SPLITS], sums[MAX_SPLITS], warp_max[THREADS / 32];
     launch_dependents();
-    wait_for_prior_grids();
+    wait_for_prior_grids();  // the partials, and the split rows, come from the kernels before
     const int tid = threadIdx.x;
-    const i64 row_head = blockIdx.x;  // row * num_heads + head
-    const int num_splits = static_cast<int>(p.num_splits);
-    const float4* partial = p.partial_o + row_head * num_splits * (HEAD_DIM / 4) + tid;
+    const i64 head = blockIdx.x % p.num_heads;
+    const RowPartials rp = row_partials(p, blockIdx.x, head);
+    if (rp.row < 0) return;
+    const int count = rp.count;
+    const float4* partial = reinterpret_cast<const float4*>(p.partial_o) + rp.first * (HEAD_DIM / 4) + tid;
+    const i64 step = rp.stride * (HEAD_DIM / 4);
     float4 early[PREFETCH > 0 ? PREFETCH : 1];
 #pragma unroll
-    for (int s = 0; s < PREFETCH; ++s)
-        early[s] = s < num_splits ? partial[s * (HEAD_DIM / 4)] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const float2 ml = tid < num_splits ? p.partial_ml[row_head * num_splits + tid] : make_float2(neg_inf(), 0.0f);
-    float m = ml.x;
+    for (int s = 0; s < PREFETCH; ++s) early[s] = s < count ? partial[s * step] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float2 ml[SPLITS_PER_THREAD];
+    float m = neg_inf();
+#pragma unroll
+    for (int k = 0; k < SPLITS_PER_THREAD; ++k) {
+        const int s = tid + k * THREADS;
+        ml[k] = s < count ? p.partial_ml[rp.first + s * rp.stride] : make_float2(neg_inf(), 0.0f);
+        m = fmaxf(m, ml[k].x);
+    }
     for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(NVFP4_FULL_MASK, m, o));
     if ((tid & 31) == 0) warp_max[tid >> 5] = m;
     __syncthreads();
@@ -35,9 +62,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
 #pragma unroll
     for (int w = 1; w < THREADS / 32; ++w) m = fmaxf(m, warp_max[w]);
     const float m_base = softmax_base(m);  // lonely: every weight below is 0
-    if (tid < num_splits) {
-        weights[tid] = exp2_approx(ml.x - m_base);
-        sums[tid] = ml.y;
+#pragma unroll
+    for (int k = 0; k < SPLITS_PER_THREAD; ++k) {
+        const int s = tid + k * THREADS;
+        if (s < count) {
+            weights[s] = exp2_approx(ml[k].x - m_base);
+            sums[s] = ml[k].y;
+        }
     }
     __syncthreads();
     float l = 0.0f;
@@ -52,11 +83,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
     };
 #pragma unroll
     for (int s = 0; s < PREFETCH; ++s)
-        if (s < num_splits) add(s, early[s]);
+        if (s < count) add(s, early[s]);
 #pragma unroll 16  // 16 partial loads in flight a round trip
-    for (int s = PREFETCH; s < num_splits; ++s) add(s, partial[s * (HEAD_DIM / 4)]);
+    for (int s = PREFETCH; s < count; ++s) add(s, partial[s * step]);
     const float lse = row_lse(m, l);
-    const float factor = output_factor(l, lse, p.sinks, row_head % p.num_heads);
+    const float factor = output_factor(l, lse, p.sinks, head);
+    const i64 row_head = rp.row * p.num_heads + head;
     p.out[row_head * (HEAD_DIM / 4) + tid] = make_uint2(bf16x2_bits(o.x * factor, o.y * factor),
                                                         bf16x2_bits(o.z * factor, o.w * factor));
     if (tid == 0) p.lse[row_head] = lse;

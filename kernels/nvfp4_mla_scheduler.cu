@@ -14,8 +14,7 @@ constexpr int WARPS = THREADS / 32;
 __device__ __forceinline__ u32 row_cost(const Params& p, i64 row) {
     const u32 live = static_cast<u32>(live_count(p.swa_lens, p.swa_lens_int64, p.swa_k, row)) +
                      static_cast<u32>(live_count(p.extra_lens, p.extra_lens_int64, p.extra_k, row));
-    const u32 shift = static_cast<u32>(p.tile_shift);
-    return (live > 0 ? (live + (1u << shift) - 1) >> shift : 1u) + static_cast<u32>(p.segment_cost);
+    return live_tiles(live, static_cast<u32>(p.tile_shift)) + static_cast<u32>(p.segment_cost);
 }
 
 // The costs of rows r .. r + LOADS - 1 (0 from r_end on), their lengths loaded together: a

@@ -17,6 +17,7 @@ constexpr int CONSUMER_THREADS = WARPGROUP_THREADS * CONSUMERS;
 constexpr int SHARERS = CLUSTER * PRODUCERS;     // producer warpgroups that split each tile (of the cluster or the block)
 constexpr int UNITS_PER_TILE = 2 / SHARERS;      // gather units a producer warpgroup handles per tile
 constexpr int BN = BLOCK_N;                      // tokens of a tile
+constexpr u32 TILE_SHIFT = 6;                   // log2(BN)
 constexpr int UNIT = 32;                         // tokens of a gather unit: 4 producer threads each
 constexpr int RAW_STRIDE = RECORD + 16;          // a raw record's bytes in shared memory (padded: conflict-free reads)
 constexpr int RAW_BYTES = 2 * UNIT * RAW_STRIDE; // a producer warpgroup's two raw units
@@ -47,7 +48,7 @@ static_assert(HT == 64 || HT == 16, "64 heads a block (wgmma's M), or 16 (NARROW
 static_assert(CLUSTER == 1 || CLUSTER == 2, "a block alone, or two items that gather the same tiles");
 static_assert(DIM_PARTS == 1 || DIM_PARTS == 2, "whole output rows, or halves");
 static_assert(!NARROW || (CLUSTER == 1 && DIM_PARTS == 1), "NARROW: a block alone, whole rows");
-static_assert(BN == 64 && BN == 2 * UNIT, "a tile is two gather units of 32 tokens");
+static_assert(BN == 64 && BN == 2 * UNIT && BN == 1 << TILE_SHIFT, "a tile is two gather units of 32 tokens");
 static_assert(CHUNKS == 64 && NOPE_CHUNKS == 56 && NOPE_BYTES == 224 && DATA_BYTES == 352,
               "dequantize: thread chunks 4 i + lane / 8, RoPE from 56, the scale slot's 28 bytes after the data row");
 static_assert(REGS_CONSUMER0 + REGS_CONSUMER1 + REGS_PRODUCER <= 3 * REGS_AT_LAUNCH, "the block's registers");

@@ -55,15 +55,16 @@ __device__ __forceinline__ void wait_q(u32 bar_q, u32 phase) {
     sync_consumers();
 }
 
-// Consumer 0, one item: S, the softmax, P, and O over the first half of the item's dims (0..255 of
-// whole rows), then its half of the outputs.
+// Consumer 0, one segment (an item): S, the softmax, P, and O over the first half of the item's
+// dims (0..255 of whole rows), then its half of the outputs: the row's out and lse (slot -1), or
+// its partial outputs at `slot`.
 // The item's tiles (at least one) are the block's tiles tile0 .. tile0 + num_tiles - 1 (their
 // buffers and phases); the last one's buffer is held for the outputs. `processed` counts the
 // block's tiles with a live token (the phases of P); `ordinal`: the block's items before this one
-// (0: its Q is not issued yet); `last`: the block has no item after this one, else next_row and
-// next_head0 are the next item's (its Q is issued here).
-__device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int part,
-                                              int tile0, int num_tiles, u32 ordinal, bool last, i64 next_row, i64 next_head0,
+// (0: its Q is not issued yet); `last`: the block has no item after this one, else next_row is the
+// next item's (its Q, of the same heads, is issued here).
+__device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row, i64 head0, i64 slot, int part,
+                                              int tile0, int num_tiles, u32 ordinal, bool last, i64 next_row,
                                               u32& processed, int tid, u32 peer_bars) {
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
     const int row_lo = warp * 16 + g, row_hi = row_lo + 8;  // the thread's rows of every fragment
@@ -209,9 +210,9 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
     }
 
     // The rows' factors for consumer 1, then this half of the outputs.
-    const i64 num_heads = p.num_heads, num_splits = p.num_splits;
+    const i64 num_heads = p.num_heads;
     float factor_lo = 0.0f, factor_hi = 0.0f, lse_lo = 0.0f, lse_hi = 0.0f;
-    if (num_splits == 1) {
+    if (slot < 0) {
         lse_lo = row_lse(m_lo, l_lo);
         lse_hi = row_lse(m_hi, l_hi);
         if (head0 + row_lo < num_heads) factor_lo = output_factor(l_lo, lse_lo, p.sinks, head0 + row_lo);
@@ -222,26 +223,26 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
         }
     }
     sync_consumers();  // both consumers' loops are done (the held buffer is free), the factors are in
-    if (!last && tid == 0) issue_q(p, base + SM_Q, bar_q, next_row, next_head0);  // every S is done: Q is free
+    if (!last && tid == 0) issue_q(p, base + SM_Q, bar_q, next_row, head0);  // every S is done: Q is free
     if (quad == 0 && part == 0) {  // both parts of a row have the same (m, l)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const i64 head = head0 + (half ? row_hi : row_lo);
             if (head >= num_heads) continue;
-            if (num_splits == 1)
+            if (slot < 0)
                 p.lse[row * num_heads + head] = half ? lse_hi : lse_lo;
             else
-                reinterpret_cast<float2*>(p.partial_ml)[(row * num_heads + head) * num_splits + split] =
+                reinterpret_cast<float2*>(p.partial_ml)[slot * num_heads + head] =
                     half ? make_float2(m_hi, l_hi) : make_float2(m_lo, l_lo);
         }
     }
-    write_rows(p, o, smem, row, head0, split, part, buffer_of(hold), 0, row_lo, quad, factor_lo, factor_hi, tid);
+    write_rows(p, o, smem, row, head0, slot, part, buffer_of(hold), 0, row_lo, quad, factor_lo, factor_hi, tid);
     kv.release_held(buffer_of(hold), lane);
 }
 
 // Consumer 1, one item: O over the second half of the item's dims (256..511 of whole rows) with
 // consumer 0's P and rescale factors (the arguments as consume_item0's).
-__device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int part,
+__device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row, i64 head0, i64 slot, int part,
                                               int tile0, int num_tiles, u32& processed, int tid, u32 peer_bars) {
     const int hold = tile0 + num_tiles - 1;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
@@ -284,9 +285,9 @@ __device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row
     }
 
     sync_consumers();  // both consumers' loops are done (the held buffer is free), consumer 0's factors are in
-    const bool split_outputs = p.num_splits > 1;  // then no factors were written: raw fp32 rows
+    const bool split_outputs = slot >= 0;  // then no factors were written: raw fp32 rows
     const float factor_lo = split_outputs ? 0.0f : factors[row_lo], factor_hi = split_outputs ? 0.0f : factors[row_hi];
-    write_rows(p, o, smem, row, head0, split, part, buffer_of(hold), HALF_DIMS, row_lo, quad, factor_lo, factor_hi,
+    write_rows(p, o, smem, row, head0, slot, part, buffer_of(hold), HALF_DIMS, row_lo, quad, factor_lo, factor_hi,
                tid + WARPGROUP_THREADS);
     kv.release_held(buffer_of(hold), lane);
 }

@@ -51,20 +51,20 @@ template <bool SPLIT>
 constexpr int STAGED_ROW_BYTES = SPLIT && NARROW ? 2 * STAGED_ROW : STAGED_ROW;
 
 // Every consumer thread (ctid 0..CONSUMER_THREADS - 1), once the rows are staged in `region`: the
-// staged rows to dims d0.. of the block's rows (heads below num_heads) of out, or of the split's
-// partial outputs.
+// staged rows to dims d0.. of the block's rows (heads below num_heads) of out (SPLIT false), or of
+// the partial outputs at `slot`.
 template <bool SPLIT>
-__device__ __forceinline__ void copy_rows_out(const Params& p, const u8* region, i64 row, i64 head0, i64 split, int d0,
+__device__ __forceinline__ void copy_rows_out(const Params& p, const u8* region, i64 row, i64 head0, i64 slot, int d0,
                                               int ctid) {
     constexpr int ROW_BYTES = STAGED_ROW_BYTES<SPLIT>;
     constexpr int WARP_STORES = (SPLIT ? ROW_BYTES : OUT_DIMS * 2) / 512;  // of a staged row
     sync_consumers();  // every row is staged
-    const i64 num_heads = p.num_heads, num_splits = p.num_splits;
+    const i64 num_heads = p.num_heads;
     const int rows = static_cast<int>(min(static_cast<i64>(HT), num_heads - head0));
     const int warp = ctid >> 5, lane = ctid & 31;
     for (int r = warp; r < rows; r += CONSUMER_THREADS / 32) {  // a warp a row
-        const i64 entry = row * num_heads + head0 + r;
-        uint4* const dst = (SPLIT ? reinterpret_cast<uint4*>(p.partial_o + (entry * num_splits + split) * HEAD_DIM + d0)
+        const i64 entry = (SPLIT ? slot : row) * num_heads + head0 + r;
+        uint4* const dst = (SPLIT ? reinterpret_cast<uint4*>(p.partial_o + entry * HEAD_DIM + d0)
                                   : reinterpret_cast<uint4*>(p.out + entry * (HEAD_DIM / 2) + d0 / 2)) + lane;
         const u8* const src = region + r * ROW_BYTES + (((lane ^ r) & 7) | (lane & ~7)) * 16;
         uint4 v[WARP_STORES];
@@ -81,17 +81,18 @@ __device__ __forceinline__ void copy_rows_out(const Params& p, const u8* region,
 }
 
 // A consumer's half of the item's outputs, its dims from d0 of the item's (after both loops: named
-// barrier 1; the item's dims from part * OUT_DIMS), staged in K/V buffer `held`. Both consumers pass
-// the same barriers. fp32 partials leave 256 dims (a staged row of 1 KB) a pass: both consumers'
-// halves at once with half rows (DIM_PARTS 2), else each consumer's in a pass of its own.
+// barrier 1; the item's dims from part * OUT_DIMS), staged in K/V buffer `held`: the row's out
+// (slot -1), or its partial outputs at `slot`. Both consumers pass the same barriers. fp32 partials
+// leave 256 dims (a staged row of 1 KB) a pass: both consumers' halves at once with half rows
+// (DIM_PARTS 2), else each consumer's in a pass of its own.
 __device__ __forceinline__ void write_rows(const Params& p, const float (&o)[4 * O_BLOCKS], u8* smem, i64 row, i64 head0,
-                                           i64 split, int part, int held, int d0, int row_lo, int quad, float factor_lo,
+                                           i64 slot, int part, int held, int d0, int row_lo, int quad, float factor_lo,
                                            float factor_hi, int ctid) {
     u8* const region = smem + SM_KV + held * KV_BYTES;
     const int item_d0 = part * OUT_DIMS;
-    if (p.num_splits == 1) {
+    if (slot < 0) {
         stage_rows<false>(o, region, d0 * 2, row_lo, quad, factor_lo, factor_hi);
-        copy_rows_out<false>(p, region, row, head0, split, item_d0, ctid);
+        copy_rows_out<false>(p, region, row, head0, slot, item_d0, ctid);
         return;
     }
     constexpr int PASS_DIMS = STAGED_ROW / 4, PASSES = OUT_DIMS / PASS_DIMS;
@@ -101,6 +102,6 @@ __device__ __forceinline__ void write_rows(const Params& p, const float (&o)[4 *
         const int pass_d0 = pass * PASS_DIMS;
         if (d0 >= pass_d0 && d0 < pass_d0 + PASS_DIMS)
             stage_rows<true>(o, region, (d0 - pass_d0) * 4, row_lo, quad, factor_lo, factor_hi);
-        copy_rows_out<true>(p, region, row, head0, split, item_d0 + pass_d0, ctid);
+        copy_rows_out<true>(p, region, row, head0, slot, item_d0 + pass_d0, ctid);
     }
 }

@@ -55,13 +55,13 @@ __device__ __forceinline__ void reduce_heads(float (&v)[4], float* exchange, int
 }
 
 // The item's outputs from O^T, staged in K/V buffer `held` as whole rows (a head's 512 dims: BF16
-// times the head's factor without splits, the raw fp32 with), chunk c of row h at
+// times the head's factor for out (slot -1), the raw fp32 for the partial outputs at `slot`), chunk c of row h at
 // ((c ^ h) & 7 | c & ~7) * 16 as copy_rows_out reads them, then copied out.
 __device__ __forceinline__ void write_rows_narrow(const Params& p, const float (&o)[8 * DIM_BLOCKS], u8* smem, i64 row,
-                                                  i64 head0, i64 split, int held, int warp, int g, int quad,
+                                                  i64 head0, i64 slot, int held, int warp, int g, int quad,
                                                   const float (&factor)[4], int tid) {
     u8* const region = smem + SM_KV + held * KV_BYTES;
-    const bool split_outputs = p.num_splits > 1;
+    const bool split_outputs = slot >= 0;
 #pragma unroll
     for (int i = 0; i < DIM_BLOCKS; ++i)
 #pragma unroll
@@ -82,17 +82,17 @@ __device__ __forceinline__ void write_rows_narrow(const Params& p, const float (
                 }
             }
     if (split_outputs)
-        copy_rows_out<true>(p, region, row, head0, split, 0, tid);
+        copy_rows_out<true>(p, region, row, head0, slot, 0, tid);
     else
-        copy_rows_out<false>(p, region, row, head0, split, 0, tid);
+        copy_rows_out<false>(p, region, row, head0, slot, 0, tid);
 }
 
 // NARROW, the consumer warpgroup, one item: per tile S^T, the online softmax of the 16 heads
 // (their maxima over the block's 64 tokens through shared memory), P^T in shared memory and
 // O^T += V^T.P^T over all 512 dims, then the item's outputs (the arguments as consume_item0's;
 // `processed` counts the block's exchanges, whose parity picks the half of the exchange buffer).
-__device__ __forceinline__ void consume_item_narrow(const Params& p, u8* smem, i64 row, i64 head0, i64 split, int tile0,
-                                                    int num_tiles, u32 ordinal, bool last, i64 next_row, i64 next_head0,
+__device__ __forceinline__ void consume_item_narrow(const Params& p, u8* smem, i64 row, i64 head0, i64 slot, int tile0,
+                                                    int num_tiles, u32 ordinal, bool last, i64 next_row,
                                                     u32& processed, int tid) {
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
     const int token_lo = warp * 16 + g;  // the thread's rows of S^T: tokens token_lo and token_lo + 8
@@ -218,20 +218,20 @@ __device__ __forceinline__ void consume_item_narrow(const Params& p, u8* smem, i
     // The heads' sums over the block (its barrier also means every S^T is done: Q is free).
     reduce_heads<false>(l, exchange + (processed & 1) * 4 * HT, warp, lane);
     ++processed;
-    if (!last && tid == 0) issue_q(p, base + SM_Q, bar_q, next_row, next_head0);
-    const i64 num_heads = p.num_heads, num_splits = p.num_splits;
+    if (!last && tid == 0) issue_q(p, base + SM_Q, bar_q, next_row, head0);
+    const i64 num_heads = p.num_heads;
     float factor[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
         const i64 head = head0 + column_head(c, quad);
         const float lse = row_lse(m[c], l[c]);
-        factor[c] = num_splits == 1 && head < num_heads ? output_factor(l[c], lse, p.sinks, head) : 0.0f;
+        factor[c] = slot < 0 && head < num_heads ? output_factor(l[c], lse, p.sinks, head) : 0.0f;
         if (tid >= 4 || head >= num_heads) continue;  // warp 0's lanes 0..3 write the heads' (m, l) or lse
-        if (num_splits == 1)
+        if (slot < 0)
             p.lse[row * num_heads + head] = lse;
         else
-            reinterpret_cast<float2*>(p.partial_ml)[(row * num_heads + head) * num_splits + split] = make_float2(m[c], l[c]);
+            reinterpret_cast<float2*>(p.partial_ml)[slot * num_heads + head] = make_float2(m[c], l[c]);
     }
-    write_rows_narrow(p, o, smem, row, head0, split, buffer_of(hold), warp, g, quad, factor, tid);
+    write_rows_narrow(p, o, smem, row, head0, slot, buffer_of(hold), warp, g, quad, factor, tid);
     kv.release_held(buffer_of(hold), lane);
 }

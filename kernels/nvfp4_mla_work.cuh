@@ -16,6 +16,12 @@ __device__ __forceinline__ i64 live_count(const void* lens, i64 lens_int64, i64 
     return n < 0 ? 0 : (n > k ? k : n);
 }
 
+// A row's tiles: its live entries (at most 2^25, the host's cap on the tables' widths) in tiles of
+// 2^tile_shift tokens, at least one.
+__device__ __forceinline__ u32 live_tiles(u32 live, u32 tile_shift) {
+    return live > 0 ? (live + (1u << tile_shift) - 1) >> tile_shift : 1u;
+}
+
 // A part: the tiles from (begin_row, begin_tile) up to, not including, (end_row, end_tile), in row
 // order. A segment that holds every tile of its row writes the row's out and lse itself; the others
 // write their partial outputs at a slot, which the combine merges. begin_slot is the slot of the
@@ -34,3 +40,45 @@ struct WorkPart {
 struct SplitRow {
     int row, first_slot;
 };
+
+// A part's tiles of one row, [tile_begin, tile_end), writing at `slot` (-1: the row's out and
+// lse); `valid` false past the part's last one.
+struct Segment {
+    int row, tile_begin, tile_end, slot;
+    bool valid;
+};
+
+// The part's segment from (row, tile_begin): the rest of the row's tiles in the part.
+// tiles_of(row): a row's tiles (live_tiles of its lengths), read only for a row the part ends after.
+template <typename TilesOf>
+__device__ __forceinline__ Segment segment_from(const WorkPart& w, int row, int tile_begin, TilesOf tiles_of) {
+    Segment s;
+    s.row = row;
+    s.tile_begin = tile_begin;
+    s.valid = row < w.end_row || (row == w.end_row && tile_begin < w.end_tile);
+    s.tile_end = row == w.end_row ? w.end_tile : (s.valid ? static_cast<int>(tiles_of(row)) : 0);
+    s.slot = row == w.begin_row ? w.begin_slot : (row == w.end_row ? w.end_slot : -1);
+    return s;
+}
+
+// The part's segments in the order its blocks walk them (decode_scheduler.segments): the first,
+// then each one's next, while valid.
+template <typename TilesOf>
+__device__ __forceinline__ Segment first_segment(const WorkPart& w, TilesOf tiles_of) {
+    return segment_from(w, w.begin_row, w.begin_tile, tiles_of);
+}
+
+template <typename TilesOf>
+__device__ __forceinline__ Segment next_segment(const WorkPart& w, const Segment& s, TilesOf tiles_of) {
+    return segment_from(w, s.row + 1, 0, tiles_of);
+}
+
+// Part q of the list at `work` (two aligned 16-byte loads).
+__device__ __forceinline__ WorkPart load_part(const void* work, u32 q) {
+    const int4* const at = static_cast<const int4*>(work) + 2 * q;
+    const int4 a = at[0], b = at[1];
+    WorkPart w;
+    w.begin_row = a.x, w.begin_tile = a.y, w.end_row = a.z, w.end_tile = a.w;
+    w.begin_slot = b.x, w.end_slot = b.y, w.unused[0] = w.unused[1] = 0;
+    return w;
+}

@@ -3,6 +3,8 @@ shared-memory and split plans, the CPU path (= the reference), validation of ``o
 custom op's fake implementation and tracing. Its kernels compile in tests/test_ops_compile.py."""
 
 import ctypes
+import random
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -112,15 +114,149 @@ def test_a_forced_head_tile_needs_the_mma_sync_kernel(monkeypatch):
         decode.plan(nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_head_tile=64), 0, 16, 1, 128, 0)
 
 
-def test_a_block_cap_needs_the_wgmma_kernel(monkeypatch):
-    """Only the wgmma kernels' blocks walk their items: capping the mma.sync kernel's grid (a block
-    an item) must not be ignored silently."""
+def test_the_work_list_parts_need_a_hopper_backend(monkeypatch):
+    """Only the Hopper kernels walk a work list: forcing its parts on the mma.sync kernel (a block
+    an item), or the mma.sync kernel's splits and head tile on a Hopper one, must not be ignored
+    silently."""
     monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[90])
-    message = "decode_blocks=4 applies to the wgmma_sm90_narrow and wgmma_sm90 backends' kernels only"
+    message = "decode_parts=4 applies to the wgmma_sm90_narrow and wgmma_sm90 backends' kernels only"
     with pytest.raises(ValueError, match=message):
-        decode.plan(nvfp4_mla.KernelLibrary(decode_blocks=4), 0, 16, 1, 128, 0)  # the rule: mma_sync
+        decode.plan(nvfp4_mla.KernelLibrary(decode_parts=4), 0, 16, 1, 128, 0)  # the rule: mma_sync
     with pytest.raises(ValueError, match="runs the mma_sync backend"):
-        decode.plan(nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_blocks=4), 0, 64, 64, 128, 0)
+        decode.plan(nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_parts=4), 0, 64, 64, 128, 0)
+    message = "decode_splits=3 applies to the mma_sync backends' kernels only, but this call runs the wgmma_sm90 "
+    with pytest.raises(ValueError, match=message):
+        decode.plan(nvfp4_mla.KernelLibrary(decode_splits=3), 0, 64, 8, 128, 0)  # the rule: wgmma_sm90
+    with pytest.raises(ValueError, match=r"decode_splits=3 applies .* runs the wgmma_sm90_narrow backend"):
+        decode.plan(nvfp4_mla.KernelLibrary(decode_splits=3), 0, 16, 64, 128, 0)  # the rule: the NARROW build
+    with pytest.raises(ValueError, match=r"decode_head_tile=16 applies .* runs the wgmma_sm90_narrow backend"):
+        forced = nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90_narrow", decode_head_tile=16)
+        decode.plan(forced, 0, 16, 1, 128, 0)
+    assert decode.MAX_LIST_PARTS == decode_combine.MAX_PARTIALS == 256 < decode_scheduler.MAX_PARTS
+
+
+class _StandInLauncher(NamedTuple):
+    """A loaded kernel as the planner sees it: its spec and the blocks the GPU holds at once."""
+
+    spec: Any
+    resident_blocks: int
+
+    def launch(self, *args: int) -> None:
+        raise AssertionError("a plan is built, never launched, here")
+
+
+class _StandInKernels:
+    """Stands in for a KernelCache on a fake GPU of ``sms`` SMs: a launcher of each spec asked for,
+    holding ``attention`` Hopper attention blocks an SM (one: their shared memory), 4 blocks of
+    the combine build that prefetches 16 partials and 8 of the others."""
+
+    def __init__(self, sms: int = 132, attention: int = 1):
+        self.sms, self.attention = sms, attention
+
+    def launcher(self, device_index: int, spec: Any) -> _StandInLauncher:
+        if isinstance(spec, decode_sm90.WgmmaAttentionSpec):
+            per_sm = self.attention
+        elif isinstance(spec, decode_combine.CombineSpec):
+            per_sm = 4 if spec.prefetch == decode_combine.PREFETCH else 8
+        else:
+            per_sm = 1
+        return _StandInLauncher(spec, self.sms * per_sm)
+
+
+def _list_plan(monkeypatch, num_heads, rows, kernels=None, **forced):
+    """``decode.plan`` of a call on the fake H200 with stand-in kernels (nothing compiled), and the
+    library it planned on."""
+    monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[90])
+    library = nvfp4_mla.KernelLibrary(kernels or _StandInKernels(), **forced)  # type: ignore[arg-type]  # a stand-in cache
+    return decode.plan(library, 0, num_heads, rows, 128, 512), library
+
+
+def _check_list_plan(plan, num_heads, rows, parts, dim_parts):
+    """What a work-list plan of ``parts`` parts and ``dim_parts`` dim parts holds: a block per
+    (part, head tile, dim part), no width split, a combine (and a block per split row and head)
+    only with more than one part, a slot per cut and one more per split row (a boundary between
+    parts cuts at most one row), and a workspace of the list (16-byte aligned), then the slots'
+    partial rows and (m, l)."""
+    head_tiles = -(-num_heads // plan.head_tile)
+    split_rows = min(parts - 1, rows)
+    assert (plan.parts, plan.dim_parts, plan.blocks) == (parts, dim_parts, parts * head_tiles * dim_parts)
+    assert (plan.num_splits, plan.tiles_per_split) == (1, 0)
+    assert (plan.combine is None) == (parts == 1)
+    assert plan.combine_blocks == split_rows * num_heads
+    assert plan.slots == parts - 1 + split_rows <= decode_scheduler.max_slots(parts)
+    list_values = -(-decode_scheduler.work_ints(parts) // 4) * 4
+    assert plan.workspace == list_values + plan.slots * num_heads * (abi.HEAD_DIM + 2)
+    assert plan.scheduler is not None and plan.scheduler.spec == decode_scheduler.SchedulerSpec()
+    assert plan.q_map is not None
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "rows", "backend", "dim_parts", "cluster"),
+    [
+        (64, 1, "wgmma_sm90", 2, 2),  # one head tile in half rows: a cluster of the two halves
+        (128, 1, "wgmma_sm90", 2, 2),
+        (100, 7, "wgmma_sm90", 2, 2),  # 2 head tiles, 28 items in halves: within 0.8 of the GPU
+        (256, 3, "wgmma_sm90", 2, 2),
+        (192, 20, "wgmma_sm90", 1, 1),  # 3 head tiles: no cluster; 120 half-row items would not fit
+        (64, 64, "wgmma_sm90", 1, 1),
+        (128, 64, "wgmma_sm90", 1, 2),
+        (16, 6, "wgmma_sm90_narrow", 1, 1),
+        (16, 16384, "wgmma_sm90_narrow", 1, 1),
+        (40, 2, "wgmma_sm90", 2, 2),
+    ],
+)
+def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_parts, cluster):
+    """The rule's Hopper plans: as many parts as the GPU holds the blocks of at once (whole
+    clusters) over a part's blocks, half rows where twice the rows' (row, head tile) items fill at
+    most 0.8 of them; the workspace holds the list of any lengths (the CPU model's lists of every
+    kind of lengths take at most the plan's slots and split rows)."""
+    plan, library = _list_plan(monkeypatch, num_heads, rows)
+    assert plan.backend == backend
+    head_tile = decode_sm90.NARROW_HEAD_TILE if backend == "wgmma_sm90_narrow" else decode_sm90.HEAD_TILE
+    head_tiles = -(-num_heads // head_tile)
+    per_part = head_tiles * dim_parts
+    parts = min(132 // per_part, decode.MAX_LIST_PARTS)  # 132 SMs, a Hopper attention block each
+    _check_list_plan(plan, num_heads, rows, parts, dim_parts)
+    assert plan.blocks <= 132 < plan.blocks + per_part  # the GPU filled at once
+    assert plan.attend.spec == decode_sm90.WgmmaAttentionSpec.of(cluster, dim_parts, head_tile)
+    prefetch = decode_combine.PREFETCH if plan.combine_blocks <= 4 * 132 else decode_combine.PREFETCH_WAVES
+    assert plan.combine.spec == decode_combine.CombineSpec.of(prefetch)
+    assert list(library.plans.values()) == [plan]  # remembered: the next call's one lookup
+    rng = random.Random(rows)
+    for tiles in (
+        [1] * rows,
+        [10] * rows,
+        [1 if r != rows // 2 else 10 for r in range(rows)],
+        [rng.randint(1, 10) for _ in range(rows)],
+    ):
+        listed = decode_scheduler.schedule(tiles, plan.parts, decode.SEGMENT_COST)
+        split = [row for row, _ in listed.split_rows if row >= 0]
+        assert len(split) * num_heads <= plan.combine_blocks and listed.split_rows[-1][1] <= plan.slots
+
+
+def test_a_list_plan_has_at_most_256_parts(monkeypatch):
+    """Where the GPU holds more blocks than that, the combine's most partials of a row (one row
+    may be cut at every boundary) cap the parts."""
+    plan, _ = _list_plan(monkeypatch, 16, 64, _StandInKernels(attention=2))
+    _check_list_plan(plan, 16, 64, decode.MAX_LIST_PARTS, 1)
+    assert plan.blocks == 256 < 2 * 132
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7, 64, 255, 256])
+def test_decode_parts_forces_the_parts(monkeypatch, parts):
+    """``decode_parts`` sets the parts, whatever the GPU holds at once, on both Hopper backends and
+    in whole or half rows: half rows at the same parts take twice the blocks (the same list)."""
+    for heads, rows in ((128, 3), (64, 1), (16, 40)):
+        for dim_parts in (1, 2) if heads > 16 else (None,):
+            plan, _ = _list_plan(monkeypatch, heads, rows, decode_parts=parts, decode_dim_parts=dim_parts)
+            _check_list_plan(plan, heads, rows, parts, dim_parts or 1)
+
+
+@pytest.mark.parametrize("parts", [0, -1, 257, 1023])
+def test_decode_parts_out_of_range_are_refused(monkeypatch, parts):
+    for heads, rows in ((128, 3), (16, 40)):
+        with pytest.raises(ValueError, match=rf"decode_parts must be in \[1, 256\], got {parts}"):
+            _list_plan(monkeypatch, heads, rows, decode_parts=parts)
 
 
 def test_a_forced_dim_split_needs_a_backend_that_has_it(monkeypatch):
@@ -225,8 +361,9 @@ def test_the_q_tensor_map_is_encoded_once_then_moved(monkeypatch):
         q_map(0)
     params = decode_sm90.PARAMS
     assert params.size == 256 + launch.TENSOR_MAP_BYTES
-    assert params.names == (*decode_backend.ATTEND_PARAMS.names, "q_map")
-    assert params.offsets["q_map"] == 256  # the next 64 bytes after the attention Params
+    assert params.names == (*decode_backend.ATTEND_PARAMS.names, "work", "q_map")
+    assert params.offsets["work"] == decode_backend.ATTEND_PARAMS.size == 232  # the work list, then the map
+    assert params.offsets["q_map"] == 256  # the next 64 bytes after the attention Params and the list
     assert decode_sm90.WgmmaAttentionSpec.of(1).template.params is params and params.size <= launch.PARAMS_CAPACITY
 
 

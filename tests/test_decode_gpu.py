@@ -7,12 +7,20 @@ fp32 only absolute errors are meaningful: a peaked softmax can leave an output e
 exactly 0 and +inf. Every check prints its measured maxima (``pytest -s`` shows them) and a failure
 names the worst element. Cases: every mask kind, one and two pools, sinks, lonely rows, every
 head count, q_len 1 and > 1, int32/int64 slots, page sizes and layouts, NaN records at masked
-positions, every head tile and split (both epilogues), the Hopper kernel's blocks walking several
-items, determinism, CUDA graphs (two replayed in turn too), two streams at once, ``out=``,
-torch.compile, and the largest prefill (16,384 rows of 128 heads). The semantic and execution
-tests run on every backend of this GPU (``backend``: the default library, whose rule picks by
-architecture and shape, and a library that forces each backend of this GPU: the mma.sync kernel,
-and on sm_90 the Hopper wgmma kernel's two builds).
+positions, every head tile and split of the mma.sync kernel (both epilogues), the Hopper kernels'
+work list in 1 to 256 parts (rows whole and cut between parts, most parts empty, blocks walking
+many segments), ragged batches of 1 to 16,384 rows, determinism, CUDA graphs (two replayed in turn
+too, and lengths that change between replays), two streams at once, ``out=``, torch.compile, and
+the largest prefill (16,384 rows of 128 heads). The semantic and execution tests run on every
+backend of this GPU (``backend``: the default library, whose rule picks by architecture and shape,
+and a library that forces each backend of this GPU: the mma.sync kernel, and on sm_90 the Hopper
+wgmma kernel's two builds).
+
+The mma.sync kernel splits every row's selected tokens by the tables' widths (``decode_splits``);
+the Hopper kernels walk a work list that the scheduler writes on the GPU from the rows' live
+lengths (``decode_parts``: a row is cut where the parts' boundaries fall in its tiles). Two calls
+with the same list give the same bits; other parts cut the rows elsewhere, so those are compared
+with the float64 answer only.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import nvfp4_mla
 import nvfp4_mla.reference.decode as exact_decode
 from nvfp4_mla import abi, validation
 from nvfp4_mla.device import device_info
-from nvfp4_mla.ops import decode, decode_combine, decode_mma, decode_sm90
+from nvfp4_mla.ops import decode, decode_backend, decode_combine, decode_mma, decode_scheduler, decode_sm90
 from nvfp4_mla.testing import dirty_allocator, make_cache
 from nvfp4_mla.testing.kernels import VirtualArchKernels
 
@@ -180,6 +188,68 @@ def head_tile_fits(head_tile: int) -> bool:
     return decode_mma.shared_bytes(head_tile) <= device_info(torch.cuda.current_device()).shared_optin
 
 
+def walks_a_list(name: str) -> bool:
+    """Whether backend ``name`` walks a work list (the Hopper kernels): it takes ``decode_parts``."""
+    return decode_backend.PARTS_OVERRIDE in decode.BACKENDS[name].overrides
+
+
+def cut(name: str, n: int, **kwargs) -> nvfp4_mla.KernelLibrary:
+    """A library forcing backend ``name`` with its work cut ``n`` ways: the mma.sync kernel's ``n``
+    splits of every row's selected tokens, or a Hopper backend's work list in ``n`` parts (which
+    cut the rows where the parts' boundaries fall in their live tiles)."""
+    if walks_a_list(name):
+        return nvfp4_mla.KernelLibrary(decode_backend=name, decode_parts=n, **kwargs)
+    return nvfp4_mla.KernelLibrary(decode_backend=name, decode_splits=n, **kwargs)
+
+
+def cuts(name: str, counts: tuple[int, ...], rows: int) -> tuple[int, ...]:
+    """``counts``, and on a backend that walks a work list also ``3 * rows`` parts: more parts than
+    rows, so that most rows are cut, some more than once."""
+    return (*counts, min(3 * rows, decode.MAX_LIST_PARTS)) if walks_a_list(name) else counts
+
+
+def plan_of(q, pools, library=None) -> decode.DecodePlan:
+    """The plan that ``run(q, pools, library=library)`` takes."""
+    widths = [slots.shape[2] for _, slots, _ in pools] + [0]
+    has_lengths = any(lens is not None for _, _, lens in pools)
+    rows = q.shape[0] * q.shape[1]
+    library = nvfp4_mla.ops.DEFAULT if library is None else library
+    return decode.plan(library, q.get_device(), q.shape[2], rows, widths[0], widths[1], has_lengths)
+
+
+def alone(spec):
+    """A library's ``tune`` that runs every Hopper attention block alone, never in a cluster of two."""
+    if isinstance(spec, decode_sm90.WgmmaAttentionSpec):
+        return decode_sm90.WgmmaAttentionSpec.of(1, spec.dim_parts, spec.head_tile)
+    return spec
+
+
+def length_sets(rows: int, swa_k: int, extra_k: int, g: torch.Generator):
+    """``(name, swa lengths, extra lengths)``, ``[rows]`` int64 on the CPU, of every kind of
+    lengths the work list follows: nothing live, every entry live, one long row among rows of one
+    entry, uniform, one row in eight long."""
+    middle, eighth = torch.arange(rows) == rows // 2, torch.arange(rows) % 8 == 0
+    yield "zeros", torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
+    yield "full", torch.full((rows,), swa_k), torch.full((rows,), extra_k)
+    yield "one long", torch.where(middle, swa_k, 1), torch.where(middle, extra_k, 0)
+    uniform = torch.randint(0, swa_k + 1, (rows,), generator=g), torch.randint(0, extra_k + 1, (rows,), generator=g)
+    yield "uniform", *uniform
+    yield "one in eight long", torch.full((rows,), swa_k), torch.where(eighth, extra_k, 0)
+
+
+def rows_at(x: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[batch, q_len, ...]``) at the query rows ``sample`` (indices into batch * q_len),
+    as ``[len(sample), 1, ...]``."""
+    return x.reshape(-1, 1, *x.shape[2:])[sample]
+
+
+def check_rows(got, q, pools, sample, what, sinks=None) -> tuple[float, float]:
+    """:func:`check` of the query rows ``sample`` of a call's ``got`` against their float64 answer."""
+    picked = [(p, rows_at(slots, sample), None if lens is None else rows_at(lens, sample)) for p, slots, lens in pools]
+    want = exact(rows_at(q, sample), picked, sinks=sinks)
+    return check((rows_at(got[0], sample), rows_at(got[1], sample)), want, what)
+
+
 # ---------------------------------------------------------------- semantics
 
 
@@ -298,8 +368,8 @@ def test_nan_records_in_masked_positions_do_not_leak(backend, seed):
 
 def test_nan_outputs_are_torchs_nan(seed):
     """NaN records at live positions make NaN outputs, stored as torch's 0x7FC0 like the
-    reference's, on every backend, without splits (the attention kernel's epilogue) and with (the
-    combine's)."""
+    reference's, on every backend, the work whole (the attention kernel's epilogue) and cut in three
+    (splits, or parts that cut rows: the combine's)."""
     g = torch.Generator().manual_seed(seed)
     pool = Pool(8, 64, g)
     for slot in range(0, pool.capacity, 7):
@@ -308,10 +378,10 @@ def test_nan_outputs_are_torchs_nan(seed):
     pools = [(pool, pool.slots((2, 2, 200), g), None)]
     gpu = device_info(q.get_device())
     for name in [n for n, b in decode.BACKENDS.items() if b.supports(gpu.capability)]:
-        for num_splits in (1, 3):
-            out, _ = run(q, pools, library=nvfp4_mla.KernelLibrary(decode_backend=name, decode_splits=num_splits))
+        for n in (1, 3):
+            out, _ = run(q, pools, library=cut(name, n))
             nan = torch.isnan(out)
-            assert nan.any() and bool((out.view(torch.int16)[nan] == 0x7FC0).all()), f"{name}, {num_splits} splits"
+            assert nan.any() and bool((out.view(torch.int16)[nan] == 0x7FC0).all()), f"{name}, cut {n} ways"
 
 
 def test_decode_shapes_of_the_benchmark(backend, seed):
@@ -348,13 +418,42 @@ def test_the_largest_prefill(backend, seed):
     out, lse = run(q, pools, sinks=sinks, library=backend)
     assert not torch.isnan(out).any()
     sample = torch.cat([torch.tensor([0, rows - 1]), torch.randperm(rows - 2, generator=g)[:62] + 1]).to(DEVICE)
+    check_rows((out, lse), q, pools, sample, f"{rows} rows, 64 sampled", sinks)
 
-    def rows_of(x: torch.Tensor) -> torch.Tensor:  # [batch, q_len, ...] -> the sampled rows as [64, 1, ...]
-        return x.reshape(rows, 1, *x.shape[2:])[sample]
 
-    sampled = [(swa, rows_of(swa_slots), None), (extra, rows_of(extra_slots), rows_of(extra_lens))]
-    want = exact(rows_of(q), sampled, sinks=sinks)
-    check((rows_of(out), rows_of(lse)), want, f"{rows} rows, 64 sampled")
+@pytest.mark.parametrize(
+    ("rows", "heads"), [*[(rows, heads) for rows in (1, 2, 7, 64, 1031) for heads in (16, 128)], (16384, 16)]
+)
+def test_ragged_batches_through_the_default_library(seed, rows, heads):
+    """The rule's backend (the default library) on batches of 1 to 16,384 query rows whose lengths
+    take every kind the work list follows (nothing live, every entry live, one long row among rows
+    of one entry, uniform, one row in eight long), in both pools (int32 and int64 lengths), with
+    invalid slots and sinks: every output element is written (out starts as NaN bytes), and every
+    row (past 64 rows, 64 of them: the first, the middle one (the long one) and the last among
+    them) is within the tolerances of the float64 answer."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(16, 64, g), Pool(64, 64, g)
+    swa_k, extra_k = 128, 1024
+    on_gpu = torch.Generator(DEVICE).manual_seed(seed)  # up to 134 M values: drawn where they are used
+    q = torch.randn(rows, 1, heads, abi.HEAD_DIM, device=DEVICE, dtype=BF16, generator=on_gpu)
+    swa_lens = torch.zeros(rows, 1, dtype=torch.int32, device=DEVICE)
+    extra_lens = torch.zeros(rows, 1, dtype=torch.int64, device=DEVICE)
+    pools = [
+        (swa, swa.slots((rows, 1, swa_k), g, torch.int32, invalid=0.05), swa_lens),
+        (extra, extra.slots((rows, 1, extra_k), g, invalid=0.05), extra_lens),
+    ]
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    if rows <= 64:
+        sample = torch.arange(rows)
+    else:
+        sample = torch.cat([torch.tensor([0, rows // 2, rows - 1]), torch.randperm(rows - 2, generator=g)[:61] + 1])
+    sample = sample.unique().to(DEVICE)
+    for name, swa_n, extra_n in length_sets(rows, swa_k, extra_k, g):
+        swa_lens.copy_(swa_n.view(rows, 1))
+        extra_lens.copy_(extra_n.view(rows, 1))
+        out, lse = run(q, pools, sinks=sinks)
+        assert not torch.isnan(out).any(), f"{name} lengths: an element of out was not written"
+        check_rows((out, lse), q, pools, sample, f"{rows} rows of {heads} heads, {name} lengths", sinks)
 
 
 # ---------------------------------------------------------------- head tiles and splits
@@ -429,8 +528,11 @@ def test_the_most_splits_the_combine_takes(seed):
 
 @pytest.mark.parametrize("heads", [16, 128])
 def test_a_row_does_not_depend_on_the_other_rows(backend, seed, heads):
-    """Batch invariance within a call shape: new queries, slots and lengths in the other rows leave
-    a row's bits as they were (the split and the backend follow from the shape only)."""
+    """Batch invariance within a call shape: new queries and slots in the other rows leave a row's
+    bits as they were (the backend follows from the shape, the split or the work list from the
+    shape and the lengths). New lengths in the other rows move the Hopper work list's cuts, so
+    there the row stays within the tolerances of the float64 answer; on the mma.sync kernel, whose
+    split follows the shape only, it keeps its bits."""
     g = torch.Generator().manual_seed(seed)
     swa, extra = Pool(16, 64, g), Pool(32, 64, g)
     batch, q_len = 40, 1  # at 16 heads, 40 rows take the wgmma kernel on sm_90
@@ -443,11 +545,16 @@ def test_a_row_does_not_depend_on_the_other_rows(backend, seed, heads):
     q[1:] = queries(batch - 1, q_len, heads, g)
     swa_slots[1:] = swa.slots((batch - 1, q_len, 128), g)
     extra_slots[1:] = extra.slots((batch - 1, q_len, 640), g, invalid=0.3)
-    swa_lens[1:] = lengths(batch - 1, q_len, 128, g)
     again = run(q, pools, sinks=sinks, library=backend)
     assert bits_equal(again[0][:1], first[0][:1]) and bits_equal(again[1][:1], first[1][:1])
     assert not bits_equal(again[0][1:], first[0][1:])  # the other rows did change
-    check(again, exact(q, pools, sinks=sinks), f"heads {heads}, the other rows replaced")
+    check(again, exact(q, pools, sinks=sinks), f"heads {heads}, the other rows' queries and slots replaced")
+    swa_lens[1:] = lengths(batch - 1, q_len, 128, g)
+    extra_lens[1:] = lengths(batch - 1, q_len, 640, g, torch.int64)
+    moved = run(q, pools, sinks=sinks, library=backend)
+    check(moved, exact(q, pools, sinks=sinks), f"heads {heads}, and their lengths")
+    if plan_of(q, pools, backend).parts == 0:  # no work list: the split follows the shape only
+        assert bits_equal(moved[0][:1], first[0][:1]) and bits_equal(moved[1][:1], first[1][:1])
 
 
 def test_split_runs_are_bitwise_reproducible(backend, seed):
@@ -457,8 +564,7 @@ def test_split_runs_are_bitwise_reproducible(backend, seed):
     q = queries(1, 1, 128, g)
     sinks = torch.randn(128, generator=g).to(DEVICE)
     first = run(q, pools, sinks=sinks, library=backend)
-    library = nvfp4_mla.ops.DEFAULT if backend is None else backend
-    assert decode.plan(library, q.get_device(), 128, 1, 128, 1024).num_splits > 1, "batch 1 is split"
+    assert plan_of(q, pools, backend).combine is not None, "batch 1 is split (or cut between parts)"
     for _ in range(3):
         again = run(q, pools, sinks=sinks, library=backend)
         assert bits_equal(again[0], first[0]) and bits_equal(again[1], first[1])
@@ -467,22 +573,42 @@ def test_split_runs_are_bitwise_reproducible(backend, seed):
 
 @pytest.mark.parametrize("heads", [16, 64, 100, 128])
 def test_every_backend_with_every_split(seed, heads):
-    """Each backend of this GPU, forced, over 1 to many splits (both epilogues), heads that do not
+    """Each backend of this GPU, forced, over 1 to many splits of the mma.sync kernel or parts of
+    the Hopper work list (up to three a row: rows whole and cut, both epilogues), heads that do not
     fill its head tile, both pools with lengths and invalid slots."""
     q, pools, sinks, want = split_case(seed, heads, 300)
     gpu = device_info(q.get_device())
     for name in [n for n, b in decode.BACKENDS.items() if b.supports(gpu.capability)]:
-        for num_splits in (1, 2, 3, 7):
-            library = nvfp4_mla.KernelLibrary(decode_backend=name, decode_splits=num_splits)
-            plan = decode.plan(library, q.get_device(), heads, 4, 128, 300)  # batch 2 x q_len 2
-            assert plan.backend == name and (plan.combine is None) == (plan.num_splits == 1)
-            check(run(q, pools, sinks=sinks, library=library), want, f"{name}, heads {heads}, {num_splits} splits")
+        for n in cuts(name, (1, 2, 3, 7), 4):  # batch 2 x q_len 2
+            library = cut(name, n)
+            plan = plan_of(q, pools, library)
+            assert plan.backend == name
+            if walks_a_list(name):
+                assert (plan.parts, plan.num_splits) == (n, 1) and (plan.combine is None) == (n == 1)
+            else:
+                assert plan.parts == 0 and (plan.combine is None) == (plan.num_splits == 1)
+            check(run(q, pools, sinks=sinks, library=library), want, f"{name}, heads {heads}, cut {n} ways")
+
+
+def one_row_cut_most_ways() -> int:
+    """Live tokens of one row that the work list in MAX_LIST_PARTS parts cuts into the combine's
+    most partials of a row (MAX_PARTIALS), by the CPU model of the scheduler."""
+    parts = decode.MAX_LIST_PARTS
+    for tiles in range(parts, 64 * parts):
+        listed = decode_scheduler.schedule([tiles], parts, decode.SEGMENT_COST)
+        segments = sum(1 for part in listed.parts for _ in decode_scheduler.segments(part, [tiles]))
+        if segments == decode_combine.MAX_PARTIALS:
+            return tiles * decode_sm90.BLOCK_N
+    raise AssertionError("no row length is cut into MAX_PARTIALS segments")
 
 
 def test_the_combine_builds_give_the_same_bits(seed):
-    """The combine kernel prefetching no split, the shipped 4 and 16 add the splits in the same
-    order: the same bits, at fewer splits than the prefetches hold, more, and the most; and the plan
-    takes the 16-split build only where its blocks fit the GPU at once, else the 4-split one."""
+    """The combine kernel prefetching no partial, the shipped 4 and 16 add a row's partials in the
+    same order: the same bits, at fewer partials than the prefetches hold, more, and the most: the
+    mma.sync kernel's splits up to MAX_SPLITS, and on sm_90 one row that the Hopper work list in
+    256 parts cuts 256 ways (MAX_PARTIALS, two a combine thread). And the plan takes the
+    16-partial build only where its blocks (a (row, head), or with a work list a (split row, head))
+    fit the GPU at once, else the 4-partial one."""
     q, pools, sinks, want = split_case(seed, 64, 8000)  # 128 + 8000 tokens: up to 128 splits
 
     def combine_build(prefetch):
@@ -491,96 +617,170 @@ def test_the_combine_builds_give_the_same_bits(seed):
 
         return tune
 
-    for num_splits in (3, decode_combine.PREFETCH + 1, decode.MAX_SPLITS):
+    def same_bits_from_every_build(q, pools, sinks, want, what, **forced):
         got = [
-            run(q, pools, sinks=sinks, library=nvfp4_mla.KernelLibrary(decode_splits=num_splits, tune=combine_build(p)))
+            run(q, pools, sinks=sinks, library=nvfp4_mla.KernelLibrary(tune=combine_build(p), **forced))
             for p in (0, decode_combine.PREFETCH_WAVES, decode_combine.PREFETCH)
         ]
         for other in got[1:]:
-            assert bits_equal(got[0][0], other[0]) and bits_equal(got[0][1], other[1]), f"{num_splits} splits"
-        check(got[2], want, f"prefetching combine, {num_splits} splits")
-    library, device = nvfp4_mla.KernelLibrary(decode_splits=2), q.get_device()
+            assert bits_equal(got[0][0], other[0]) and bits_equal(got[0][1], other[1]), what
+        check(got[2], want, f"prefetching combine, {what}")
+
+    for num_splits in (3, decode_combine.PREFETCH + 1, decode.MAX_SPLITS):
+        same_bits_from_every_build(
+            q, pools, sinks, want, f"{num_splits} splits", decode_backend="mma_sync", decode_splits=num_splits
+        )
+    device = q.get_device()
+    hopper = decode.BACKENDS["wgmma_sm90"].supports(device_info(device).capability)
+    if hopper:
+        g = torch.Generator().manual_seed(seed + 1)
+        swa, extra = Pool(8, 64, g), Pool(64, 64, g)
+        extra_k = one_row_cut_most_ways() - 128  # 32,512 with the shipped costs: 510 tiles of 64
+        swa_lens = torch.full((1, 1), 128, dtype=torch.int32, device=DEVICE)  # every entry live
+        extra_lens = torch.full((1, 1), extra_k, dtype=torch.int64, device=DEVICE)
+        one = [
+            (swa, swa.slots((1, 1, 128), g, invalid=0.1), swa_lens),
+            (extra, extra.slots((1, 1, extra_k), g, torch.int32, invalid=0.1), extra_lens),
+        ]
+        q_one, sinks_one = queries(1, 1, 64, g), torch.randn(64, generator=g).to(DEVICE)
+        forced = {"decode_backend": "wgmma_sm90", "decode_parts": decode.MAX_LIST_PARTS}
+        plan = plan_of(
+            q_one, one, nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_parts=decode.MAX_LIST_PARTS)
+        )
+        assert plan.parts == decode.MAX_LIST_PARTS and plan.combine_blocks == 64  # one split row
+        want_one = exact(q_one, one, sinks=sinks_one)
+        same_bits_from_every_build(q_one, one, sinks_one, want_one, "a row cut 256 ways", **forced)
+    library = nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_splits=2)
     prefetching = library.launcher(device, library.spec(decode_combine.CombineSpec.of(decode_combine.PREFETCH)))
     one_wave = decode.plan(library, device, 64, prefetching.resident_blocks // 64, 128, 512)
     more = decode.plan(library, device, 64, prefetching.resident_blocks // 64 + 1, 128, 512)
     waves = library.launcher(device, library.spec(decode_combine.CombineSpec.of(decode_combine.PREFETCH_WAVES)))
     assert one_wave.combine is prefetching and more.combine is waves
+    split_rows = prefetching.resident_blocks // 64  # with a work list: a split row a boundary, at most
+    if hopper and split_rows + 2 <= decode.MAX_LIST_PARTS:
+        forcing = functools.partial(nvfp4_mla.KernelLibrary, decode_backend="wgmma_sm90")
+        listed = [
+            decode.plan(forcing(decode_parts=parts), device, 64, 4096, 128, 512)
+            for parts in (split_rows + 1, split_rows + 2)
+        ]
+        assert [p.combine_blocks for p in listed] == [64 * split_rows, 64 * (split_rows + 1)]
+        assert listed[0].combine is prefetching and listed[1].combine is waves
 
 
 @pytest.mark.parametrize(("heads", "dim_parts"), [(65, 1), (128, 1), (256, 1), (16, 2), (64, 2), (128, 2)])
 def test_wgmma_clusters_give_the_bits_of_single_blocks(seed, heads, dim_parts):
-    """The Hopper kernel's clusters (two items that gather the same tiles: two head tiles, or with
-    one head tile the two halves of a row; each block dequantizes half of every tile into both)
-    against the same kernel with every block alone: the same arithmetic, so the same bits, over
-    masks, lengths, sinks, both pools and 1 to many splits."""
+    """The Hopper kernel's clusters (two blocks of a part that gather the same tiles: two head
+    tiles, or with one head tile the two halves of a row; each block dequantizes half of every tile
+    into both) against the same kernel with every block alone: the same list, the same arithmetic,
+    so the same bits, over masks, lengths, sinks, both pools and the work list in 1 to 12 parts
+    (rows whole and cut)."""
     gpu = device_info(torch.cuda.current_device())
     if not decode.BACKENDS["wgmma_sm90"].supports(gpu.capability):
         pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
     assert decode_sm90.cluster_of(heads, dim_parts) == 2
     q, pools, sinks, want = split_case(seed, heads, 300)
-
-    def alone(spec):
-        if isinstance(spec, decode_sm90.WgmmaAttentionSpec):
-            return decode_sm90.WgmmaAttentionSpec.of(1, spec.dim_parts)
-        return spec
-
-    for num_splits in (1, 3, 7):
+    for parts in cuts("wgmma_sm90", (1, 3, 7), 4):
         forced = functools.partial(
-            nvfp4_mla.KernelLibrary, decode_backend="wgmma_sm90", decode_splits=num_splits, decode_dim_parts=dim_parts
+            nvfp4_mla.KernelLibrary, decode_backend="wgmma_sm90", decode_parts=parts, decode_dim_parts=dim_parts
         )
         paired, single = forced(), forced(tune=alone)
+        assert plan_of(q, pools, paired).blocks == plan_of(q, pools, single).blocks
         got, reference = run(q, pools, sinks=sinks, library=paired), run(q, pools, sinks=sinks, library=single)
-        assert bits_equal(got[0], reference[0]) and bits_equal(got[1], reference[1]), f"{num_splits} splits"
-        check(got, want, f"clusters, heads {heads}, {dim_parts} parts, {num_splits} splits")
+        assert bits_equal(got[0], reference[0]) and bits_equal(got[1], reference[1]), f"{parts} parts"
+        check(got, want, f"clusters, heads {heads}, {dim_parts} dim parts, {parts} parts")
 
 
 @pytest.mark.parametrize(
     ("name", "heads"),
     [*[("wgmma_sm90", heads) for heads in (16, 64, 100, 128)], *[("wgmma_sm90_narrow", heads) for heads in (16, 40)]],
 )
-def test_wgmma_blocks_walking_items_give_the_bits_of_a_block_an_item(seed, name, heads):
-    """The Hopper kernel's blocks walk their items (query row, head tile, split) in turn: a block's
-    producers gather an item's first tile while its consumers stage the item before's outputs in
-    the other K/V buffer, and every barrier phase runs on across items. With the grid capped at 2,
-    3 and 6 blocks (whole clusters: 2, 2 and 6 at 100 and 128 heads) against
-    a block an item: the same arithmetic, so the same bits, over 1 to many splits, lengths, invalid
-    slots, sinks and rows with nothing live (their items' tiles all dead); in both builds (the
-    NARROW one also over its consumer's exchange of per-head maxima and sums)."""
+def test_wgmma_blocks_walking_many_segments(seed, name, heads):
+    """The Hopper kernels' blocks walk their part's segments in turn: a block's producers gather a
+    segment's first tile while its consumers stage the segment before's outputs in the other K/V
+    buffer, and every barrier phase runs on across segments. With the work list in 1, 2 and 3
+    parts, a block walks many segments of 12 rows (rows cut between parts among them) with lengths,
+    invalid slots and sinks, across three rows in a row with nothing live by their lengths (a dead
+    tile each) and one by its slots (its tiles all dead): within the tolerances of the float64
+    answer, and at each part count the same bits on a second run; on the 64-head build also whole
+    or in half rows, in clusters or with every block alone (the same list, the same arithmetic). In
+    both builds (the NARROW one also over its consumer's exchange of per-head maxima and sums)."""
     gpu = device_info(torch.cuda.current_device())
     if not decode.BACKENDS[name].supports(gpu.capability):
         pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
-    q, pools, sinks, _ = split_case(seed, heads, 300)
-    (_, _, swa_lens), (_, extra_slots, _) = pools
-    swa_lens[0, 1] = 0  # row 1: its window empty, its extra entries all invalid: nothing live
-    extra_slots[0, 1] = -1
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(16, 64, g), Pool(16, 16, g)
+    batch, q_len = 4, 3
+    swa_slots = swa.slots((batch, q_len, 128), g, invalid=0.1)
+    extra_slots = extra.slots((batch, q_len, 300), g, torch.int32, invalid=0.1)
+    swa_lens, extra_lens = lengths(batch, q_len, 128, g), lengths(batch, q_len, 300, g, torch.int64)
+    swa_lens[1], extra_lens[1] = 0, 0  # rows 3-5: nothing live by their lengths
+    swa_lens[2, 1], extra_lens[2, 1] = 0, 300  # row 7: its window empty, its extra entries all invalid
+    extra_slots[2, 1] = -1
+    pools = [(swa, swa_slots, swa_lens), (extra, extra_slots, extra_lens)]
+    q = queries(batch, q_len, heads, g)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
     want = exact(q, pools, sinks=sinks)
-    rows, device = q.shape[0] * q.shape[1], q.get_device()
-    for num_splits in (1, 3, 7):
-        whole = functools.partial(
-            nvfp4_mla.KernelLibrary, decode_backend=name, decode_splits=num_splits, decode_dim_parts=1
-        )
-        wide = whole()
-        plan = decode.plan(wide, device, heads, rows, 128, 300)
-        items = plan.blocks  # a block an item
-        assert items == rows * -(-heads // plan.head_tile) * num_splits
-        reference = run(q, pools, sinks=sinks, library=wide)
-        for cap in (2, 3, 6):
-            capped = whole(decode_blocks=cap)
-            cluster = decode_sm90.cluster_of(heads) if name == "wgmma_sm90" else 1
-            assert decode.plan(capped, device, heads, rows, 128, 300).blocks == min(cap - cap % cluster, items)
-            got = run(q, pools, sinks=sinks, library=capped)
-            what = f"heads {heads}, {num_splits} splits, {cap} blocks"
-            assert bits_equal(got[0], reference[0]) and bits_equal(got[1], reference[1]), what
-        check(got, want, f"blocks walking items, heads {heads}, {num_splits} splits")
+    forms = [(1, None)] if name == "wgmma_sm90_narrow" else [(d, tune) for d in (1, 2) for tune in (None, alone)]
+    for parts in (1, 2, 3):
+        results = []
+        for dim_parts, tune in forms:
+            library = nvfp4_mla.KernelLibrary(
+                decode_backend=name, decode_parts=parts, decode_dim_parts=dim_parts, tune=tune
+            )
+            plan = plan_of(q, pools, library)
+            assert plan.parts == parts and plan.dim_parts == dim_parts
+            assert plan.blocks == parts * -(-heads // plan.head_tile) * dim_parts
+            results.append(run(q, pools, sinks=sinks, library=library))
+        results.append(run(q, pools, sinks=sinks, library=library))  # the last form again
+        for (dim_parts, tune), got in zip([*forms, forms[-1]], results):
+            what = f"heads {heads}, {parts} parts, {dim_parts} dim parts{', alone' if tune else ''}"
+            assert bits_equal(got[0], results[0][0]) and bits_equal(got[1], results[0][1]), what
+        check(results[0], want, f"blocks walking segments, {name}, heads {heads}, {parts} parts")
+
+
+@pytest.mark.parametrize(("name", "heads"), [("wgmma_sm90", 16), ("wgmma_sm90", 128), ("wgmma_sm90_narrow", 16)])
+def test_a_work_list_of_mostly_empty_parts(seed, name, heads):
+    """The work list in 1 to 256 parts over 3 rows of 1, 1 and 3 tiles (8 tile-times of work with
+    the segments' cost; the second row with nothing live): past a few parts, most parts have no
+    segment (their blocks exit at once, a cluster together) and the others cut the long row where
+    they fall. Within the tolerances of the float64 answer at every count, and at 256 parts the
+    same bits on a second run."""
+    gpu = device_info(torch.cuda.current_device())
+    if not decode.BACKENDS[name].supports(gpu.capability):
+        pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(8, 64, g), Pool(8, 16, g)
+    swa_lens = torch.tensor([[1], [0], [70]], dtype=torch.int32, device=DEVICE)
+    extra_lens = torch.tensor([[0], [0], [60]], dtype=torch.int64, device=DEVICE)
+    pools = [
+        (swa, swa.slots((3, 1, 128), g, invalid=0.1), swa_lens),
+        (extra, extra.slots((3, 1, 64), g, torch.int32, invalid=0.1), extra_lens),
+    ]
+    tiles = decode_scheduler.row_tiles(3, 128, swa_lens, 64, extra_lens, decode_sm90.BLOCK_N)
+    assert tiles == [1, 1, 3]
+    q = queries(3, 1, heads, g)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    want = exact(q, pools, sinks=sinks)
+    for parts in (1, 2, 5, 64, 255, 256):
+        library = nvfp4_mla.KernelLibrary(decode_backend=name, decode_parts=parts)
+        plan = plan_of(q, pools, library)
+        assert plan.parts == parts and (plan.combine is None) == (parts == 1)
+        listed = decode_scheduler.schedule(tiles, parts, decode.SEGMENT_COST)
+        busy = sum(any(True for _ in decode_scheduler.segments(part, tiles)) for part in listed.parts)
+        assert busy <= sum(tiles) + 3 * decode.SEGMENT_COST  # every other part is empty
+        got = run(q, pools, sinks=sinks, library=library)
+        check(got, want, f"{name}, heads {heads}, {parts} parts, {busy} of them with segments")
+    again = run(q, pools, sinks=sinks, library=library)
+    assert bits_equal(again[0], got[0]) and bits_equal(again[1], got[1])
 
 
 @pytest.mark.parametrize("heads", [16, 64, 100, 128])
 def test_wgmma_half_rows_give_the_bits_of_whole_rows(seed, heads):
-    """The Hopper kernel with each item's output rows in two halves (a block each: the same S,
-    softmax and (m, l), P.V over its half of the dims) against whole rows: the same arithmetic, so
-    the same bits, over 1 to many splits (both epilogues), blocks walking their items, clusters,
-    heads that leave a head tile partly empty, lengths, invalid slots, sinks and a row with nothing
-    live."""
+    """The Hopper kernel with each row's output dims in two halves (a block each: the same S,
+    softmax and (m, l), P.V over its half of the dims) against whole rows at the same parts: the
+    same list, the same arithmetic, so the same bits, over the work list in 1 to 12 parts (rows
+    whole and cut, both epilogues), clusters, heads that leave a head tile partly empty, lengths,
+    invalid slots, sinks and a row with nothing live."""
     gpu = device_info(torch.cuda.current_device())
     if not decode.BACKENDS["wgmma_sm90"].supports(gpu.capability):
         pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
@@ -589,39 +789,39 @@ def test_wgmma_half_rows_give_the_bits_of_whole_rows(seed, heads):
     swa_lens[1, 0] = 0  # row 2: nothing live
     extra_slots[1, 0] = -1
     want = exact(q, pools, sinks=sinks)
-    rows, device = q.shape[0] * q.shape[1], q.get_device()
-    for num_splits in (1, 3, 7):
-        forced = functools.partial(nvfp4_mla.KernelLibrary, decode_backend="wgmma_sm90", decode_splits=num_splits)
-        whole = forced(decode_dim_parts=1)
+    for parts in cuts("wgmma_sm90", (1, 3, 7), 4):
+        forced = functools.partial(nvfp4_mla.KernelLibrary, decode_backend="wgmma_sm90", decode_parts=parts)
+        whole, halves = forced(decode_dim_parts=1), forced(decode_dim_parts=2)
+        whole_plan, halves_plan = plan_of(q, pools, whole), plan_of(q, pools, halves)
+        assert [(p.dim_parts, p.parts) for p in (whole_plan, halves_plan)] == [(1, parts), (2, parts)]
+        assert halves_plan.blocks == 2 * whole_plan.blocks == 2 * parts * -(-heads // decode_sm90.HEAD_TILE)
         reference = run(q, pools, sinks=sinks, library=whole)
-        items = decode.plan(whole, device, heads, rows, 128, 300).blocks * 2
-        for cap in (None, 3):
-            halves = forced(decode_dim_parts=2, decode_blocks=cap)
-            plan = decode.plan(halves, device, heads, rows, 128, 300)
-            assert plan.dim_parts == 2 and plan.blocks == (
-                items if cap is None else 3 - 3 % decode_sm90.cluster_of(heads, 2)
-            )
-            got = run(q, pools, sinks=sinks, library=halves)
-            what = f"heads {heads}, {num_splits} splits, {cap} blocks"
-            assert bits_equal(got[0], reference[0]) and bits_equal(got[1], reference[1]), what
-        check(got, want, f"half rows, heads {heads}, {num_splits} splits")
+        got = run(q, pools, sinks=sinks, library=halves)
+        assert bits_equal(got[0], reference[0]) and bits_equal(got[1], reference[1]), f"heads {heads}, {parts} parts"
+        check(got, want, f"half rows, heads {heads}, {parts} parts")
 
 
 def test_the_plan_takes_half_rows_where_twice_the_items_fit_the_gpu():
-    """Batch 1 on the wgmma kernel: half rows; 64 rows of 128 heads: whole rows (they fill the
-    GPU); 64 rows of 64 heads: a row's halves as a pair sharing each tile, in place of a split."""
+    """The wgmma kernel's work list fills the GPU: as many parts as it holds blocks at once (whole
+    clusters) over a part's blocks (its head tiles times its dim parts). Batch 1: half rows; 64
+    rows of 64 or 128 heads: whole rows (twice their (row, head tile) items would fill more than
+    0.8 of the GPU)."""
     gpu = device_info(torch.cuda.current_device())
     if not decode.BACKENDS["wgmma_sm90"].supports(gpu.capability):
         pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
     library = nvfp4_mla.KernelLibrary()
-    for heads in (64, 128):
-        one = decode.plan(library, gpu.index, heads, 1, 128, 512)
-        assert one.backend == "wgmma_sm90" and one.dim_parts == 2 and one.num_splits > 1
-        assert one.blocks == 2 * -(-heads // decode_sm90.HEAD_TILE) * one.num_splits <= gpu.sms
-    assert decode.plan(library, gpu.index, 128, 64, 128, 512).dim_parts == 1
-    if gpu.sms == 132:  # H100 SXM, H200, GH200 (the cost model's choices are tested on the CPU)
-        paired = decode.plan(library, gpu.index, 64, 64, 128, 512)
-        assert (paired.dim_parts, paired.num_splits, paired.blocks) == (2, 1, 128)
+    found = []
+    for heads, rows, dim_parts in ((64, 1, 2), (128, 1, 2), (64, 64, 1), (128, 64, 1)):
+        plan = decode.plan(library, gpu.index, heads, rows, 128, 512)
+        per_part = -(-heads // decode_sm90.HEAD_TILE) * dim_parts
+        resident = plan.attend.resident_blocks
+        cluster = decode_sm90.cluster_of(heads, dim_parts)
+        assert (plan.backend, plan.dim_parts, plan.num_splits) == ("wgmma_sm90", dim_parts, 1)
+        assert plan.parts == min((resident - resident % cluster) // per_part, decode.MAX_LIST_PARTS) > 1
+        assert plan.blocks == plan.parts * per_part <= resident
+        found.append((plan.parts, plan.blocks))
+    if gpu.sms == 132:  # H100 SXM, H200, GH200: a block an SM (the choices are tested on the CPU)
+        assert found == [(66, 132), (33, 132), (132, 132), (66, 132)]
 
 
 # ---------------------------------------------------------------- execution contract
@@ -663,30 +863,36 @@ def test_q_at_a_new_address_each_call(backend, seed, heads):
 
 
 @pytest.mark.parametrize("how", ["eager", "graph"])  # the sanitizers run without torch's caching allocator: eager only
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("with_lengths", [False, True])
+@pytest.mark.parametrize("cut_ways", [1, 4])
 @pytest.mark.parametrize("name", list(decode.BACKENDS))
 @pytest.mark.parametrize("heads", [16, 128])
-def test_a_chain_of_calls_each_on_the_last_ones_out(seed, heads, name, num_splits, how):
+def test_a_chain_of_calls_each_on_the_last_ones_out(seed, heads, name, cut_ways, with_lengths, how):
     """Calls in one stream, each one's q the previous one's out, no other kernel between them:
     from sm_90 a kernel may start while the stream's previous kernel still runs (programmatic
-    dependent launch), so it must read q only once the previous call wrote it, and write its split
-    workspace (the previous call's, freed and handed out again) only once the previous combine read
-    it. Each backend, forced, without and with splits, queued behind a sleeping kernel (so that the
-    GPU, not the host, paces the calls) or replayed as one graph: the bits of the same calls with
-    the GPU synchronised between them."""
+    dependent launch), so it must read q only once the previous call wrote it, and write its
+    workspace (the previous call's, freed and handed out again: the work list the scheduler writes
+    from the lengths, the partials) only once the previous call's kernels read it. Each backend,
+    forced, its work whole and cut in four (splits, or parts that cut rows), without lengths and
+    with them (on a Hopper backend: the plan's list, or the scheduler's each call), queued behind a
+    sleeping kernel (so that the GPU, not the host, paces the calls) or replayed as one graph: the
+    bits of the same calls with the GPU synchronised between them."""
     g = torch.Generator().manual_seed(seed)
     pool = Pool(16, 64, g)
     slots = pool.slots((1, 2, 640), g, invalid=0.05)
+    lens = lengths(1, 2, 640, g) if with_lengths else None
     first = queries(1, 2, heads, g)
     gpu = device_info(first.get_device())
     if not decode.BACKENDS[name].supports(gpu.capability):
         pytest.skip(f"the {name} backend does not run on {gpu.arch}")
-    library = nvfp4_mla.KernelLibrary(decode_backend=name, decode_splits=num_splits)
+    library = cut(name, cut_ways)
 
     def chain(synchronize):
         q, calls = first, []
         for _ in range(8):
-            q, lse = nvfp4_mla.sparse_mla_decode(q, pool.cache, slots, sm_scale=SM_SCALE, library=library)
+            q, lse = nvfp4_mla.sparse_mla_decode(
+                q, pool.cache, slots, swa_lens=lens, sm_scale=SM_SCALE, library=library
+            )
             calls.append((q, lse))
             if synchronize:
                 torch.cuda.synchronize()
@@ -696,11 +902,12 @@ def test_a_chain_of_calls_each_on_the_last_ones_out(seed, heads, name, num_split
         for step, ((out, lse), (want_out, want_lse)) in enumerate(zip(got, want, strict=True)):
             assert bits_equal(out, want_out) and bits_equal(lse, want_lse), f"{how}, call {step}"
 
-    plan = decode.plan(library, first.get_device(), heads, 2, 640, 0)
-    launchers = [plan.attend] if plan.combine is None else [plan.attend, plan.combine]
+    plan = plan_of(first, [(pool, slots, lens)], library)
+    launchers = [x for x in (plan.scheduler, plan.attend, plan.combine) if x is not None]
+    assert (plan.scheduler is not None) == (with_lengths and walks_a_list(name))
     assert [x.dependent_launch for x in launchers] == [gpu.capability >= 90] * len(launchers)
     want = chain(synchronize=True)
-    check(want[0], exact(first, [(pool, slots, None)]), "the first call")
+    check(want[0], exact(first, [(pool, slots, lens)]), "the first call")
     if how == "eager":
         torch.cuda._sleep(10_000_000)  # about 5 ms: the host queues every call meanwhile
         same(chain(synchronize=False), want)
@@ -714,20 +921,20 @@ def test_a_chain_of_calls_each_on_the_last_ones_out(seed, heads, name, num_split
 
 @pytest.mark.parametrize("heads", [16, 100])
 def test_out_inside_a_larger_buffer_is_all_that_is_written(seed, heads):
-    """``out`` a slice of a canary-filled buffer, on every backend of this GPU, without and with
-    splits (both epilogues), with heads that leave a head tile partly empty: the bytes around out
-    keep their canary, and out holds a fresh call's bits."""
+    """``out`` a slice of a canary-filled buffer, on every backend of this GPU, its work whole and
+    cut in three (splits, or parts that cut rows: both epilogues), with heads that leave a head tile
+    partly empty: the bytes around out keep their canary, and out holds a fresh call's bits."""
     q, pools, sinks, _ = split_case(seed, heads, 300)
     gpu = device_info(q.get_device())
     margin = heads * abi.HEAD_DIM  # a query row of outputs on each side
     for name in [n for n, b in decode.BACKENDS.items() if b.supports(gpu.capability)]:
-        for num_splits in (1, 3):
-            library = nvfp4_mla.KernelLibrary(decode_backend=name, decode_splits=num_splits)
+        for n in (1, 3):
+            library = cut(name, n)
             want = run(q, pools, sinks=sinks, library=library)
             buffer = torch.full((q.numel() + 2 * margin,), 0x5A5A, dtype=torch.int16, device=DEVICE)
             out = buffer[margin : margin + q.numel()].view(BF16).view(q.shape)
             got = run(q, pools, sinks=sinks, out=out, library=library)
-            what = f"{name}, heads {heads}, {num_splits} splits"
+            what = f"{name}, heads {heads}, cut {n} ways"
             assert bool((buffer[:margin] == 0x5A5A).all() and (buffer[-margin:] == 0x5A5A).all()), what
             assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1]), what
 
@@ -737,7 +944,7 @@ def test_graph_replay(backend, seed, heads):
     """Captured once, replayed on new contents of the same tensors: the eager call's bits."""
     g = torch.Generator().manual_seed(seed)
     swa, extra = Pool(16, 64, g), Pool(16, 16, g)
-    batch, q_len = 1, 2  # batch 1: splits, so the combine and its workspace are captured too
+    batch, q_len = 1, 2  # batch 1: split (or cut between parts), so the combine and its workspace are captured too
     q = queries(batch, q_len, heads, g)
     swa_slots, extra_slots = swa.slots((batch, q_len, 128), g), extra.slots((batch, q_len, 256), g, torch.int32)
     swa_lens = lengths(batch, q_len, 128, g)
@@ -757,17 +964,84 @@ def test_graph_replay(backend, seed, heads):
 
 
 @pytest.mark.parametrize("heads", [16, 128])
+def test_lengths_that_change_between_replays_of_one_graph(backend, seed, heads):
+    """One call captured once, then replayed after new lengths are copied into its length tensors
+    (int32 and int64): nothing live, every entry live, one long row among rows of one entry,
+    uniform, one row in eight long. On a Hopper backend the scheduler writes each replay's work
+    list from that replay's lengths, so a replay gives the bits of an eager call with the same
+    lengths (the same list); on the mma.sync kernel the split follows the shapes. Every replay is
+    within the tolerances of the float64 answer of its lengths."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(16, 64, g), Pool(64, 64, g)
+    batch, q_len, swa_k, extra_k = 3, 2, 128, 1024
+    q = queries(batch, q_len, heads, g)
+    swa_lens, extra_lens = lengths(batch, q_len, swa_k, g), lengths(batch, q_len, extra_k, g, torch.int64)
+    pools = [
+        (swa, swa.slots((batch, q_len, swa_k), g, torch.int32, invalid=0.05), swa_lens),
+        (extra, extra.slots((batch, q_len, extra_k), g, invalid=0.05), extra_lens),
+    ]
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    run(q, pools, sinks=sinks, library=backend)  # compile and plan outside the capture
+    graph, replayed = captured(lambda: run(q, pools, sinks=sinks, library=backend))
+    for name, swa_n, extra_n in length_sets(batch * q_len, swa_k, extra_k, g):
+        swa_lens.copy_(swa_n.view(batch, q_len))
+        extra_lens.copy_(extra_n.view(batch, q_len))
+        graph.replay()
+        want = run(q, pools, sinks=sinks, library=backend)
+        torch.cuda.synchronize()
+        assert bits_equal(replayed[0], want[0]) and bits_equal(replayed[1], want[1]), f"{name} lengths"
+        check(replayed, exact(q, pools, sinks=sinks), f"heads {heads}, {name} lengths replayed")
+
+
+def test_full_lengths_give_the_bits_of_no_lengths(seed):
+    """Lengths that leave every entry live (at and past the tables' widths: the clamp) against the
+    same call without lengths, on each backend of this GPU: on the mma.sync kernel the same masks,
+    so the same bits; on a Hopper backend with ``decode_parts``, the list that the plan of a call
+    without lengths makes once is the one the scheduler writes from those lengths, so the same bits
+    (one row cut between many parts, and six rows). Without ``decode_parts`` a call without lengths
+    deals the width split of every row's tokens into parts, another list: within the tolerances of
+    the float64 answer, both."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(16, 64, g), Pool(32, 64, g)
+    heads = 64
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    gpu = device_info(torch.cuda.current_device())
+    for batch, q_len in ((1, 1), (3, 2)):
+        q = queries(batch, q_len, heads, g)
+        swa_slots = swa.slots((batch, q_len, 128), g, invalid=0.05)
+        extra_slots = extra.slots((batch, q_len, 640), g, torch.int32, invalid=0.05)
+        full = [
+            (swa, swa_slots, torch.full((batch, q_len), 128, dtype=torch.int32, device=DEVICE)),
+            (extra, extra_slots, torch.full((batch, q_len), 10**6, dtype=torch.int64, device=DEVICE)),
+        ]
+        bare = [(swa, swa_slots, None), (extra, extra_slots, None)]
+        want = exact(q, bare, sinks=sinks)
+        for name in [n for n, b in decode.BACKENDS.items() if b.supports(gpu.capability)]:
+            forced = [cut(name, n) for n in (1, 7, 40)] if walks_a_list(name) else [cut(name, 1), cut(name, 3)]
+            for library in forced:
+                got, bare_got = run(q, full, sinks=sinks, library=library), run(q, bare, sinks=sinks, library=library)
+                what = f"{name}, batch {batch}, q_len {q_len}, cut {library.decode_parts or library.decode_splits} ways"
+                assert bits_equal(got[0], bare_got[0]) and bits_equal(got[1], bare_got[1]), what
+                check(bare_got, want, what)
+            library = nvfp4_mla.KernelLibrary(decode_backend=name)
+            for pools in (full, bare):
+                what = f"{name}, batch {batch}, q_len {q_len}, lengths {pools[0][2] is not None}"
+                check(run(q, pools, sinks=sinks, library=library), want, what)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
 def test_two_streams_at_once_and_two_graphs_in_turn(backend, seed, heads):
-    """A call's only state past its launch is its split workspace (from torch's caching allocator,
-    on the call's stream) read by its combine kernel. Two call sets with splits: queued on two
+    """A call's only state past its launch is its workspace (from torch's caching allocator, on
+    the call's stream) read by its combine kernel. Two call sets with splits (or rows cut between
+    parts): queued on two
     streams at once (behind a sleeping kernel each, so that the GPU runs both streams' calls
     together), and captured as two graphs replayed in turn without a synchronisation between them,
     give the bits of the same calls made one at a time."""
     g = torch.Generator().manual_seed(seed)
     pool = Pool(16, 64, g)
     cases = [(queries(1, 2, heads, g), pool.slots((1, 2, 640), g, invalid=0.05)) for _ in range(2)]
-    plan = decode.plan(backend or nvfp4_mla.ops.DEFAULT, cases[0][0].get_device(), heads, 2, 640, 0)
-    assert plan.num_splits > 1, "the calls must have a workspace"
+    plan = plan_of(cases[0][0], [(pool, cases[0][1], None)], backend)
+    assert plan.combine is not None, "the calls must have a workspace"
 
     def call(q, slots):
         return nvfp4_mla.sparse_mla_decode(q, pool.cache, slots, sm_scale=SM_SCALE, library=backend)

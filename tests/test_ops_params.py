@@ -127,3 +127,104 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch):
     assert (got["swa.slot_int64"], got["swa.lens_int64"], got["extra.k"]) == (1, 0, 0)
     assert (got["rows"], got["num_heads"], got["num_splits"], got["tiles_per_split"]) == (2, 5, 1, 7)
     assert got["score_scale"] == pytest.approx(0.5 / 0.6931471805599453)
+
+
+@pytest.mark.parametrize("lengths", [True, False])
+def test_a_work_list_launch_packs_each_value_into_its_named_field(monkeypatch, lengths):
+    """decode.launch of a plan with a work list (the Hopper backends') passes three Params by
+    position: with lengths the scheduler writes the list at the start of the call's workspace,
+    without them the plan holds it; the attention Params end with the list and q's tensor map, the
+    combine's with the list's split rows; the partial slots follow the list, 16-byte aligned."""
+    import torch
+
+    from nvfp4_mla.ops import decode_combine, decode_scheduler, decode_sm90
+
+    packed: dict[str, tuple] = {}
+
+    class Recorder:
+        shared_bytes = 0
+
+        def __init__(self, name: str):
+            self.name = name
+
+        def launch(self, gx, gy, gz, shared_bytes, stream, *values):
+            assert self.name not in packed, "one launch each"
+            packed[self.name] = ((gx, gy, gz), values)
+
+    allocated: list[torch.Tensor] = []
+
+    def new_output(like, shape, strides, dtype, device):
+        allocated.append(torch.empty(shape, dtype=dtype))
+        return allocated[-1]
+
+    monkeypatch.setattr(decode, "current_raw_stream", lambda device: 0)
+    monkeypatch.setattr(decode, "new_output", new_output)
+    parts, heads, split_rows = 3, 5, 2  # 2 query rows (q below), both cut
+    slots = parts - 1 + split_rows
+    list_values = 32 if lengths else 0  # work_ints(3) = 30 int32, rounded up to 16 bytes
+    work = None if lengths else torch.zeros(decode_scheduler.work_ints(parts), dtype=torch.int32)
+    plan = decode.DecodePlan(
+        "test",
+        Recorder("attend"),  # type: ignore[arg-type]
+        64,
+        parts * 4,
+        1 if lengths else 3,  # without lengths, the list may deal the width split's splits
+        0,
+        2,
+        Recorder("combine"),  # type: ignore[arg-type]
+        lambda address: address.to_bytes(8, "little") * 16,
+        parts=parts,
+        scheduler=Recorder("scheduler") if lengths else None,  # type: ignore[arg-type]
+        combine_blocks=split_rows * heads,
+        workspace=list_values + slots * heads * 514,
+        slots=slots,
+        work=work,
+    )
+    q = torch.zeros(2, 1, heads, 512, dtype=torch.bfloat16)
+    swa_cache, slot_table = torch.zeros(4, 64, 384, dtype=torch.uint8), torch.zeros(2, 1, 9, dtype=torch.int64)
+    lens = torch.zeros(2, 1, dtype=torch.int32) if lengths else None
+    swa = (swa_cache, slot_table, lens, (4, 64, 64 * 384))
+    out, lse = torch.empty_like(q), torch.empty(2, 1, heads)
+    decode.launch(plan, q, out, lse, 0.5, None, swa, (None, None, None, None))
+    (workspace,) = allocated
+    assert workspace.dtype == torch.float32 and workspace.shape == (plan.workspace,)
+    start = workspace.data_ptr()
+    at = start if work is None else work.data_ptr()  # the list
+    assert list(packed) == (["scheduler", "attend", "combine"] if lengths else ["attend", "combine"])  # in order
+
+    attend_grid, values = packed["attend"]
+    names = decode_sm90.PARAMS.names
+    got = dict(zip(names, values))
+    assert len(values) == len(names) and attend_grid == (parts * 4, 1, 1)
+    assert got["work"] == at and got["q_map"] == q.data_ptr().to_bytes(8, "little") * 16
+    assert got["partial_o"] == start + 4 * list_values and got["partial_o"] % 16 == start % 16
+    assert got["partial_ml"] == got["partial_o"] + slots * heads * 512 * 4
+    assert got["partial_ml"] + slots * heads * 2 * 4 == start + 4 * plan.workspace  # the workspace's end
+    assert (got["rows"], got["num_heads"], got["num_splits"], got["tiles_per_split"]) == (2, heads, plan.num_splits, 0)
+    assert (got["swa.lens"], got["swa.k"], got["extra.k"]) == (0 if lens is None else lens.data_ptr(), 9, 0)
+
+    combine_grid, values = packed["combine"]
+    combined = dict(zip(decode_combine.COMBINE_PARAMS.names, values))
+    assert len(values) == len(decode_combine.COMBINE_PARAMS.names) and combine_grid == (split_rows * heads, 1, 1)
+    assert (combined["partial_o"], combined["partial_ml"]) == (got["partial_o"], got["partial_ml"])
+    assert (combined["out"], combined["lse"], combined["num_heads"], combined["num_splits"]) == (
+        out.data_ptr(),
+        lse.data_ptr(),
+        heads,
+        0,
+    )
+    assert combined["split_rows"] == at + parts * decode_scheduler.PART_INTS * 4  # after the parts' records
+
+    if lengths:
+        scheduler_grid, values = packed["scheduler"]
+        scheduled = dict(zip(decode_scheduler.SCHEDULER_PARAMS.names, values))
+        assert len(values) == len(decode_scheduler.SCHEDULER_PARAMS.names) and scheduler_grid == (1, 1, 1)
+        assert (scheduled["swa_lens"], scheduled["extra_lens"], scheduled["swa_k"], scheduled["extra_k"]) == (
+            lens.data_ptr(),  # type: ignore[union-attr]
+            0,
+            9,
+            0,
+        )
+        assert (scheduled["rows"], scheduled["parts"], scheduled["tile_shift"]) == (2, parts, 6)  # tiles of 64
+        assert scheduled["segment_cost"] == decode.SEGMENT_COST
+        assert scheduled["parts_out"] == at and scheduled["split_rows"] == combined["split_rows"]

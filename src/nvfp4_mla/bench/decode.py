@@ -36,6 +36,10 @@ plus one empty launch (graph-replayed), over the measured time. ``diff`` is the 
 ``|fused - torch_reader|`` over the largest ``|torch_reader|`` (a sanity check: both read the same
 records; BF16 weights make it about 1e-2 at most).
 
+**Plan**: each row's ``backend``, ``head_tile`` and ``splits``, the ways its plan cuts the work:
+the mma.sync kernel's splits of every row's selected tokens, or the Hopper backends' work-list
+parts (the rows are cut where the parts' boundaries fall in their live tiles).
+
 **Verdicts**: the targets against the torch arms and the rooflines, then the Hopper kernel's
 absolute targets (lines labelled "Hopper target:") on the rows the selection rule ran (``choice``
 "rule"; "forced" rows run a backend or head tile the ``--head-tiles`` and ``--backends`` options
@@ -61,6 +65,7 @@ from .. import abi
 from ..device import device_info
 from ..ops import decode as decode_op
 from ..ops import decode_mma
+from ..ops.decode_backend import PARTS_OVERRIDE
 from .ceilings import copy_bandwidth, empty_kernel_launcher, matmul_flops
 from .report import markdown_grid, write_suite
 from .run import require_gpu, results_dir, suite_parser
@@ -238,14 +243,22 @@ def measure(
         row[f"{name}_eager_us"] = timer.eager(call, sets)[0] * 1e6
         torch.cuda.empty_cache()
     add_rooflines(row, shape, ceilings)
-    plan = decode_op.plan(forced or nvfp4_mla.ops.DEFAULT, 0, heads, batch * q_len, SWA_K, extra_k)
-    row["backend"], row["head_tile"], row["splits"] = plan.backend, plan.head_tile, plan.num_splits
+    library = forced or nvfp4_mla.ops.DEFAULT  # the plan of the arms' calls (without lengths)
+    plan = decode_op.plan(library, 0, heads, batch * q_len, SWA_K, extra_k, lengths=False)
+    row["backend"], row["head_tile"], row["splits"] = plan.backend, plan.head_tile, cut_ways(plan)
     if "torch_bf16" in arms:
         row["vs_torch_bf16"] = row["torch_bf16_graph_us"] / row["fused_graph_us"]
         row["vs_torch_reader"] = row["torch_reader_graph_us"] / row["fused_graph_us"]
         got, want = fused(pools, sets[0])[0].float(), torch_reader(pools, sets[0])[0].float()
         row["diff"] = float((got - want).abs().max() / want.abs().max())
     return row
+
+
+def cut_ways(plan: decode_op.DecodePlan) -> int:
+    """The ``splits`` column: the ways a plan cuts the work, its work list's parts (the Hopper
+    backends, whose parts cut the rows where their live tiles fall) or its splits of every row's
+    selected tokens (the mma.sync kernel)."""
+    return plan.parts or plan.num_splits
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -436,8 +449,9 @@ def main(argv: list[str] | None = None) -> int:
                 r = measure(pools, shape, ceilings, g, timer, library)
                 rows.append(r)
                 speedup = default["fused_graph_us"] / r["fused_graph_us"]
+                cuts = "parts" if PARTS_OVERRIDE in decode_op.BACKENDS[backend].overrides else "splits"
                 print(
-                    f"{backend}: {shape} fused {r['fused_graph_us']:.1f} us ({r['splits']} splits), "
+                    f"{backend}: {shape} fused {r['fused_graph_us']:.1f} us ({r['splits']} {cuts}), "
                     f"{r['fused_tflops']:.1f} TFLOP/s, {speedup:.2f}x the default"
                 )
     lines = verdicts(rows)

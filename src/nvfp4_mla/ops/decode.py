@@ -9,16 +9,19 @@ CUDA tensors go to a backend's kernels, other devices to the reference.
 kernels, the shapes it prefers, the overrides it accepts): :data:`BACKENDS`, in order of
 preference. :func:`select_backend` takes the first that runs on the GPU and prefers the shape.
 
-**Execution.** One launch of the attention kernel (its work items are the query rows, head tiles
-and splits of the selected tokens, on the Hopper kernel also halves of the output dims where the
-plan takes them: a block each, or blocks that walk them in turn), plus one launch of the combine
-kernel (:mod:`.decode_combine`, shared by every backend) when the tokens are split across blocks.
-The split and the parts (:mod:`.decode_schedule`) are a pure function of the shapes and the device
-(never of the data), and the combine adds the splits in a fixed order, so equal inputs give equal
-bits on every run. A warm call does the checks of :mod:`nvfp4_mla.validation`, one plan lookup
-and its allocations (the outputs and, with splits, an fp32 workspace, all through torch's caching
-allocator on the current stream), with no host synchronisation: it can be captured in a CUDA
-graph.
+**Execution.** On a backend that walks a work list (the Hopper kernels): the scheduler
+(:mod:`.decode_scheduler`) writes the call's list on the GPU from the rows' live lengths, the
+attention kernel's blocks (a block per part, head tile and part of the output dims) walk their
+part's segments, and the combine (:mod:`.decode_combine`) merges the rows cut between parts; the
+work follows the live tokens, not the tables' widths. On the others (mma.sync): one launch of the
+attention kernel, a block per query row, head tile and split of the selected tokens, plus the
+combine when the tokens are split (:mod:`.decode_schedule`: a function of the shapes and the
+device). Either way the split is a function of the shapes, the device and the lengths, and the
+combine adds a row's partials in a fixed order, so equal inputs give equal bits on every run. A
+warm call does the checks of :mod:`nvfp4_mla.validation`, one plan lookup and its allocations (the
+outputs and the workspace, through torch's caching allocator on the current stream), with no host
+synchronisation: it can be captured in a CUDA graph, and its work follows lengths that change
+between replays.
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ from . import decode_combine, decode_mma, decode_scheduler, decode_sm90
 from .decode_backend import OVERRIDES, DecodeBackend, arch_capability
 from .decode_schedule import MAX_SPLITS, choose_dim_parts, choose_split_and_parts
 from .library import DEFAULT, KernelLibrary, check_traceable
+
+# A segment's cost besides its tiles, in tiles (its query load and output rows): the scheduler
+# balances the parts by tiles plus this a segment.
+SEGMENT_COST = 1
+# The most parts of a work list: one row may be cut at every boundary, and the combine merges up to
+# MAX_PARTIALS partials a row.
+MAX_LIST_PARTS = min(decode_combine.MAX_PARTIALS, decode_scheduler.MAX_PARTS)
 
 # Every backend, in order of preference.
 BACKENDS: dict[str, DecodeBackend] = {b.name: b for b in (*decode_sm90.BACKENDS, decode_mma.BACKEND)}
@@ -88,19 +98,34 @@ class DecodePlan(NamedTuple):
     attend: Launcher
     head_tile: int
     blocks: int  # of the attention launch
-    num_splits: int
+    num_splits: int  # without a work list: of a row's selected tokens
     tiles_per_split: int
     dim_parts: int  # of a row's output dims, an item each
     combine: Launcher | None  # None: no split
     q_map: Callable[[int], bytes] | None  # q's address -> the tensor map that ends the attention Params
+    parts: int = 0  # of the work list; 0: no list (the width split)
+    scheduler: Launcher | None = None  # writes the work list of a call with lengths
+    combine_blocks: int = 0  # of the combine launch
+    workspace: int = 0  # fp32 values of the call's workspace: the work list (with lengths), then the partials
+    slots: int = 0  # partial slots the workspace holds (with a work list)
+    work: torch.Tensor | None = None  # a call without lengths: its work list, on the device
 
 
-def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa: int, k_extra: int) -> DecodePlan:
+def plan(
+    lib: KernelLibrary,
+    device_index: int,
+    num_heads: int,
+    rows: int,
+    k_swa: int,
+    k_extra: int,
+    lengths: bool = True,
+) -> DecodePlan:
     """The plan of a call on ``device_index`` (compiling or loading its kernels on a miss):
     ``rows`` query rows (batch * q_len) of ``num_heads`` heads over tables of ``k_swa`` and
-    ``k_extra`` entries. ``lib``'s decode fields override the backend, head tile, split, block
-    count and dim parts."""
-    key = ("decode", device_index, num_heads, rows, k_swa, k_extra)
+    ``k_extra`` entries, with length tensors (``lengths``: the work list is written on the GPU
+    each call) or without (every entry counts: the list is made here, once). ``lib``'s decode
+    fields override the backend, head tile, split, parts and dim parts."""
+    key = ("decode", device_index, num_heads, rows, k_swa, k_extra, lengths)
     found = lib.plans.get(key)
     if found is not None:
         return found
@@ -113,6 +138,8 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
         raise ValueError(f"decode backend {backend.name!r} does not run on {gpu.arch}")
     check_overrides(lib, backend)
     attention = backend.attention(lib, gpu, num_heads, 1)
+    if attention.work_list:
+        return lib.remember(key, _list_plan(lib, gpu, backend, attention, num_heads, rows, k_swa + k_extra, lengths))
     blocks = rows * -(-num_heads // attention.head_tile)
     num_tiles = -(-(k_swa + k_extra) // attention.tile_tokens)
     parts = backend.dim_parts if lib.decode_dim_parts is None else (lib.decode_dim_parts,)
@@ -142,6 +169,66 @@ def plan(lib: KernelLibrary, device_index: int, num_heads: int, rows: int, k_swa
         None if attention.q_map is None else attention.q_map(num_heads, rows),
     )
     return lib.remember(key, found)
+
+
+def _list_plan(lib, gpu, backend, attention, num_heads, rows, tokens, lengths) -> DecodePlan:
+    """The plan of a backend that walks a work list, a block per (part, head tile, dim part).
+
+    With length tensors the scheduler writes the list on the GPU each call: its parts fill the
+    GPU at once (or ``lib.decode_parts``), in half rows where twice the rows' items fill at most
+    part of it (:func:`choose_dim_parts`). Without, every row has the tables' ``tokens``: the list
+    is made here once and kept on the device, on the width split of :mod:`.decode_schedule` (the
+    rows' splits dealt into parts), or with ``lib.decode_parts`` as the scheduler deals them."""
+    head_tiles = -(-num_heads // attention.head_tile)
+    tiles = decode_scheduler.live_tiles(tokens, 0, attention.tile_tokens)
+    dim_parts = lib.decode_dim_parts
+    known, num_splits = None, 1
+    if not lengths and lib.decode_parts is None:
+        dims = backend.dim_parts if dim_parts is None else (dim_parts,)
+        resident = attention.launcher.resident_blocks
+        num_splits, tiles_per_split, dim_parts = choose_split_and_parts(
+            dims, rows * head_tiles, tiles, resident, attention.max_blocks, rows * num_heads, attention.halves_pair
+        )
+        parts = min(rows * num_splits, max(attention.max_blocks // (head_tiles * dim_parts), 1), MAX_LIST_PARTS)
+        known = decode_scheduler.split_schedule(rows, num_splits, tiles_per_split, parts)
+    elif dim_parts is None:
+        dim_parts = choose_dim_parts(backend.dim_parts, rows * head_tiles, attention.max_blocks)
+    if dim_parts != 1:
+        attention = backend.attention(lib, gpu, num_heads, dim_parts)
+    per_part = head_tiles * attention.dim_parts
+    if lib.decode_parts is not None and not 1 <= lib.decode_parts <= MAX_LIST_PARTS:
+        raise ValueError(f"decode_parts must be in [1, {MAX_LIST_PARTS}], got {lib.decode_parts}")
+    if known is None:
+        parts = lib.decode_parts or min(max(attention.max_blocks // per_part, 1), MAX_LIST_PARTS)
+        if not lengths:
+            known = decode_scheduler.schedule([tiles] * rows, parts, SEGMENT_COST)
+    split_rows = min(parts - 1, rows)  # a boundary between parts cuts at most one row
+    slots = parts - 1 + split_rows  # cuts, plus a slot more a split row
+    list_values = -(-decode_scheduler.work_ints(parts) // 4) * 4  # the partials start 16-byte aligned
+    work = None
+    if known is not None:
+        split_rows = sum(row >= 0 for row, _ in known.split_rows)
+        slots = known.split_rows[-1][1]  # past the split rows: (-1, slots)
+        work = torch.tensor(known.ints(), dtype=torch.int32, device=torch.device("cuda", gpu.index))
+        list_values = 0
+    combine = decode_combine.launcher(lib, gpu.index, split_rows * num_heads) if split_rows else None
+    return DecodePlan(
+        backend.name,
+        attention.launcher,
+        attention.head_tile,
+        parts * per_part,
+        num_splits,
+        0,
+        attention.dim_parts,
+        combine,
+        None if attention.q_map is None else attention.q_map(num_heads, rows),
+        parts,
+        None if known is not None else lib.launcher(gpu.index, lib.spec(decode_scheduler.SchedulerSpec())),
+        split_rows * num_heads,
+        list_values + slots * num_heads * (abi.HEAD_DIM + 2),
+        slots,
+        work,
+    )
 
 
 def _pool_params(cache, slots, lens, layout) -> tuple[int, ...]:
@@ -178,9 +265,10 @@ def _decode_cuda(lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slot
     if rows == 0:
         return out, lse
     k_swa, k_extra = swa_slots.shape[2], 0 if extra_slots is None else extra_slots.shape[2]
-    found = lib.plans.get(("decode", device, num_heads, rows, k_swa, k_extra))  # plan()'s key, looked up inline
+    lengths = swa_lens is not None or extra_lens is not None
+    found = lib.plans.get(("decode", device, num_heads, rows, k_swa, k_extra, lengths))  # plan()'s key, inline
     launch(
-        plan(lib, device, num_heads, rows, k_swa, k_extra) if found is None else found,
+        plan(lib, device, num_heads, rows, k_swa, k_extra, lengths) if found is None else found,
         q,
         out,
         lse,
@@ -200,6 +288,9 @@ def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool)
     rows = q.shape[0] * q.shape[1]  # batch * q_len
     stream = current_raw_stream(device)
     sinks_ptr = 0 if sinks is None else sinks.data_ptr()
+    if plan.parts:
+        _launch_list(plan, q, out, lse, sm_scale, sinks_ptr, swa_pool, extra_pool, stream, rows)
+        return
     partial_o = partial_ml = 0
     if plan.combine is not None:
         entries = rows * num_heads * plan.num_splits
@@ -241,6 +332,76 @@ def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool)
             lse.data_ptr(),
             num_heads,
             plan.num_splits,
+            0,
+        )
+
+
+def _launch_list(plan: DecodePlan, q, out, lse, sm_scale, sinks_ptr, swa_pool, extra_pool, stream, rows) -> None:
+    """The launches of a plan with a work list: the scheduler writes the list at the start of the
+    call's workspace (or the plan holds it), the attention kernel walks it, and the combine merges
+    the split rows' partials (their slots in the workspace, after the list)."""
+    num_heads, device = q.shape[2], q.get_device()
+    partial_o = partial_ml = 0
+    if plan.workspace:
+        workspace = new_output(q, (plan.workspace,), (1,), torch.float32, device)
+        partial_ml = workspace.data_ptr() + 4 * (plan.workspace - plan.slots * num_heads * 2)
+        partial_o = partial_ml - plan.slots * num_heads * abi.HEAD_DIM * 4
+    if plan.work is not None:
+        work = plan.work.data_ptr()
+    else:
+        work = workspace.data_ptr()
+        swa_slots, swa_lens = swa_pool[1], swa_pool[2]
+        extra_slots, extra_lens = extra_pool[1], extra_pool[2]
+        decode_scheduler.launch(
+            plan.scheduler,  # type: ignore[arg-type]
+            stream,
+            work,
+            plan.parts,
+            rows,
+            swa_slots.shape[2],
+            swa_lens,
+            0 if extra_slots is None else extra_slots.shape[2],
+            extra_lens,
+            decode_sm90.BLOCK_N,
+            SEGMENT_COST,
+        )
+    plan.attend.launch(
+        plan.blocks,
+        1,
+        1,
+        plan.attend.shared_bytes,
+        stream,
+        q.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        partial_o,
+        partial_ml,
+        sinks_ptr,
+        *_pool_params(*swa_pool),
+        *_pool_params(*extra_pool),
+        rows,
+        num_heads,
+        plan.num_splits,
+        0,
+        float(sm_scale) * _LOG2E,  # type: ignore[arg-type]  # Params' double: struct packs it with "d"
+        work,
+        plan.q_map(q.data_ptr()),  # type: ignore[misc,arg-type]  # raw bytes: the Params' tensor map
+    )
+    if plan.combine is not None:
+        plan.combine.launch(
+            plan.combine_blocks,
+            1,
+            1,
+            0,
+            stream,
+            partial_o,
+            partial_ml,
+            sinks_ptr,
+            out.data_ptr(),
+            lse.data_ptr(),
+            num_heads,
+            0,
+            work + decode_scheduler.PART_INTS * 4 * plan.parts,
         )
 
 

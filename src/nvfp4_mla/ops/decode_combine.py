@@ -1,6 +1,7 @@
 """The split combine of ``sparse_mla_decode``: ``kernels/nvfp4_mla_combine.cu``, shared by every
-backend. One block per (query row, head) merges the row's split partial outputs in split order and
-finishes the row (docs/kernels/combine.md).
+backend. One block per (split row, head) merges the row's partial outputs in order and finishes the
+row (docs/kernels/combine.md): the work list's split rows and their slots, or without a list every
+row's ``num_splits`` splits.
 """
 
 from __future__ import annotations
@@ -8,27 +9,29 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, NamedTuple
 
+from .. import abi
 from ..jit import Template, included_headers
 from ..launch import Launcher
 from ..params import ParamsLayout, int64, pointer
-from .decode_schedule import MAX_SPLITS
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
 
 SOURCE = "nvfp4_mla_combine.cu"
-THREADS = MAX_SPLITS  # a split a thread (and 4 output dims a thread)
+THREADS = abi.HEAD_DIM // 4  # 4 output dims a thread
+MAX_PARTIALS = 2 * THREADS  # partial outputs a row: two a thread
 
 COMBINE_PARAMS = ParamsLayout(
     "Params",
     [
-        pointer("partial_o", "const float4*", "[rows, num_heads, num_splits, 512]"),
-        pointer("partial_ml", "const float2*", "[rows, num_heads, num_splits]: m (log2 units), l"),
+        pointer("partial_o", "const float*", "[slots, num_heads, 512], or [rows, num_heads, num_splits, 512]"),
+        pointer("partial_ml", "const float2*", "[slots, num_heads], or [rows, num_heads, num_splits]: m (log2), l"),
         pointer("sinks", "const float*", "[num_heads] or null"),
         pointer("out", "uint2*", "BF16 [rows, num_heads, 512]"),
         pointer("lse", "float*", "[rows, num_heads]"),
         int64("num_heads", "heads of q"),
-        int64("num_splits", "at most MAX_SPLITS"),
+        int64("num_splits", "without a work list: a row's splits, at most MAX_PARTIALS"),
+        pointer("split_rows", "const struct SplitRow*", "the work list's split rows, or null (no list)"),
     ],
 )
 
@@ -45,13 +48,13 @@ class CombineSpec(NamedTuple):
     """A build of the split combine, loading the first ``prefetch`` splits' partial rows with the
     splits' (m, l)."""
 
-    max_splits: int = MAX_SPLITS
+    max_splits: int = MAX_PARTIALS
     prefetch: int = 0
 
     @staticmethod
     @functools.cache
     def of(prefetch: int) -> CombineSpec:
-        return CombineSpec(MAX_SPLITS, prefetch)
+        return CombineSpec(MAX_PARTIALS, prefetch)
 
     @property
     def template(self) -> Template:
@@ -79,7 +82,7 @@ def specs() -> tuple[CombineSpec, ...]:
 
 
 def launcher(lib: KernelLibrary, device_index: int, row_heads: int) -> Launcher:
-    """The combine of a call of ``row_heads`` (query row, head) pairs, a block each: the build of
+    """The combine of a call of ``row_heads`` (split row, head) pairs, a block each: the build of
     :data:`PREFETCH` where its blocks fit the GPU in one wave, else that of :data:`PREFETCH_WAVES`."""
     found = lib.launcher(device_index, lib.spec(CombineSpec.of(PREFETCH)))
     if row_heads > found.resident_blocks:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from .. import abi
 from ..device import Device
 from ..jit import Template, included_headers
-from .decode_backend import ATTEND_PARAMS, HEAD_TILE_OVERRIDE, Attention, DecodeBackend
+from .decode_backend import ATTEND_PARAMS, HEAD_TILE_OVERRIDE, SPLITS_OVERRIDE, Attention, DecodeBackend
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
@@ -127,4 +127,6 @@ def prefers(num_heads: int, rows: int, tokens: int) -> bool:
     return True
 
 
-BACKEND = DecodeBackend("mma_sync", 80, 10**9, specs, attention, prefers, frozenset({HEAD_TILE_OVERRIDE}))
+BACKEND = DecodeBackend(
+    "mma_sync", 80, 10**9, specs, attention, prefers, frozenset({HEAD_TILE_OVERRIDE, SPLITS_OVERRIDE})
+)

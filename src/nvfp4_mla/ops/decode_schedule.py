@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .. import abi
 
-MAX_SPLITS = abi.HEAD_DIM // 4  # the combine kernel's threads: it takes a split a thread
+MAX_SPLITS = abi.HEAD_DIM // 4  # the most splits of a row (within the combine's MAX_PARTIALS)
 # The cost model of a plan, in tile-times of one block (a whole row's tile): what a block costs
 # besides its tiles (its query load and its output rows), what the combine launch costs, and what
 # a split's partial row costs (512 fp32 written by the attention and read by the combine).

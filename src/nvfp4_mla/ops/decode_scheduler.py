@@ -176,6 +176,26 @@ def schedule(tiles: Sequence[int], parts: int, segment_cost: int) -> Schedule:
         else:
             row = bisect_right(starts, at) - 1
             bounds.append((row, max(at - starts[row] - segment_cost, 0)))
+    return list_of_bounds(bounds)
+
+
+def split_schedule(rows: int, num_splits: int, tiles_per_split: int, parts: int) -> Schedule:
+    """The work list of ``rows`` rows cut into ``num_splits`` splits of ``tiles_per_split`` tiles
+    (the last one shorter), the (row, split) items dealt in order into ``parts`` parts whose item
+    counts differ by at most one: the list of a call whose rows all have the same tiles, on the
+    width split of :mod:`.decode_schedule`."""
+    items = rows * num_splits
+    bounds = []
+    for q in range(parts + 1):
+        item = q * items // parts
+        bounds.append((rows, 0) if item == items else (item // num_splits, item % num_splits * tiles_per_split))
+    return list_of_bounds(bounds)
+
+
+def list_of_bounds(bounds: Sequence[tuple[int, int]]) -> Schedule:
+    """The work list whose part q runs from boundary ``bounds[q]`` to ``bounds[q + 1]``, each a
+    ``(row, tile)`` in order, the last ``(rows, 0)``: its cut rows and their slots."""
+    parts = len(bounds) - 1
     # A cut: a boundary inside a row at a tile no earlier boundary took. Split row s, whose first
     # cut is cut j (both counted from 0), has the slots j + s on, one a segment.
     cuts = split = 0

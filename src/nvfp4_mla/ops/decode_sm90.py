@@ -14,7 +14,8 @@ the kernel.
   warpgroups, each gathering and dequantizing one of every tile's two halves: at 16 heads the
   64-head build's one producer is what binds.
 
-Both walk their items with persistent blocks. Where each is preferred was measured on the H200
+Both walk the call's work list (:mod:`.decode_scheduler`): a block per (part, head tile, dim
+part), walking its part's segments in turn. Where each is preferred was measured on the H200
 (docs/performance.md#decode-backend-rule).
 """
 
@@ -26,9 +27,9 @@ from typing import TYPE_CHECKING, NamedTuple
 from .. import abi
 from ..device import Device
 from ..jit import Template, included_headers
-from ..launch import TENSOR_MAP_BYTES, Bf16TensorMap, Launcher
-from ..params import raw_bytes
-from .decode_backend import ATTEND_PARAMS, BLOCKS_OVERRIDE, Attention, DecodeBackend
+from ..launch import TENSOR_MAP_BYTES, Bf16TensorMap
+from ..params import pointer, raw_bytes
+from .decode_backend import ATTEND_PARAMS, PARTS_OVERRIDE, Attention, DecodeBackend
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
@@ -40,10 +41,13 @@ THREADS = 3 * 128  # consumer 0, consumer 1, the producer; NARROW: a consumer, t
 GATHER_UNIT = 32  # tokens the producer copies at once (two units a tile)
 RAW_RECORD_BYTES = abi.RECORD_BYTES + 16  # a copied record in shared memory, padded: conflict-free reads
 Q_SLAB_DIMS = 64  # dims of q a tensor copy loads (128-byte rows, the swizzle's width)
-# The attention Params, then the tensor map of q (the host's cuTensorMapEncodeTiled: BF16 [rows,
-# num_heads, 512] as dims (512, num_heads, rows), boxes of 64 dims x HEAD_TILE heads x 1 row, 128-byte
-# swizzle, zeros past num_heads), so that one thread's tensor copies load an item's Q.
-PARAMS = ATTEND_PARAMS.extended(raw_bytes("q_map", TENSOR_MAP_BYTES, 64, "CUtensorMap of q (q_tensor_map)"))
+# The attention Params, the work list, then the tensor map of q (the host's cuTensorMapEncodeTiled:
+# BF16 [rows, num_heads, 512] as dims (512, num_heads, rows), boxes of 64 dims x HEAD_TILE heads x
+# 1 row, 128-byte swizzle, zeros past num_heads), so that one thread's tensor copies load an item's Q.
+PARAMS = ATTEND_PARAMS.extended(
+    pointer("work", "const void*", "the work list's parts (struct WorkPart), 16-byte aligned"),
+    raw_bytes("q_map", TENSOR_MAP_BYTES, 64, "CUtensorMap of q (q_tensor_map)"),
+)
 PARTS = (1, 2)  # an item's output rows: whole, or in two halves (a block each)
 NARROW_HEAD_TILE = 16  # the NARROW build: 16 heads a block as wgmma's N, one consumer, two producers
 
@@ -161,32 +165,24 @@ def q_tensor_map(num_heads: int, rows: int, head_tile: int = HEAD_TILE) -> Bf16T
 
 def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int) -> Attention:
     """The attention kernel of a call: 64 heads a block, in clusters of two blocks where
-    :func:`cluster_of` says so, each item's output rows in ``dim_parts`` parts. Its blocks are
-    persistent: at most as many as the GPU holds at once (``lib.decode_blocks`` lowers that), a
-    whole number of clusters, each walking its items."""
+    :func:`cluster_of` says so, each item's output rows in ``dim_parts`` parts, walking the work
+    list."""
     cluster = cluster_of(num_heads, dim_parts)
     spec = lib.spec(WgmmaAttentionSpec.of(cluster, dim_parts))
     launcher = lib.launcher(device.index, spec)
-    blocks = persistent_blocks(lib, launcher)
-    max_blocks = max(blocks - blocks % cluster, cluster)
+    resident = launcher.resident_blocks
+    max_blocks = max(resident - resident % cluster, cluster)
     halves_pair = cluster_of(num_heads, 2) == 2 and cluster_of(num_heads) == 1
-    return Attention(launcher, spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts, halves_pair, q_tensor_map)
+    return Attention(launcher, spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts, halves_pair, q_tensor_map, True)
 
 
 def narrow_attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int) -> Attention:
-    """The NARROW build's kernel of a call: 16 heads a block, whole output rows, persistent blocks."""
+    """The NARROW build's kernel of a call: 16 heads a block, whole output rows, walking the work
+    list."""
     spec = lib.spec(NARROW_SPEC)
     launcher = lib.launcher(device.index, spec)
-    blocks = persistent_blocks(lib, launcher)
     q_map = functools.partial(q_tensor_map, head_tile=NARROW_HEAD_TILE)
-    return Attention(launcher, NARROW_HEAD_TILE, BLOCK_N, max(blocks, 1), 1, False, q_map)
-
-
-def persistent_blocks(lib: KernelLibrary, launcher: Launcher) -> int:
-    """The blocks of a launch whose blocks walk items: as many as the GPU holds at once, or
-    ``lib.decode_blocks`` if fewer."""
-    resident = launcher.resident_blocks
-    return resident if lib.decode_blocks is None else min(lib.decode_blocks, resident)
+    return Attention(launcher, NARROW_HEAD_TILE, BLOCK_N, max(launcher.resident_blocks, 1), 1, False, q_map, True)
 
 
 def prefers(num_heads: int, rows: int, tokens: int) -> bool:
@@ -199,8 +195,8 @@ def narrow_prefers(num_heads: int, rows: int, tokens: int) -> bool:
     return num_heads <= NARROW_HEAD_TILE and (rows >= NARROW_MIN_ROWS or (rows >= 2 and tokens >= LONG_TOKENS))
 
 
-BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, prefers, frozenset({BLOCKS_OVERRIDE}), PARTS)
+BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, prefers, frozenset({PARTS_OVERRIDE}), PARTS)
 NARROW_BACKEND = DecodeBackend(
-    "wgmma_sm90_narrow", 90, 90, narrow_specs, narrow_attention, narrow_prefers, frozenset({BLOCKS_OVERRIDE})
+    "wgmma_sm90_narrow", 90, 90, narrow_specs, narrow_attention, narrow_prefers, frozenset({PARTS_OVERRIDE})
 )
 BACKENDS = (NARROW_BACKEND, BACKEND)  # in order of preference

@@ -44,14 +44,13 @@ class KernelLibrary:
         The name of the ``sparse_mla_decode`` backend to use (``ops.decode.BACKENDS``); None: the
         selection rule's choice.
     decode_head_tile, decode_splits
-        Heads a block and splits of the selected tokens for the decode; None: the backend's choice.
-        A head tile is the ``mma_sync`` kernel's (16, 32 or 64): a call that runs another backend
-        with one set is refused.
-    decode_blocks
-        The most blocks of a decode launch whose blocks walk their work items in turn (the
-        ``wgmma_sm90`` and ``wgmma_sm90_narrow`` kernels'; rounded down to whole clusters); None: as
-        many as the GPU holds at once. A call that runs the ``mma_sync`` kernel (a block an item)
-        with it is refused.
+        Heads a block and splits of the selected tokens for the ``mma_sync`` kernel; None: the
+        plan's choice. A call that runs another backend with one set is refused.
+    decode_parts
+        The parts of the work list of a backend that walks one (``wgmma_sm90``,
+        ``wgmma_sm90_narrow``), 1 to 256: a block per part, head tile and dim part, each walking its
+        part's segments; None: as many parts as fill the GPU at once. A call that runs the
+        ``mma_sync`` kernel with it is refused.
     decode_dim_parts
         The parts of a row's 512 output dims for the decode, an item (and block) each: 1, or 2
         (the ``wgmma_sm90`` kernel's half rows); None: the plan's choice. A call whose backend
@@ -61,9 +60,9 @@ class KernelLibrary:
     __slots__ = (
         "_cache",
         "decode_backend",
-        "decode_blocks",
         "decode_dim_parts",
         "decode_head_tile",
+        "decode_parts",
         "decode_splits",
         "plans",
         "tune",
@@ -79,7 +78,7 @@ class KernelLibrary:
         decode_backend: str | None = None,
         decode_head_tile: int | None = None,
         decode_splits: int | None = None,
-        decode_blocks: int | None = None,
+        decode_parts: int | None = None,
         decode_dim_parts: int | None = None,
     ):
         self._cache = cache
@@ -88,7 +87,7 @@ class KernelLibrary:
         self.decode_backend = decode_backend
         self.decode_head_tile = decode_head_tile
         self.decode_splits = decode_splits
-        self.decode_blocks = decode_blocks
+        self.decode_parts = decode_parts
         self.decode_dim_parts = decode_dim_parts
         # Keyed by (op name, ...): the one lookup a warm call does. Read directly on the hot path.
         self.plans: dict[Hashable, Any] = {}
