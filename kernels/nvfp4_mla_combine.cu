@@ -17,11 +17,10 @@ struct RowPartials {
     int count;
 };
 
-// Block b's (row, head): without a work list, row b / num_heads with num_splits partials at
-// consecutive entries (row * num_heads + head) * num_splits + s; with one, split row b / num_heads
-// of the list, its slots' entries slot * num_heads + head (row -1: no such split row, nothing to do).
-__device__ __forceinline__ RowPartials row_partials(const Params& p, i64 block, i64 head) {
-    const i64 i = block / p.num_heads;
+// Split row i's partials for `head`: without a work list, row i with num_splits partials at
+// consecutive entries (row * num_heads + head) * num_splits + s; with one, split row i of the
+// list, its slots' entries slot * num_heads + head (row -1: no such split row, nothing to do).
+__device__ __forceinline__ RowPartials row_partials(const Params& p, i64 i, i64 head) {
     if (p.split_rows == nullptr) return {i, (i * p.num_heads + head) * p.num_splits, 1, static_cast<int>(p.num_splits)};
     const SplitRow r = p.split_rows[i], next = p.split_rows[i + 1];
     return {r.row, r.first_slot * p.num_heads + head, p.num_heads, next.first_slot - r.first_slot};
@@ -35,11 +34,18 @@ __device__ __forceinline__ RowPartials row_partials(const Params& p, i64 block, 
 // one wave (decode.plan).
 extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(const Params p) {
     __shared__ float weights[MAX_SPLITS], sums[MAX_SPLITS], warp_max[THREADS / 32];
-    launch_dependents();
-    wait_for_prior_grids();  // the partials, and the split rows, come from the kernels before
     const int tid = threadIdx.x;
-    const i64 head = blockIdx.x % p.num_heads;
-    const RowPartials rp = row_partials(p, blockIdx.x, head);
+    // Block b is (split row b / num_heads, head b % num_heads), in 32 bits (a 64-bit division is a
+    // long call on the way to the first loads): the grid and the heads fit them.
+    const u32 heads = static_cast<u32>(p.num_heads), split_row = blockIdx.x / heads;
+    const i64 head = blockIdx.x - split_row * heads;
+    // Without a list, or with the host's (written before the call), the block's partials are
+    // known before the wait; the scheduler's split rows come from the kernels before.
+    const bool known = p.split_rows == nullptr || p.static_list != 0;
+    launch_dependents();
+    if (!known) wait_for_prior_grids();
+    const RowPartials rp = row_partials(p, split_row, head);
+    if (known) wait_for_prior_grids();  // the partials come from the attention kernel
     if (rp.row < 0) return;
     const int count = rp.count;
     const float4* partial = reinterpret_cast<const float4*>(p.partial_o) + rp.first * (HEAD_DIM / 4) + tid;
@@ -84,8 +90,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
 #pragma unroll
     for (int s = 0; s < PREFETCH; ++s)
         if (s < count) add(s, early[s]);
+    const float4* at = partial + PREFETCH * step;  // advanced, not multiplied: a 64-bit product a load costs registers
 #pragma unroll 16  // 16 partial loads in flight a round trip
-    for (int s = PREFETCH; s < count; ++s) add(s, partial[s * step]);
+    for (int s = PREFETCH; s < count; ++s, at += step) add(s, *at);
     const float lse = row_lse(m, l);
     const float factor = output_factor(l, lse, p.sinks, head);
     const i64 row_head = rp.row * p.num_heads + head;

@@ -38,9 +38,13 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_
     // splits of a row (the host's width split; 1 with a scheduled list): then the combine's blocks,
     // each long, would pile onto the few SMs this grid leaves free and end last
     // (docs/performance.md#programmatic-dependent-launch).
+    // The host's list was written before the call: its part loads under the wait. The
+    // scheduler's comes from the stream's previous kernel: after it.
+    const bool early = p.static_list != 0;
     if (p.num_splits <= EARLY_DEPENDENTS_MAX_SPLITS) launch_dependents();
-    wait_for_prior_grids();  // the work list comes from the scheduler; the setup above touched no global memory
+    if (!early) wait_for_prior_grids();
     const WorkPart work = load_part(p.work, part_index);
+    if (early) wait_for_prior_grids();  // the setup above touched no memory a kernel before this one writes
     const auto tiles_of = [&](int row) {
         return live_tiles(static_cast<u32>(live_count(p.swa.lens, p.swa.lens_int64, p.swa.k, row) +
                                            live_count(p.extra.lens, p.extra.lens_int64, p.extra.k, row)),

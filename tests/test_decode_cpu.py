@@ -195,10 +195,10 @@ def _check_list_plan(plan, num_heads, rows, parts, dim_parts):
     [
         (64, 1, "wgmma_sm90", 2, 2),  # one head tile in half rows: a cluster of the two halves
         (128, 1, "wgmma_sm90", 2, 2),
-        (100, 7, "wgmma_sm90", 2, 2),  # 2 head tiles, 28 items in halves: within 0.8 of the GPU
-        (256, 3, "wgmma_sm90", 2, 2),
+        (100, 7, "wgmma_sm90", 1, 2),  # 2 head tiles: the width split takes 5 splits of whole rows
+        (256, 3, "wgmma_sm90", 1, 2),
         (192, 20, "wgmma_sm90", 1, 1),  # 3 head tiles: no cluster; 120 half-row items would not fit
-        (64, 64, "wgmma_sm90", 1, 1),
+        (64, 64, "wgmma_sm90", 2, 2),  # the cost model's paired halves
         (128, 64, "wgmma_sm90", 1, 2),
         (16, 6, "wgmma_sm90_narrow", 1, 1),
         (16, 16384, "wgmma_sm90_narrow", 1, 1),
@@ -207,9 +207,9 @@ def _check_list_plan(plan, num_heads, rows, parts, dim_parts):
 )
 def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_parts, cluster):
     """The rule's Hopper plans: as many parts as the GPU holds the blocks of at once (whole
-    clusters) over a part's blocks, half rows where twice the rows' (row, head tile) items fill at
-    most 0.8 of them; the workspace holds the list of any lengths (the CPU model's lists of every
-    kind of lengths take at most the plan's slots and split rows)."""
+    clusters) over a part's blocks, in the dim parts of the width split at the tables' widths
+    (``choose_split_and_parts``); the workspace holds the list of any lengths (the CPU model's
+    lists of every kind of lengths take at most the plan's slots and split rows)."""
     plan, library = _list_plan(monkeypatch, num_heads, rows)
     assert plan.backend == backend
     head_tile = decode_sm90.NARROW_HEAD_TILE if backend == "wgmma_sm90_narrow" else decode_sm90.HEAD_TILE
@@ -361,7 +361,7 @@ def test_the_q_tensor_map_is_encoded_once_then_moved(monkeypatch):
         q_map(0)
     params = decode_sm90.PARAMS
     assert params.size == 256 + launch.TENSOR_MAP_BYTES
-    assert params.names == (*decode_backend.ATTEND_PARAMS.names, "work", "q_map")
+    assert params.names == (*decode_backend.ATTEND_PARAMS.names, "work", "static_list", "q_map")
     assert params.offsets["work"] == decode_backend.ATTEND_PARAMS.size == 232  # the work list, then the map
     assert params.offsets["q_map"] == 256  # the next 64 bytes after the attention Params and the list
     assert decode_sm90.WgmmaAttentionSpec.of(1).template.params is params and params.size <= launch.PARAMS_CAPACITY

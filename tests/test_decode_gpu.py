@@ -801,17 +801,17 @@ def test_wgmma_half_rows_give_the_bits_of_whole_rows(seed, heads):
         check(got, want, f"half rows, heads {heads}, {parts} parts")
 
 
-def test_the_plan_takes_half_rows_where_twice_the_items_fit_the_gpu():
-    """The wgmma kernel's work list fills the GPU: as many parts as it holds blocks at once (whole
-    clusters) over a part's blocks (its head tiles times its dim parts). Batch 1: half rows; 64
-    rows of 64 or 128 heads: whole rows (twice their (row, head tile) items would fill more than
-    0.8 of the GPU)."""
+def test_a_list_plan_fills_the_gpu():
+    """The wgmma kernel's work list (a call with lengths) fills the GPU: as many parts as it holds
+    blocks at once (whole clusters) over a part's blocks (its head tiles times its dim parts), in
+    the width split's dim parts at the tables' widths. Batch 1: half rows; 64 rows: the cost
+    model's paired halves at 64 heads, whole rows at 128."""
     gpu = device_info(torch.cuda.current_device())
     if not decode.BACKENDS["wgmma_sm90"].supports(gpu.capability):
         pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
     library = nvfp4_mla.KernelLibrary()
     found = []
-    for heads, rows, dim_parts in ((64, 1, 2), (128, 1, 2), (64, 64, 1), (128, 64, 1)):
+    for heads, rows, dim_parts in ((64, 1, 2), (128, 1, 2), (64, 64, 2), (128, 64, 1)):
         plan = decode.plan(library, gpu.index, heads, rows, 128, 512)
         per_part = -(-heads // decode_sm90.HEAD_TILE) * dim_parts
         resident = plan.attend.resident_blocks
@@ -821,7 +821,7 @@ def test_the_plan_takes_half_rows_where_twice_the_items_fit_the_gpu():
         assert plan.blocks == plan.parts * per_part <= resident
         found.append((plan.parts, plan.blocks))
     if gpu.sms == 132:  # H100 SXM, H200, GH200: a block an SM (the choices are tested on the CPU)
-        assert found == [(66, 132), (33, 132), (132, 132), (66, 132)]
+        assert found == [(66, 132), (33, 132), (66, 132), (66, 132)]
 
 
 # ---------------------------------------------------------------- execution contract

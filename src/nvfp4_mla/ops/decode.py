@@ -174,25 +174,26 @@ def plan(
 def _list_plan(lib, gpu, backend, attention, num_heads, rows, tokens, lengths) -> DecodePlan:
     """The plan of a backend that walks a work list, a block per (part, head tile, dim part).
 
-    With length tensors the scheduler writes the list on the GPU each call: its parts fill the
-    GPU at once (or ``lib.decode_parts``), in half rows where twice the rows' items fill at most
-    part of it (:func:`choose_dim_parts`). Without, every row has the tables' ``tokens``: the list
-    is made here once and kept on the device, on the width split of :mod:`.decode_schedule` (the
-    rows' splits dealt into parts), or with ``lib.decode_parts`` as the scheduler deals them."""
+    The dim parts are the width split's (:mod:`.decode_schedule`, at the tables' ``tokens``), or
+    ``lib.decode_dim_parts``. With length tensors the scheduler writes the list on the GPU each
+    call: its parts fill the GPU at once (or ``lib.decode_parts``). Without, every row has the
+    tables' ``tokens``: the list is made here once and kept on the device, the width split's
+    (row, split) items dealt into parts, or with ``lib.decode_parts`` as the scheduler deals
+    them."""
     head_tiles = -(-num_heads // attention.head_tile)
     tiles = decode_scheduler.live_tiles(tokens, 0, attention.tile_tokens)
-    dim_parts = lib.decode_dim_parts
-    known, num_splits = None, 1
+    dims = backend.dim_parts if lib.decode_dim_parts is None else (lib.decode_dim_parts,)
+    resident = attention.launcher.resident_blocks
+    num_splits, tiles_per_split, dim_parts = choose_split_and_parts(
+        dims, rows * head_tiles, tiles, resident, attention.max_blocks, rows * num_heads, attention.halves_pair
+    )
+    dim_parts = lib.decode_dim_parts or dim_parts
+    known = None
     if not lengths and lib.decode_parts is None:
-        dims = backend.dim_parts if dim_parts is None else (dim_parts,)
-        resident = attention.launcher.resident_blocks
-        num_splits, tiles_per_split, dim_parts = choose_split_and_parts(
-            dims, rows * head_tiles, tiles, resident, attention.max_blocks, rows * num_heads, attention.halves_pair
-        )
         parts = min(rows * num_splits, max(attention.max_blocks // (head_tiles * dim_parts), 1), MAX_LIST_PARTS)
         known = decode_scheduler.split_schedule(rows, num_splits, tiles_per_split, parts)
-    elif dim_parts is None:
-        dim_parts = choose_dim_parts(backend.dim_parts, rows * head_tiles, attention.max_blocks)
+    else:
+        num_splits = 1  # the kernel's early dependent launch: the list's splits are not the width's
     if dim_parts != 1:
         attention = backend.attention(lib, gpu, num_heads, dim_parts)
     per_part = head_tiles * attention.dim_parts
@@ -333,6 +334,7 @@ def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool)
             num_heads,
             plan.num_splits,
             0,
+            0,
         )
 
 
@@ -385,6 +387,7 @@ def _launch_list(plan: DecodePlan, q, out, lse, sm_scale, sinks_ptr, swa_pool, e
         0,
         float(sm_scale) * _LOG2E,  # type: ignore[arg-type]  # Params' double: struct packs it with "d"
         work,
+        int(plan.work is not None),
         plan.q_map(q.data_ptr()),  # type: ignore[misc,arg-type]  # raw bytes: the Params' tensor map
     )
     if plan.combine is not None:
@@ -402,6 +405,7 @@ def _launch_list(plan: DecodePlan, q, out, lse, sm_scale, sinks_ptr, swa_pool, e
             num_heads,
             0,
             work + decode_scheduler.PART_INTS * 4 * plan.parts,
+            int(plan.work is not None),
         )
 
 

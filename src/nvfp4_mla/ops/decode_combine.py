@@ -32,6 +32,7 @@ COMBINE_PARAMS = ParamsLayout(
         int64("num_heads", "heads of q"),
         int64("num_splits", "without a work list: a row's splits, at most MAX_PARTIALS"),
         pointer("split_rows", "const struct SplitRow*", "the work list's split rows, or null (no list)"),
+        int64("static_list", "the list was written before the call (the host's): read before the wait"),
     ],
 )
 

@@ -28,7 +28,7 @@ from .. import abi
 from ..device import Device
 from ..jit import Template, included_headers
 from ..launch import TENSOR_MAP_BYTES, Bf16TensorMap
-from ..params import pointer, raw_bytes
+from ..params import int64, pointer, raw_bytes
 from .decode_backend import ATTEND_PARAMS, PARTS_OVERRIDE, Attention, DecodeBackend
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ Q_SLAB_DIMS = 64  # dims of q a tensor copy loads (128-byte rows, the swizzle's 
 # 1 row, 128-byte swizzle, zeros past num_heads), so that one thread's tensor copies load an item's Q.
 PARAMS = ATTEND_PARAMS.extended(
     pointer("work", "const void*", "the work list's parts (struct WorkPart), 16-byte aligned"),
+    int64("static_list", "the list was written before the call (the host's): read before the wait"),
     raw_bytes("q_map", TENSOR_MAP_BYTES, 64, "CUtensorMap of q (q_tensor_map)"),
 )
 PARTS = (1, 2)  # an item's output rows: whole, or in two halves (a block each)
