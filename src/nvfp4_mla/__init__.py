@@ -12,11 +12,13 @@ from .device import gpu_unavailable_reason
 from .geometry import Geometry, Precompiled, precompile
 from .ops import (
     KernelLibrary,
+    SparseMlaDecodePlan,
     cake_dsv4_nvfp4_kv_rope_quantize_insert,
     cake_dsv4_nvfp4_rope_quantize_insert,
     nvfp4_dequantize_sparse_mla_cache,
     nvfp4_quantize_append_sparse_mla_cache,
     nvfp4_quantize_pack_sparse_mla_cache,
+    plan_sparse_mla_decode,
     sparse_mla_decode,
 )
 from .records import format_record
@@ -30,6 +32,7 @@ __all__ = [
     "Geometry",
     "KernelLibrary",
     "Precompiled",
+    "SparseMlaDecodePlan",
     "__version__",
     "abi",
     "cake_dsv4_nvfp4_kv_rope_quantize_insert",
@@ -39,6 +42,7 @@ __all__ = [
     "nvfp4_dequantize_sparse_mla_cache",
     "nvfp4_quantize_append_sparse_mla_cache",
     "nvfp4_quantize_pack_sparse_mla_cache",
+    "plan_sparse_mla_decode",
     "precompile",
     "reference",
     "rope_table",

@@ -4,11 +4,12 @@ ops, on a :class:`~nvfp4_mla.ops.library.KernelLibrary` (the process's by defaul
 - :mod:`.writers` (the four writer entries; their kernel's build spec in :mod:`.writer_spec`);
 - :mod:`.reader` (``nvfp4_dequantize_sparse_mla_cache``);
 - :mod:`.decode` (``sparse_mla_decode``), its backends (:mod:`.decode_mma`, ...) and the rule
-  that picks one; what they share in :mod:`.attention`;
+  that picks one, and ``plan_sparse_mla_decode`` (a step's work list); what they share in
+  :mod:`.decode_backend`;
 - :mod:`.registry`: every op's kernels, for precompile, the CLI and CI.
 """
 
-from .decode import sparse_mla_decode
+from .decode import SparseMlaDecodePlan, plan_sparse_mla_decode, sparse_mla_decode
 from .library import DEFAULT, KernelLibrary
 from .reader import nvfp4_dequantize_sparse_mla_cache
 from .writers import (
@@ -21,10 +22,12 @@ from .writers import (
 __all__ = [
     "DEFAULT",
     "KernelLibrary",
+    "SparseMlaDecodePlan",
     "cake_dsv4_nvfp4_kv_rope_quantize_insert",
     "cake_dsv4_nvfp4_rope_quantize_insert",
     "nvfp4_dequantize_sparse_mla_cache",
     "nvfp4_quantize_append_sparse_mla_cache",
     "nvfp4_quantize_pack_sparse_mla_cache",
+    "plan_sparse_mla_decode",
     "sparse_mla_decode",
 ]

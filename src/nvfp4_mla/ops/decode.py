@@ -249,10 +249,14 @@ def _pool_params(cache, slots, lens, layout) -> tuple[int, ...]:
     )
 
 
-def _decode_cuda(lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out):
+def _decode_cuda(
+    lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out, planned=None
+):
     swa, extra = validation.check_decode(
         q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, True, out
     )
+    if planned is not None:
+        planned.check(q, swa_slots, swa_lens, extra_slots, extra_lens)
     device = q.get_device()
     batch, q_len, num_heads = q.shape[0], q.shape[1], q.shape[2]
     if out is not None:
@@ -265,32 +269,31 @@ def _decode_cuda(lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slot
     rows = batch * q_len
     if rows == 0:
         return out, lse
-    k_swa, k_extra = swa_slots.shape[2], 0 if extra_slots is None else extra_slots.shape[2]
-    lengths = swa_lens is not None or extra_lens is not None
-    found = lib.plans.get(("decode", device, num_heads, rows, k_swa, k_extra, lengths))  # plan()'s key, inline
-    launch(
-        plan(lib, device, num_heads, rows, k_swa, k_extra, lengths) if found is None else found,
-        q,
-        out,
-        lse,
-        sm_scale,
-        sinks,
-        (swa_cache, swa_slots, swa_lens, swa),
-        (extra_cache, extra_slots, extra_lens, extra),
-    )
+    if planned is None:
+        k_swa, k_extra = swa_slots.shape[2], 0 if extra_slots is None else extra_slots.shape[2]
+        lengths = swa_lens is not None or extra_lens is not None
+        found = lib.plans.get(("decode", device, num_heads, rows, k_swa, k_extra, lengths))  # plan()'s key, inline
+        if found is None:
+            found = plan(lib, device, num_heads, rows, k_swa, k_extra, lengths)
+        work = 0
+    else:
+        found, work = planned.launches, planned.work_address
+    pools = (swa_cache, swa_slots, swa_lens, swa), (extra_cache, extra_slots, extra_lens, extra)
+    launch(found, q, out, lse, sm_scale, sinks, *pools, work)
     return out, lse
 
 
-def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool) -> None:
+def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool, work: int = 0) -> None:
     """The launches of ``plan`` on checked arguments; each pool is ``(cache, slots, lens,
-    layout)``, all None for a missing extra pool. With splits, the fp32 workspace comes from
-    torch's caching allocator on the current stream."""
+    layout)``, all None for a missing extra pool; ``work``: the address of a public plan's work
+    list (0: the call writes its own). With splits, the fp32 workspace comes from torch's caching
+    allocator on the current stream."""
     num_heads, device, q_ptr = q.shape[2], q.get_device(), q.data_ptr()
     rows = q.shape[0] * q.shape[1]  # batch * q_len
     stream = current_raw_stream(device)
     sinks_ptr = 0 if sinks is None else sinks.data_ptr()
     if plan.parts:
-        _launch_list(plan, q, out, lse, sm_scale, sinks_ptr, swa_pool, extra_pool, stream, rows)
+        _launch_list(plan, q, out, lse, sm_scale, sinks_ptr, swa_pool, extra_pool, stream, rows, work)
         return
     partial_o = partial_ml = 0
     if plan.combine is not None:
@@ -338,35 +341,45 @@ def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool)
         )
 
 
-def _launch_list(plan: DecodePlan, q, out, lse, sm_scale, sinks_ptr, swa_pool, extra_pool, stream, rows) -> None:
+def _schedule(plan: DecodePlan, stream: int, work: int, rows: int, k_swa, swa_lens, k_extra, extra_lens) -> None:
+    """The scheduler's launch: the work list of ``plan`` at ``work`` from the rows' lengths."""
+    scheduler = plan.scheduler
+    assert scheduler is not None
+    decode_scheduler.launch(
+        scheduler,
+        stream,
+        work,
+        plan.parts,
+        rows,
+        k_swa,
+        swa_lens,
+        k_extra,
+        extra_lens,
+        decode_sm90.BLOCK_N,
+        SEGMENT_COST,
+    )
+
+
+def _launch_list(
+    plan: DecodePlan, q, out, lse, sm_scale, sinks_ptr, swa_pool, extra_pool, stream, rows, work=0
+) -> None:
     """The launches of a plan with a work list: the scheduler writes the list at the start of the
-    call's workspace (or the plan holds it), the attention kernel walks it, and the combine merges
-    the split rows' partials (their slots in the workspace, after the list)."""
+    call's workspace (unless the plan holds it, or a public plan's list is at ``work``), the
+    attention kernel walks it, and the combine merges the split rows' partials (their slots in the
+    workspace, after the list)."""
     num_heads, device = q.shape[2], q.get_device()
     partial_o = partial_ml = 0
     if plan.workspace:
         workspace = new_output(q, (plan.workspace,), (1,), torch.float32, device)
         partial_ml = workspace.data_ptr() + 4 * (plan.workspace - plan.slots * num_heads * 2)
         partial_o = partial_ml - plan.slots * num_heads * abi.HEAD_DIM * 4
-    if plan.work is not None:
-        work = plan.work.data_ptr()
-    else:
+    static = plan.work is not None  # the host's list, written at planning: read before the kernels' waits
+    if static:
+        work = plan.work.data_ptr()  # type: ignore[union-attr]
+    elif not work:
         work = workspace.data_ptr()
-        swa_slots, swa_lens = swa_pool[1], swa_pool[2]
-        extra_slots, extra_lens = extra_pool[1], extra_pool[2]
-        decode_scheduler.launch(
-            plan.scheduler,  # type: ignore[arg-type]
-            stream,
-            work,
-            plan.parts,
-            rows,
-            swa_slots.shape[2],
-            swa_lens,
-            0 if extra_slots is None else extra_slots.shape[2],
-            extra_lens,
-            decode_sm90.BLOCK_N,
-            SEGMENT_COST,
-        )
+        extra_k = 0 if extra_pool[1] is None else extra_pool[1].shape[2]
+        _schedule(plan, stream, work, rows, swa_pool[1].shape[2], swa_pool[2], extra_k, extra_pool[2])
     plan.attend.launch(
         plan.blocks,
         1,
@@ -387,7 +400,7 @@ def _launch_list(plan: DecodePlan, q, out, lse, sm_scale, sinks_ptr, swa_pool, e
         0,
         float(sm_scale) * _LOG2E,  # type: ignore[arg-type]  # Params' double: struct packs it with "d"
         work,
-        int(plan.work is not None),
+        int(static),
         plan.q_map(q.data_ptr()),  # type: ignore[misc,arg-type]  # raw bytes: the Params' tensor map
     )
     if plan.combine is not None:
@@ -405,16 +418,18 @@ def _launch_list(plan: DecodePlan, q, out, lse, sm_scale, sinks_ptr, swa_pool, e
             num_heads,
             0,
             work + decode_scheduler.PART_INTS * 4 * plan.parts,
-            int(plan.work is not None),
+            int(static),
         )
 
 
-def _decode(lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out):
+def _decode(
+    lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out, planned=None
+):
     if isinstance(q, torch.Tensor) and q.is_cuda:
         return _decode_cuda(
-            lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out
+            lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out, planned
         )
-    return reference.sparse_mla_decode(
+    found = reference.sparse_mla_decode(
         q,
         swa_cache,
         swa_slots,
@@ -426,6 +441,146 @@ def _decode(lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, ex
         sinks=sinks,
         out=out,
     )
+    if planned is not None:  # the reference needs no plan: the arguments checked, then the plan
+        planned.check(q, swa_slots, swa_lens, extra_slots, extra_lens)
+    return found
+
+
+# ---------------------------------------------------------------- plans
+
+
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is b:
+        return True
+    if a is None or b is None or not isinstance(a, torch.Tensor):
+        return False
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+
+
+class SparseMlaDecodePlan:
+    """The work of the ``sparse_mla_decode`` calls of one decode step: one batch shape, one
+    device, one pair of length tensors (docs/format.md, "Plans"). Made by
+    :func:`plan_sparse_mla_decode`; pass it as ``plan=`` to every call of the step (every layer),
+    and call :meth:`update` when the lengths' values change."""
+
+    __slots__ = (
+        "batch",
+        "device",
+        "extra_lens",
+        "k_extra",
+        "k_swa",
+        "launches",
+        "library",
+        "num_heads",
+        "q_len",
+        "swa_lens",
+        "work",
+        "work_address",
+    )
+
+    def __init__(self, num_heads, swa_slots, swa_lens, extra_slots, extra_lens, library, launches, work):
+        self.batch, self.q_len, self.k_swa = swa_slots.shape
+        self.num_heads = num_heads
+        self.k_extra = 0 if extra_slots is None else extra_slots.shape[2]
+        self.device = swa_slots.get_device()  # -1 off CUDA
+        self.swa_lens, self.extra_lens = swa_lens, extra_lens
+        self.library: KernelLibrary = library
+        self.launches: DecodePlan | None = launches  # None: no CUDA launch (CPU tensors, no rows)
+        self.work: torch.Tensor | None = work  # the work list the scheduler writes, or the host's
+        self.work_address = 0 if work is None or launches is None or launches.work is not None else work.data_ptr()
+
+    @property
+    def parts(self) -> int:
+        """The parts of the work list (0: the call's backend splits by the tables' widths)."""
+        return 0 if self.launches is None else self.launches.parts
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes a call with this plan takes from torch's caching allocator for its partial outputs."""
+        if self.launches is None or not self.launches.workspace:
+            return 0
+        return 4 * self.launches.workspace
+
+    def update(self) -> None:
+        """Writes the work list again from the length tensors' values now: one launch of the
+        scheduler on the current stream, no host synchronisation, capturable in a CUDA graph. Run
+        it on the stream of the calls (or order the streams) before the calls that should follow
+        the new lengths. Nothing to do where the plan has no scheduled list (no length tensors,
+        the ``mma_sync`` backend, CPU tensors)."""
+        if self.work_address:
+            stream = current_raw_stream(self.device)
+            rows = self.batch * self.q_len
+            assert self.launches is not None
+            _schedule(
+                self.launches, stream, self.work_address, rows, self.k_swa, self.swa_lens, self.k_extra, self.extra_lens
+            )
+
+    def __repr__(self) -> str:
+        where = "cpu" if self.device < 0 else f"cuda:{self.device}"
+        return (
+            f"SparseMlaDecodePlan(batch={self.batch}, q_len={self.q_len}, num_heads={self.num_heads}, "
+            f"k_swa={self.k_swa}, k_extra={self.k_extra}, device={where}, parts={self.parts})"
+        )
+
+    def check(self, q, swa_slots, swa_lens, extra_slots, extra_lens) -> None:
+        """ValueError unless a call of these arguments is one this plan was made for."""
+        k_extra = 0 if extra_slots is None else extra_slots.shape[2]
+        got = (q.get_device(), tuple(q.shape[:3]), swa_slots.shape[2], k_extra)
+        if got != (self.device, (self.batch, self.q_len, self.num_heads), self.k_swa, self.k_extra):
+            raise ValueError(
+                f"plan= was made for another call: {self!r}; this call has q {list(q.shape)} on {q.device}, "
+                f"k_swa={swa_slots.shape[2]}, k_extra={k_extra}"
+            )
+        if not (_same_tensor(swa_lens, self.swa_lens) and _same_tensor(extra_lens, self.extra_lens)):
+            raise ValueError(
+                "plan= reads the length tensors it was made with: pass the same swa_lens and extra_lens "
+                "(or None where the plan has none), and call plan.update() after their values change"
+            )
+
+
+def plan_sparse_mla_decode(
+    num_heads: int,
+    swa_slots: torch.Tensor,
+    *,
+    swa_lens: torch.Tensor | None = None,
+    extra_slots: torch.Tensor | None = None,
+    extra_lens: torch.Tensor | None = None,
+    library: KernelLibrary | None = None,
+) -> SparseMlaDecodePlan:
+    """A plan for the ``sparse_mla_decode`` calls of one decode step: ``num_heads`` heads over
+    the slot tables ``swa_slots`` (``[batch, q_len, k]``) and ``extra_slots``, with the length
+    tensors ``swa_lens`` and ``extra_lens`` that the calls will pass (the same tensors).
+
+    On the Hopper kernels with length tensors the plan holds the step's work list: it runs the
+    scheduler once here (on the current stream) and again at each :meth:`~SparseMlaDecodePlan.update`,
+    and the calls with ``plan=`` launch no scheduler. The list is read-only and shared by the calls;
+    their partial outputs come per call from the current stream, so one plan may serve calls on two
+    streams at once. A call whose shapes, device or length tensors are not the plan's is refused.
+    A plan whose lengths changed without an update gives wrong outputs but reads nothing outside
+    the tables (each row's live entries are read from its lengths at each call). On CPU tensors
+    the plan is checked and the reference runs. Make the plan outside a CUDA graph capture (it may
+    compile kernels and allocate); its ``update`` and the calls may be captured.
+
+    Raises
+    ------
+    ValueError
+        On an argument outside the contract of ``sparse_mla_decode``'s tables and lengths.
+    """
+    validation.check_decode_plan(num_heads, swa_slots, swa_lens, extra_slots, extra_lens)
+    lib = DEFAULT if library is None else library
+    rows = swa_slots.shape[0] * swa_slots.shape[1]
+    launches = work = None
+    if swa_slots.is_cuda and rows > 0:
+        k_extra = 0 if extra_slots is None else extra_slots.shape[2]
+        lengths = swa_lens is not None or extra_lens is not None
+        launches = plan(lib, swa_slots.get_device(), num_heads, rows, swa_slots.shape[2], k_extra, lengths)
+        if launches.work is not None:
+            work = launches.work  # the host's list: the plan keeps it alive
+        elif launches.parts:
+            work = torch.empty(decode_scheduler.work_ints(launches.parts), dtype=torch.int32, device=swa_slots.device)
+    found = SparseMlaDecodePlan(num_heads, swa_slots, swa_lens, extra_slots, extra_lens, lib, launches, work)
+    found.update()
+    return found
 
 
 # ---------------------------------------------------------------- torch custom ops
@@ -496,6 +651,7 @@ def sparse_mla_decode(
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     library: KernelLibrary | None = None,
+    plan: SparseMlaDecodePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode attention read straight from one or two NVFP4 caches.
 
@@ -541,7 +697,11 @@ def sparse_mla_decode(
         sharing no memory with the inputs). It is returned.
     library
         The kernels, backend choice and plan table to use on CUDA tensors (tests and benchmarks);
-        default: the process's.
+        default: the process's, or the plan's.
+    plan
+        A plan from :func:`plan_sparse_mla_decode` for this call's shapes, device and length
+        tensors: the step's work list, so the call launches no scheduler (docs/format.md,
+        "Plans"). Eager calls only.
 
     Returns
     -------
@@ -555,9 +715,19 @@ def sparse_mla_decode(
     """
     if _is_compiling():  # traced with fake tensors: the op checks its arguments when it runs
         check_traceable(library)
+        if plan is not None:
+            raise ValueError("plan= is for eager calls: under torch.compile each call plans its own work")
         args = (q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, float(sm_scale), sinks)
         if out is None:
             return torch.ops.nvfp4_mla.sparse_mla_decode(*args)
         return out, torch.ops.nvfp4_mla.sparse_mla_decode_out(*args, out)
-    lib = DEFAULT if library is None else library
-    return _decode(lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out)
+    if plan is None:
+        lib = DEFAULT if library is None else library
+    elif not isinstance(plan, SparseMlaDecodePlan):
+        raise ValueError(f"plan must come from nvfp4_mla.plan_sparse_mla_decode, got {type(plan).__name__}")
+    elif library is not None and library is not plan.library:
+        raise ValueError("plan= carries the library it was made with: pass library= to plan_sparse_mla_decode")
+    else:
+        lib = plan.library
+    pools = (swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens)
+    return _decode(lib, q, *pools, sm_scale, sinks, out, plan)

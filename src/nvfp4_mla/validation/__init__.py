@@ -17,7 +17,7 @@ from .common import (
     dense,
     signature,
 )
-from .decode import check_decode
+from .decode import check_decode, check_decode_plan
 from .reader import READ_DTYPES, check_dequantize, check_read_dtype
 from .writers import (
     MAX_PAGE_SIZE,
@@ -48,6 +48,7 @@ __all__ = [
     "check_cache",
     "check_compress_ratio",
     "check_decode",
+    "check_decode_plan",
     "check_dequantize",
     "check_flag",
     "check_kv",

@@ -24,6 +24,7 @@ from .common import (
 
 # Entries a slot table may hold per query row: the attention kernel counts its tiles of 32 in an int.
 MAX_TABLE_WIDTH = 1 << 24
+_PLAN_NAMES = ("swa_slots", "swa_lens", "extra_slots", "extra_lens")
 
 
 def _check_pool(
@@ -36,6 +37,13 @@ def _check_pool(
         layout = check_cache(cache)
     except ValueError as exc:
         raise ValueError(f"{pool}_cache: {exc}") from None
+    _check_table(pool, slots, lens, batch, q_len)
+    return layout
+
+
+def _check_table(pool: str, slots: torch.Tensor, lens: torch.Tensor | None, batch: int, q_len: int) -> None:
+    """A pool's ``[batch, q_len, k]`` slot table (a tensor) and its optional ``[batch, q_len]``
+    lengths."""
     if slots.dtype not in SLOT_DTYPES:
         fail(f"{pool}_slots must have dtype torch.int32 or torch.int64, got {slots.dtype}")
     shape = slots.shape
@@ -55,7 +63,32 @@ def _check_pool(
             fail(f"{pool}_lens must be [batch, q_len] = [{batch}, {q_len}], got {list(lens.shape)}")
         if not lens.is_contiguous():
             fail(f"{pool}_lens must be contiguous")
-    return layout
+
+
+def check_decode_plan(
+    num_heads: object,
+    swa_slots: torch.Tensor,
+    swa_lens: torch.Tensor | None,
+    extra_slots: torch.Tensor | None,
+    extra_lens: torch.Tensor | None,
+) -> None:
+    """``plan_sparse_mla_decode``: the head count, the slot tables and lengths of a step's calls,
+    as ``sparse_mla_decode`` checks them, all on one device."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        fail(f"num_heads must be a positive int, got {num_heads!r}")
+    check_tensors((swa_slots,), ("swa_slots",))
+    if swa_slots.dim() != 3:
+        fail(f"swa_slots must be [batch, q_len, k], got {list(swa_slots.shape)}")
+    batch, q_len = swa_slots.shape[0], swa_slots.shape[1]
+    _check_table("swa", swa_slots, swa_lens, batch, q_len)
+    if extra_slots is None:
+        if extra_lens is not None:
+            fail("extra_lens needs extra_slots (and, in the calls, extra_cache)")
+    else:
+        check_tensors((extra_slots,), ("extra_slots",))
+        _check_table("extra", extra_slots, extra_lens, batch, q_len)
+    given = [(t, n) for t, n in zip((swa_slots, swa_lens, extra_slots, extra_lens), _PLAN_NAMES) if t is not None]
+    check_device(tuple(t for t, _ in given), tuple(n for _, n in given), False)
 
 
 def check_decode(
