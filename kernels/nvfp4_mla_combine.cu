@@ -8,7 +8,8 @@
 #include "nvfp4_mla_work.cuh"  // SplitRow
 
 constexpr int SPLITS_PER_THREAD = MAX_SPLITS / THREADS;
-static_assert(THREADS * 4 == HEAD_DIM && MAX_SPLITS % THREADS == 0, "one thread per 4 output dims, whole splits a thread");
+static_assert(THREADS * 4 == HEAD_DIM && MAX_SPLITS % THREADS == 0,
+              "one thread per 4 output dims, whole splits a thread");
 
 // A block's row and its partials: the row's `count` partial entries start at entry `first` of the
 // workspace (an entry is a head's partial row and its (m, l)), `stride` entries apart.
@@ -91,12 +92,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
     for (int s = 0; s < PREFETCH; ++s)
         if (s < count) add(s, early[s]);
     const float4* at = partial + PREFETCH * step;  // advanced, not multiplied: a 64-bit product a load costs registers
-#pragma unroll 16  // 16 partial loads in flight a round trip
+    // 16 partial loads in flight a round trip
+#pragma unroll 16
     for (int s = PREFETCH; s < count; ++s, at += step) add(s, *at);
     const float lse = row_lse(m, l);
     const float factor = output_factor(l, lse, p.sinks, head);
     const i64 row_head = rp.row * p.num_heads + head;
-    p.out[row_head * (HEAD_DIM / 4) + tid] = make_uint2(bf16x2_bits(o.x * factor, o.y * factor),
-                                                        bf16x2_bits(o.z * factor, o.w * factor));
+    p.out[row_head * (HEAD_DIM / 4) + tid] =
+        make_uint2(bf16x2_bits(o.x * factor, o.y * factor), bf16x2_bits(o.z * factor, o.w * factor));
     if (tid == 0) p.lse[row_head] = lse;
 }

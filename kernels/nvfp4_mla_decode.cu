@@ -7,14 +7,14 @@
 #include "nvfp4_mla_records.cuh"
 #include "nvfp4_mla_softmax.cuh"
 
-constexpr int HT = HEAD_TILE;                    // heads of a block
-constexpr int BN = BLOCK_N;                      // tokens of a tile
+constexpr int HT = HEAD_TILE;  // heads of a block
+constexpr int BN = BLOCK_N;    // tokens of a tile
 constexpr int WARPS = THREADS / 32;
-constexpr int ROW_BLOCKS = HT / 16;              // MMA row blocks of 16 heads
-constexpr int COLS = HEAD_DIM / DIM_SPLIT;       // dims of a warp's slice (both products)
-constexpr int K_STEPS = COLS / 16;               // Q.K^T: MMA k-steps of the slice
-constexpr int N_TILES = COLS / 8;                // P.V: MMA n-tiles of the slice
-constexpr int S_TILES = BN / 8;                  // Q.K^T: n-tiles of the tile's tokens
+constexpr int ROW_BLOCKS = HT / 16;         // MMA row blocks of 16 heads
+constexpr int COLS = HEAD_DIM / DIM_SPLIT;  // dims of a warp's slice (both products)
+constexpr int K_STEPS = COLS / 16;          // Q.K^T: MMA k-steps of the slice
+constexpr int N_TILES = COLS / 8;           // P.V: MMA n-tiles of the slice
+constexpr int S_TILES = BN / 8;             // Q.K^T: n-tiles of the tile's tokens
 constexpr int RECORD_CHUNKS = RECORD / 16;
 constexpr int DATA_CHUNKS = DATA_BYTES / 16;
 // Blocks an SM should hold: 128 registers a thread with 4 warps a row block (64 accumulators),
@@ -45,14 +45,14 @@ struct SharedQ<true> {};
 
 // The block's shared memory: SMEM_BYTES, the host's count (ops/decode_mma.shared_bytes).
 struct SharedStorage : SharedQ<Q_IN_REGISTERS> {
-    u16 k[BN][ROW_ELEMS];                  // BF16 K and V of the tile
-    u8 raw[BN][RECORD];                    // the tile's records (data row, scale slot)
-    float4 scores[WARPS][S_TILES][32];     // partial scores of each warp's dims slice
-    u64 tokens[BN];                        // data-row addresses (0: masked)
-    u64 scales[BN];                        // scale-slot addresses
-    i64 slots[2][BN];                      // slots of two tiles
-    u32 live[4];                           // live-token masks of two tiles (and padding)
-    u32 scale_pairs[256];                  // e4m3_bf16x2 of every scale byte
+    u16 k[BN][ROW_ELEMS];               // BF16 K and V of the tile
+    u8 raw[BN][RECORD];                 // the tile's records (data row, scale slot)
+    float4 scores[WARPS][S_TILES][32];  // partial scores of each warp's dims slice
+    u64 tokens[BN];                     // data-row addresses (0: masked)
+    u64 scales[BN];                     // scale-slot addresses
+    i64 slots[2][BN];                   // slots of two tiles
+    u32 live[4];                        // live-token masks of two tiles (and padding)
+    u32 scale_pairs[256];               // e4m3_bf16x2 of every scale byte
 };
 static_assert(sizeof(SharedStorage) == SMEM_BYTES, "the shared layout must match the host's count");
 
@@ -97,8 +97,8 @@ __device__ __forceinline__ i64 fetched_slot(const Params& p, int tile, const i64
 
 // Step 1 for `tile` (warp 0, a lane per token): the record addresses of its slot into `tokens`
 // (0 when masked) and `scales`, and the tile's live mask. Returns the lane's live bit.
-__device__ __forceinline__ bool address_tile(const Params& p, int tile, const i64* slot_words, u64* tokens,
-                                             u64* scales, u32* live_masks, int lane) {
+__device__ __forceinline__ bool address_tile(const Params& p, int tile, const i64* slot_words, u64* tokens, u64* scales,
+                                             u32* live_masks, int lane) {
     const RecordAddress record = record_address(p, tile * BN + lane, fetched_slot(p, tile, slot_words, lane));
     const u64 data = reinterpret_cast<u64>(record.data);
     tokens[lane] = data;
@@ -177,7 +177,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
         for (int t = tile_begin; t < tile_end && t < tile_begin + 2; ++t)
             fetch_slot(p, row, t, swa_live, extra_live, slot_words, lane);
     }
-    uint4* const qf = reinterpret_cast<uint4*>(smem + SM_Q) + warp * K_STEPS * 32 + lane;  // this lane's (not Q_IN_REGISTERS)
+    uint4* const qf =
+        reinterpret_cast<uint4*>(smem + SM_Q) + warp * K_STEPS * 32 + lane;  // this lane's (not Q_IN_REGISTERS)
     uint4 q_regs[Q_IN_REGISTERS ? K_STEPS : 1];
     {
         const bool lo_ok = head0 + g < num_heads, hi_ok = head0 + g + 8 < num_heads;
@@ -185,9 +186,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
         const u32* q_hi = q_lo + 8 * HEAD_DIM / 2;
 #pragma unroll
         for (int k = 0; k < K_STEPS; ++k) {
-            const uint4 q = make_uint4(lo_ok ? __ldg(q_lo + k * 8 + quad) : 0u, hi_ok ? __ldg(q_hi + k * 8 + quad) : 0u,
-                                       lo_ok ? __ldg(q_lo + k * 8 + 4 + quad) : 0u,
-                                       hi_ok ? __ldg(q_hi + k * 8 + 4 + quad) : 0u);
+            const uint4 q =
+                make_uint4(lo_ok ? __ldg(q_lo + k * 8 + quad) : 0u, hi_ok ? __ldg(q_hi + k * 8 + quad) : 0u,
+                           lo_ok ? __ldg(q_lo + k * 8 + 4 + quad) : 0u, hi_ok ? __ldg(q_hi + k * 8 + 4 + quad) : 0u);
             if constexpr (Q_IN_REGISTERS)
                 q_regs[k] = q;
             else
@@ -258,7 +259,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
                 x = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
             }
             // C fragment: rows g (x, y) and g + 8 (z, w), tokens 8n + 2 quad + {0, 1}.
-            const bool live0 = (live_mask >> (8 * n + 2 * quad)) & 1u, live1 = (live_mask >> (8 * n + 2 * quad + 1)) & 1u;
+            const bool live0 = (live_mask >> (8 * n + 2 * quad)) & 1u,
+                       live1 = (live_mask >> (8 * n + 2 * quad + 1)) & 1u;
             s[n][0] = live0 ? x.x * score_scale : neg_inf();
             s[n][1] = live1 ? x.y * score_scale : neg_inf();
             s[n][2] = live0 ? x.z * score_scale : neg_inf();
@@ -348,4 +350,3 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
         }
     }
 }
-

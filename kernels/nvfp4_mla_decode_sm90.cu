@@ -12,7 +12,8 @@
 #define CLUSTER_DIMS
 #endif
 
-extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) nvfp4_mla_decode_sm90(const __grid_constant__ Params p) {
+extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1)
+    nvfp4_mla_decode_sm90(const __grid_constant__ Params p) {
     extern __shared__ __align__(1024) u8 smem[];  // Q's swizzle: 1024-byte periods
     const int tid = threadIdx.x;
     // The block's part of the work list and its (head tile, dim part), the head tile fastest: with

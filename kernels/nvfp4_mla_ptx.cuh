@@ -3,6 +3,8 @@
 // dependent launch. The Hopper-only ones are in nvfp4_mla_ptx_sm90.cuh.
 #pragma once
 
+// clang-format off: the inline assembly keeps its hand-laid PTX strings and operand tables.
+
 #include "nvfp4_numerics.cuh"
 
 __device__ __forceinline__ u32 shared_address(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }

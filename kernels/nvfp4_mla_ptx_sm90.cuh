@@ -3,6 +3,8 @@
 // shared-memory matrix descriptors and wgmma.
 #pragma once
 
+// clang-format off: the inline assembly keeps its hand-laid PTX strings and operand tables.
+
 #include "nvfp4_mla_ptx.cuh"
 
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {

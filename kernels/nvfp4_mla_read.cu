@@ -10,10 +10,10 @@
 #define TEAM 16
 #define TEAMS_PER_BLOCK (THREADS / TEAM)
 #define RECORD_BYTES (DATA_BYTES + SCALE_BYTES)
-#define OUT_VALUES (OUT_FP32 ? 4 : 8)          // values in a 16-byte output chunk
-#define OUT_CHUNKS (HEAD_DIM / OUT_VALUES)      // 16-byte chunks in an output row
+#define OUT_VALUES (OUT_FP32 ? 4 : 8)       // values in a 16-byte output chunk
+#define OUT_CHUNKS (HEAD_DIM / OUT_VALUES)  // 16-byte chunks in an output row
 #define NOPE_OUT_CHUNKS (NOPE_DIM / OUT_VALUES)
-#define STORES (OUT_CHUNKS / TEAM)              // a thread's stores per row
+#define STORES (OUT_CHUNKS / TEAM)                // a thread's stores per row
 #define SECOND_COPIES (RECORD_BYTES / 16 - TEAM)  // threads 0..7 copy a second chunk of each record
 // A team's staging area. The two teams of a warp stage 64 bytes apart modulo 128, so the same
 // offset in both teams falls in different shared-memory banks.

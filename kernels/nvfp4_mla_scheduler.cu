@@ -6,14 +6,15 @@
 #include "nvfp4_mla_ptx.cuh"
 #include "nvfp4_mla_work.cuh"
 
-static_assert(THREADS % 32 == 0 && THREADS <= 1024, "whole warps, a thread a boundary between parts: up to THREADS - 1 parts");
+static_assert(THREADS % 32 == 0 && THREADS <= 1024,
+              "whole warps, a thread a boundary between parts: up to THREADS - 1 parts");
 constexpr int WARPS = THREADS / 32;
 
 // A row's cost: its live tiles (at least one) and the cost of a segment besides its tiles. In 32
 // bits: the host caps a table's width at 2^24 entries.
 __device__ __forceinline__ u32 row_cost(const Params& p, i64 row) {
     const u32 live = static_cast<u32>(live_count(p.swa_lens, p.swa_lens_int64, p.swa_k, row)) +
-                     static_cast<u32>(live_count(p.extra_lens, p.extra_lens_int64, p.extra_k, row));
+        static_cast<u32>(live_count(p.extra_lens, p.extra_lens_int64, p.extra_k, row));
     return live_tiles(live, static_cast<u32>(p.tile_shift)) + static_cast<u32>(p.segment_cost);
 }
 
@@ -58,7 +59,9 @@ __device__ __forceinline__ T block_inclusive_scan(T v, T* warp_totals, Op op, T&
 
 struct Sum {
     template <typename T>
-    __device__ T operator()(T a, T b) const { return a + b; }
+    __device__ T operator()(T a, T b) const {
+        return a + b;
+    }
 };
 struct Max {
     __device__ int operator()(int a, int b) const { return max(a, b); }
@@ -118,8 +121,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_scheduler
     // A boundary's row is the latest mark at or before it; its tile is counted after the row's
     // segment cost.
     int row = static_cast<int>(p.rows), tile = 0, latest_mark;
-    const int marked = block_inclusive_scan(
-        tid <= parts && mark_row[tid] >= 0 ? tid : -1, mark_totals, Max(), latest_mark);
+    const int marked =
+        block_inclusive_scan(tid <= parts && mark_row[tid] >= 0 ? tid : -1, mark_totals, Max(), latest_mark);
     const i64 at = tid * payload;
     if (tid <= parts && at < total) {
         row = mark_row[marked];

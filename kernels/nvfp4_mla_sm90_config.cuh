@@ -8,33 +8,33 @@
 #include "nvfp4_mla_records.cuh"
 #include "nvfp4_mla_softmax.cuh"
 
-constexpr int HT = HEAD_TILE;                    // heads of a block: the M of every wgmma, or with NARROW its N
-constexpr bool NARROW = HT == 16;                // one consumer warpgroup, two producers (the header comment)
-constexpr int PRODUCERS = NARROW ? 2 : 1;        // producer warpgroups
-constexpr int CONSUMERS = NARROW ? 1 : 2;        // consumer warpgroups
+constexpr int HT = HEAD_TILE;              // heads of a block: the M of every wgmma, or with NARROW its N
+constexpr bool NARROW = HT == 16;          // one consumer warpgroup, two producers (the header comment)
+constexpr int PRODUCERS = NARROW ? 2 : 1;  // producer warpgroups
+constexpr int CONSUMERS = NARROW ? 1 : 2;  // consumer warpgroups
 constexpr int WARPGROUP_THREADS = 128;
 constexpr int CONSUMER_THREADS = WARPGROUP_THREADS * CONSUMERS;
-constexpr int SHARERS = CLUSTER * PRODUCERS;     // producer warpgroups that split each tile (of the cluster or the block)
-constexpr int UNITS_PER_TILE = 2 / SHARERS;      // gather units a producer warpgroup handles per tile
-constexpr int BN = BLOCK_N;                      // tokens of a tile
-constexpr u32 TILE_SHIFT = 6;                   // log2(BN)
-constexpr int UNIT = 32;                         // tokens of a gather unit: 4 producer threads each
-constexpr int RAW_STRIDE = RECORD + 16;          // a raw record's bytes in shared memory (padded: conflict-free reads)
-constexpr int RAW_BYTES = 2 * UNIT * RAW_STRIDE; // a producer warpgroup's two raw units
-constexpr int CHUNKS = HEAD_DIM / 8;             // 64
-constexpr int GROUP_STRIDE = BN * 16;            // K/V: bytes between 8-dim groups (1024)
-constexpr int KV_BYTES = BN * HEAD_DIM * 2;      // a K/V tile buffer
-constexpr int Q_SLAB = HT * 128;                 // Q: bytes of 64 dims of the HT heads (128-byte swizzled rows)
-constexpr int P_GROUP_STRIDE = HT * 16;          // P: bytes between 8-token groups
-constexpr int OUT_DIMS = HEAD_DIM / DIM_PARTS;   // output dims of an item: all 512, or one of two parts
-constexpr int HALF_DIMS = OUT_DIMS / 2;          // output dims of a consumer (not NARROW)
-constexpr int STAGED_ROW = 1024;                 // bytes of an output row staged in a K/V buffer (64 rows)
-constexpr int QK_STEPS = HEAD_DIM / 16;          // k-steps of Q.K^T
-constexpr int PV_STEPS = BN / 16;                // k-steps of P.V
-constexpr int S_BLOCKS = BN / 8;                 // n-blocks of 8 tokens in S
-constexpr int O_BLOCKS = HALF_DIMS / 8;          // n-blocks of 8 dims in a consumer's O
-constexpr int DIM_BLOCKS = HEAD_DIM / 64;        // NARROW: m-blocks of 64 dims in O^T
-constexpr int RAW_ARRIVALS = 2 * 32;             // a raw unit's barrier: each thread of the warp, twice
+constexpr int SHARERS = CLUSTER * PRODUCERS;  // producer warpgroups that split each tile (of the cluster or the block)
+constexpr int UNITS_PER_TILE = 2 / SHARERS;   // gather units a producer warpgroup handles per tile
+constexpr int BN = BLOCK_N;                   // tokens of a tile
+constexpr u32 TILE_SHIFT = 6;                 // log2(BN)
+constexpr int UNIT = 32;                      // tokens of a gather unit: 4 producer threads each
+constexpr int RAW_STRIDE = RECORD + 16;       // a raw record's bytes in shared memory (padded: conflict-free reads)
+constexpr int RAW_BYTES = 2 * UNIT * RAW_STRIDE;  // a producer warpgroup's two raw units
+constexpr int CHUNKS = HEAD_DIM / 8;              // 64
+constexpr int GROUP_STRIDE = BN * 16;             // K/V: bytes between 8-dim groups (1024)
+constexpr int KV_BYTES = BN * HEAD_DIM * 2;       // a K/V tile buffer
+constexpr int Q_SLAB = HT * 128;                  // Q: bytes of 64 dims of the HT heads (128-byte swizzled rows)
+constexpr int P_GROUP_STRIDE = HT * 16;           // P: bytes between 8-token groups
+constexpr int OUT_DIMS = HEAD_DIM / DIM_PARTS;    // output dims of an item: all 512, or one of two parts
+constexpr int HALF_DIMS = OUT_DIMS / 2;           // output dims of a consumer (not NARROW)
+constexpr int STAGED_ROW = 1024;                  // bytes of an output row staged in a K/V buffer (64 rows)
+constexpr int QK_STEPS = HEAD_DIM / 16;           // k-steps of Q.K^T
+constexpr int PV_STEPS = BN / 16;                 // k-steps of P.V
+constexpr int S_BLOCKS = BN / 8;                  // n-blocks of 8 tokens in S
+constexpr int O_BLOCKS = HALF_DIMS / 8;           // n-blocks of 8 dims in a consumer's O
+constexpr int DIM_BLOCKS = HEAD_DIM / 64;         // NARROW: m-blocks of 64 dims in O^T
+constexpr int RAW_ARRIVALS = 2 * 32;              // a raw unit's barrier: each thread of the warp, twice
 constexpr int EARLY_DEPENDENTS_MAX_SPLITS = 32;   // splits up to which the next kernel launches at the start
 // Registers a thread of each warpgroup after setmaxnreg. The block starts with 168 a thread
 // (__launch_bounds__(384, 1): 64 K registers over 384 threads, in steps of 8), and setmaxnreg.inc
@@ -43,7 +43,8 @@ constexpr int EARLY_DEPENDENTS_MAX_SPLITS = 32;   // splits up to which the next
 constexpr int REGS_AT_LAUNCH = 168;
 constexpr int REGS_CONSUMER0 = 240, REGS_CONSUMER1 = 160, REGS_PRODUCER = 104;
 
-static_assert(THREADS == 384, "three warpgroups: consumer 0, consumer 1, producer; or NARROW one consumer, two producers");
+static_assert(THREADS == 384,
+              "three warpgroups: consumer 0, consumer 1, producer; or NARROW one consumer, two producers");
 static_assert(HT == 64 || HT == 16, "64 heads a block (wgmma's M), or 16 (NARROW: wgmma's N)");
 static_assert(CLUSTER == 1 || CLUSTER == 2, "a block alone, or two items that gather the same tiles");
 static_assert(DIM_PARTS == 1 || DIM_PARTS == 2, "whole output rows, or halves");
@@ -87,8 +88,8 @@ struct SharedStorage {
     // tiles' worth, so a warp may write the next tile's while another still reads this one's), and
     // its sums at the end.
     float exchange[NARROW ? 2 * 4 * HT : 2 * HT];
-    u32 tile_masks[2][2][4];       // a K/V buffer's live tokens, per half, per producer warp
-    u64 barriers[NUM_BARRIERS];    // Barrier
+    u32 tile_masks[2][2][4];     // a K/V buffer's live tokens, per half, per producer warp
+    u64 barriers[NUM_BARRIERS];  // Barrier
 };
 static_assert(sizeof(SharedStorage) == SMEM_BYTES, "the shared layout must match the host's count");
 

@@ -224,7 +224,7 @@ __device__ __forceinline__ void consume_item0(const Params& p, u8* smem, i64 row
     }
     sync_consumers();  // both consumers' loops are done (the held buffer is free), the factors are in
     if (!last && tid == 0) issue_q(p, base + SM_Q, bar_q, next_row, head0);  // every S is done: Q is free
-    if (quad == 0 && part == 0) {  // both parts of a row have the same (m, l)
+    if (quad == 0 && part == 0) {                                            // both parts of a row have the same (m, l)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const i64 head = head0 + (half ? row_hi : row_lo);
@@ -279,7 +279,8 @@ __device__ __forceinline__ void consume_item1(const Params& p, u8* smem, i64 row
         wgmma_commit();
         wgmma_wait_all();
         fence_registers(o);
-        mbar_arrive(barrier_at(bars, BAR_P_EMPTY));  // every thread: its reads of the factors come before consumer 0's next writes
+        mbar_arrive(barrier_at(
+            bars, BAR_P_EMPTY));  // every thread: its reads of the factors come before consumer 0's next writes
         if (tile != hold) kv.release(b, lane);
         ++processed;
     }

@@ -58,14 +58,15 @@ __device__ __forceinline__ void copy_rows_out(const Params& p, const u8* region,
                                               int ctid) {
     constexpr int ROW_BYTES = STAGED_ROW_BYTES<SPLIT>;
     constexpr int WARP_STORES = (SPLIT ? ROW_BYTES : OUT_DIMS * 2) / 512;  // of a staged row
-    sync_consumers();  // every row is staged
+    sync_consumers();                                                      // every row is staged
     const i64 num_heads = p.num_heads;
     const int rows = static_cast<int>(min(static_cast<i64>(HT), num_heads - head0));
     const int warp = ctid >> 5, lane = ctid & 31;
     for (int r = warp; r < rows; r += CONSUMER_THREADS / 32) {  // a warp a row
         const i64 entry = (SPLIT ? slot : row) * num_heads + head0 + r;
         uint4* const dst = (SPLIT ? reinterpret_cast<uint4*>(p.partial_o + entry * HEAD_DIM + d0)
-                                  : reinterpret_cast<uint4*>(p.out + entry * (HEAD_DIM / 2) + d0 / 2)) + lane;
+                                  : reinterpret_cast<uint4*>(p.out + entry * (HEAD_DIM / 2) + d0 / 2)) +
+            lane;
         const u8* const src = region + r * ROW_BYTES + (((lane ^ r) & 7) | (lane & ~7)) * 16;
         uint4 v[WARP_STORES];
 #pragma unroll
@@ -85,9 +86,9 @@ __device__ __forceinline__ void copy_rows_out(const Params& p, const u8* region,
 // (slot -1), or its partial outputs at `slot`. Both consumers pass the same barriers. fp32 partials
 // leave 256 dims (a staged row of 1 KB) a pass: both consumers' halves at once with half rows
 // (DIM_PARTS 2), else each consumer's in a pass of its own.
-__device__ __forceinline__ void write_rows(const Params& p, const float (&o)[4 * O_BLOCKS], u8* smem, i64 row, i64 head0,
-                                           i64 slot, int part, int held, int d0, int row_lo, int quad, float factor_lo,
-                                           float factor_hi, int ctid) {
+__device__ __forceinline__ void write_rows(const Params& p, const float (&o)[4 * O_BLOCKS], u8* smem, i64 row,
+                                           i64 head0, i64 slot, int part, int held, int d0, int row_lo, int quad,
+                                           float factor_lo, float factor_hi, int ctid) {
     u8* const region = smem + SM_KV + held * KV_BYTES;
     const int item_d0 = part * OUT_DIMS;
     if (slot < 0) {
@@ -98,7 +99,7 @@ __device__ __forceinline__ void write_rows(const Params& p, const float (&o)[4 *
     constexpr int PASS_DIMS = STAGED_ROW / 4, PASSES = OUT_DIMS / PASS_DIMS;
 #pragma unroll 1
     for (int pass = 0; pass < PASSES; ++pass) {  // one copy of the staging code
-        if (pass > 0) sync_consumers();  // the pass before is read out
+        if (pass > 0) sync_consumers();          // the pass before is read out
         const int pass_d0 = pass * PASS_DIMS;
         if (d0 >= pass_d0 && d0 < pass_d0 + PASS_DIMS)
             stage_rows<true>(o, region, (d0 - pass_d0) * 4, row_lo, quad, factor_lo, factor_hi);

@@ -92,8 +92,8 @@ __device__ __forceinline__ void write_rows_narrow(const Params& p, const float (
 // O^T += V^T.P^T over all 512 dims, then the item's outputs (the arguments as consume_item0's;
 // `processed` counts the block's exchanges, whose parity picks the half of the exchange buffer).
 __device__ __forceinline__ void consume_item_narrow(const Params& p, u8* smem, i64 row, i64 head0, i64 slot, int tile0,
-                                                    int num_tiles, u32 ordinal, bool last, i64 next_row,
-                                                    u32& processed, int tid) {
+                                                    int num_tiles, u32 ordinal, bool last, i64 next_row, u32& processed,
+                                                    int tid) {
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, quad = lane & 3;
     const int token_lo = warp * 16 + g;  // the thread's rows of S^T: tokens token_lo and token_lo + 8
     const u32 bars = shared_address(smem + SM_BARRIERS);
@@ -102,7 +102,7 @@ __device__ __forceinline__ void consume_item_narrow(const Params& p, u8* smem, i
     u8* const sp = smem + SM_P;
     const float score_scale = static_cast<float>(p.score_scale);
     const u32 base = shared_address(smem);
-    const u64 desc_q = swizzled_descriptor(base + SM_Q);                    // S^T's B: Q, K-major (dims contiguous)
+    const u64 desc_q = swizzled_descriptor(base + SM_Q);                     // S^T's B: Q, K-major (dims contiguous)
     const u64 desc_k0 = matrix_descriptor(base + SM_KV, GROUP_STRIDE, 128);  // S^T's A: K, K-major
     const u64 desc_v0 = matrix_descriptor(base + SM_KV, 128, GROUP_STRIDE);  // O^T's A: V^T, MN-major (transposed A)
     const u64 desc_p = matrix_descriptor(base + SM_P, P_GROUP_STRIDE, 128);  // O^T's B: P, K-major (tokens contiguous)
@@ -184,8 +184,8 @@ __device__ __forceinline__ void consume_item_narrow(const Params& p, u8* smem, i
         for (int k = 0; k < PV_STEPS; ++k)
 #pragma unroll
             for (int i = 0; i < DIM_BLOCKS; ++i)
-                wgmma_m64n16<1>(o + 8 * i, desc_v0 + b * KV_STEP + i * DIM_BLOCK_STEP + k * PV_K_STEP, desc_p + k * P_K_STEP,
-                                1);
+                wgmma_m64n16<1>(o + 8 * i, desc_v0 + b * KV_STEP + i * DIM_BLOCK_STEP + k * PV_K_STEP,
+                                desc_p + k * P_K_STEP, 1);
         wgmma_commit();
 
         // The next tile's S^T behind the O^T (tile + 1 only: its buffer is the other one).

@@ -58,7 +58,7 @@ struct KvPipeline {
             const uint4 lo = *reinterpret_cast<const uint4*>(tile_masks + 8 * b);
             const uint4 hi = *reinterpret_cast<const uint4*>(tile_masks + 8 * b + 4);
             live = (lo.x | lo.y << 8 | lo.z << 16 | lo.w << 24) |
-                   static_cast<u64>(hi.x | hi.y << 8 | hi.z << 16 | hi.w << 24) << 32;
+                static_cast<u64>(hi.x | hi.y << 8 | hi.z << 16 | hi.w << 24) << 32;
         }
         return __shfl_sync(NVFP4_FULL_MASK, live, 0);
     }

@@ -35,7 +35,8 @@ __device__ __forceinline__ SlotWords load_slot(const Params& p, i64 row, i64 n, 
 // its record: the 16-byte chunks c0, c0 + 4, ..., c0 + 20 of its 24 (22 of the data row, 2 of the scale slot),
 // copied with cp.async (a warp's instruction: 8 records x 64 contiguous bytes), arriving on the
 // warp's barrier `bar` of the unit. Returns the live mask of the warp's 8 tokens.
-__device__ __forceinline__ u32 gather_unit(const Params& p, i64 n, SlotWords slot, u8* raw_unit, u32 bar, int t, int c0) {
+__device__ __forceinline__ u32 gather_unit(const Params& p, i64 n, SlotWords slot, u8* raw_unit, u32 bar, int t,
+                                           int c0) {
     const RecordAddress record = record_address(p, n, slot_of_words(slot.lo, slot.hi, slot_is_int64(p, n)));
     const u32 mask = __ballot_sync(NVFP4_FULL_MASK, record.data != nullptr) & 0xFFu;  // lanes 0..7: the warp's tokens
     if (record.data != nullptr) {
@@ -43,7 +44,8 @@ __device__ __forceinline__ u32 gather_unit(const Params& p, i64 n, SlotWords slo
 #pragma unroll
         for (int k = 0; k < RECORD / 16 / 4; ++k) {
             const int part = c0 + 4 * k;
-            cp_async16(dst + part * 16, part < DATA_BYTES / 16 ? record.data + part * 16 : record.scale + (part - DATA_BYTES / 16) * 16);
+            cp_async16(dst + part * 16,
+                       part < DATA_BYTES / 16 ? record.data + part * 16 : record.scale + (part - DATA_BYTES / 16) * 16);
         }
     }
     mbar_arrive(bar);
@@ -85,7 +87,8 @@ struct RecordPart {
 __device__ __forceinline__ void read_part(const u8* record, int c0, RecordPart& part) {
     const uint4 s_lo = *reinterpret_cast<const uint4*>(record + DATA_BYTES);
     const uint4 s_hi = *reinterpret_cast<const uint4*>(record + DATA_BYTES + 16);
-    part.scale_words[0] = s_lo.x, part.scale_words[1] = s_lo.y, part.scale_words[2] = s_lo.z, part.scale_words[3] = s_lo.w;
+    part.scale_words[0] = s_lo.x, part.scale_words[1] = s_lo.y, part.scale_words[2] = s_lo.z,
+    part.scale_words[3] = s_lo.w;
     part.scale_words[4] = s_hi.x, part.scale_words[5] = s_hi.y, part.scale_words[6] = s_hi.z;
 #pragma unroll
     for (int i = 0; i < THREAD_NOPE; ++i) part.codes[i] = *reinterpret_cast<const u32*>(record + (4 * i + c0) * 4);
@@ -93,14 +96,16 @@ __device__ __forceinline__ void read_part(const u8* record, int c0, RecordPart& 
     part.rope1 = *reinterpret_cast<const uint4*>(record + NOPE_BYTES + (4 + c0) * 16);  // chunk 60 + c0
 }
 
-__device__ __forceinline__ void store_part(const RecordPart& part, const u32* scale_pairs, int c0, const KvDestination& dst) {
+__device__ __forceinline__ void store_part(const RecordPart& part, const u32* scale_pairs, int c0,
+                                           const KvDestination& dst) {
     const u32 byte_in_pair = static_cast<u32>(c0 >> 1);
     u32 pairs[THREAD_NOPE];
 #pragma unroll
     for (int i = 0; i < THREAD_NOPE; ++i)  // scale byte 2 i + c0 / 2: byte (i & 1) * 2 + c0 / 2 of word i / 2
         pairs[i] = scale_pairs[__byte_perm(part.scale_words[i / 2], 0u, 0x4440u | ((i & 1) * 2 + byte_in_pair))];
 #pragma unroll
-    for (int i = 0; i < THREAD_NOPE; ++i) store_kv(dst, (4 * i + c0) * GROUP_STRIDE, e2m1x8_scaled(part.codes[i], pairs[i]));
+    for (int i = 0; i < THREAD_NOPE; ++i)
+        store_kv(dst, (4 * i + c0) * GROUP_STRIDE, e2m1x8_scaled(part.codes[i], pairs[i]));
     store_kv(dst, (NOPE_CHUNKS + c0) * GROUP_STRIDE, part.rope0);
     store_kv(dst, (NOPE_CHUNKS + 4 + c0) * GROUP_STRIDE, part.rope1);
 }
@@ -142,8 +147,9 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
     // A warp gathers, dequantizes and reuses the raw records of its own 8 tokens: it waits on its
     // own raw barriers and only for itself (the warps proceed independently).
     // Unit u of the item is the block's unit unit0 + u: its raw buffer is that count's.
-#define GATHER(unit, slot) gather_unit(p, ENTRY(first + (unit) * UNIT_STEP), slot, raw + ((unit0 + (unit)) & 1) * UNIT * RAW_STRIDE, \
-                                       bars + (BAR_RAW + 8 * group + 2 * warp + ((unit0 + (unit)) & 1)) * 8, t, c0)
+#define GATHER(unit, slot)                                                                                             \
+    gather_unit(p, ENTRY(first + (unit) * UNIT_STEP), slot, raw + ((unit0 + (unit)) & 1) * UNIT * RAW_STRIDE,          \
+                bars + (BAR_RAW + 8 * group + 2 * warp + ((unit0 + (unit)) & 1)) * 8, t, c0)
     SlotWords slot_a = NO_SLOT, slot_b = NO_SLOT;
     u32 unit_mask[2] = {0u, 0u};  // the warp's live tokens of the units in raw buffers 0 and 1
     if (units > 0) {
@@ -163,7 +169,8 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
         const int half = SHARERS == 2 ? share : u & 1;  // the unit's half of the tile
         const u32 full = bars + (BAR_FULL + b) * 8;
         const u32 peer_full = peer + SM_BARRIERS + (BAR_FULL + b) * 8;  // with a cluster: the peer's full barrier
-        mbar_wait(bars + (BAR_RAW + 8 * group + 2 * warp + raw_half) * 8, ((unit0 + u) >> 1) & 1);  // the warp's records are in
+        mbar_wait(bars + (BAR_RAW + 8 * group + 2 * warp + raw_half) * 8,
+                  ((unit0 + u) >> 1) & 1);  // the warp's records are in
         const u32 mask = raw_half ? unit_mask[1] : unit_mask[0];
         RecordPart part = {};
         if ((mask >> (t & 7)) & 1u)  // the warp's mask: its 8 tokens
@@ -171,9 +178,13 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
         __syncwarp();  // the warp has read its raw records of unit u out: refill the buffer with unit u + 2
         if (u + 2 < units) {
             const u32 next_mask = GATHER(u + 2, slot_a);
-            if (raw_half) unit_mask[1] = next_mask; else unit_mask[0] = next_mask;
+            if (raw_half)
+                unit_mask[1] = next_mask;
+            else
+                unit_mask[0] = next_mask;
             slot_a = slot_b;
-            slot_b = u + 4 < units ? load_slot(p, row, ENTRY(first + (u + 4) * UNIT_STEP), swa_live, extra_live) : NO_SLOT;
+            slot_b =
+                u + 4 < units ? load_slot(p, row, ENTRY(first + (u + 4) * UNIT_STEP), swa_live, extra_live) : NO_SLOT;
         }
         if (half == 0 || SHARERS == 2) {  // the consumers (of both blocks) are done with buffer b
             mbar_wait(bars + (BAR_EMPTY + b) * 8, ((tile >> 1) & 1) ^ 1);
@@ -189,7 +200,9 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
         }
         const int row_offset = SM_KV + b * KV_BYTES + (half * UNIT + t) * 16;
         store_part(part, scale_pairs, c0, {smem + row_offset, peer + row_offset, peer_full});
-        if (half == 1 || SHARERS == 2) {  // this warpgroup's part of the tile is complete: publish it to the consumers' wgmma (async proxy)
+        if (half == 1 ||
+            SHARERS ==
+                2) {  // this warpgroup's part of the tile is complete: publish it to the consumers' wgmma (async proxy)
             fence_proxy_async();
             if (CLUSTER == 2 && ptid == 0)
                 mbar_arrive_expect_bytes(full, PEER_TILE_BYTES);  // and the phase waits for the peer's stores

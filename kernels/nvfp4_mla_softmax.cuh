@@ -58,5 +58,3 @@ __device__ __forceinline__ float output_factor(float l, float lse, const float* 
     const float inv_l = 1.0f / l;
     return sinks ? inv_l / (1.0f + expf(sinks[head] - lse)) : inv_l;
 }
-
-

@@ -129,14 +129,15 @@ __device__ __forceinline__ KvRows load_kv_rows(const Params& p, u32 first_row, c
 // sectors: codes 224 bytes, RoPE 128 bytes, the 32-byte scale slot one byte a lane.
 __device__ __forceinline__ void store_kv_record(const Params& p, uint4 h0, uint4 h1, u32 rope, float cos, float sin,
                                                 u32 valid_slot, int lane) {
-    static_assert(NUM_GROUPS <= 32 && ROPE_PAIRS == 32 && SCALE_BYTES == 32, "one warp a row: a lane a group, a RoPE pair and a scale byte");
+    static_assert(NUM_GROUPS <= 32 && ROPE_PAIRS == 32 && SCALE_BYTES == 32,
+                  "one warp a row: a lane a group, a RoPE pair and a scale byte");
     // valid_slot < capacity < 2^30: 32-bit unsigned division by the page size.
     const u32 entry = valid_slot % PAGE_SIZE, ulane = lane;
     const u64 page = page_address(valid_slot / PAGE_SIZE, p.page_stride, reinterpret_cast<u64>(p.cache));
     u32 scale = 0u;  // lanes past the groups write the slot's zero bytes
     if (lane < NUM_GROUPS) {
         const GroupAmax a = group_amax(h0, h1);
-        scale = scale_code(a.amax.x);  // the group's scale byte is half 0's
+        scale = scale_code(a.amax.x);                             // the group's scale byte is half 0's
         const u32 scale1 = a.nan ? scale_code(a.amax.y) : scale;  // the halves' amax differ only with a NaN
         const uint2 codes = group_codes(h0, h1, a, scale, scale1);
         st_global_v2(mad_wide(entry * (DATA_BYTES / 8) + ulane, 8, page), codes);  // data + 8 * lane
@@ -158,7 +159,7 @@ __device__ __forceinline__ void store_kv_record(const Params& p, uint4 h0, uint4
 __device__ __forceinline__ bool inserted_row(const Params& p, i64 slot, i64 pos, i64& rope_row) {
     rope_row = pos / COMPRESS_RATIO * COMPRESS_RATIO;
     return static_cast<u64>(slot) < static_cast<u64>(p.capacity) && pos >= 0 && (pos + 1) % COMPRESS_RATIO == 0 &&
-           rope_row < p.max_position;
+        rope_row < p.max_position;
 }
 #endif
 
@@ -217,8 +218,9 @@ struct TileList {
 };
 
 struct KvTiles {
-    u32 size, first, stride;  // rows a tile (1..THREADS); the tile's first row; rows from one of the block's tiles to the next
-    u32 taken, count;         // this warp's next entry of the list; the list's entries
+    u32 size, first,
+        stride;        // rows a tile (1..THREADS); the tile's first row; rows from one of the block's tiles to the next
+    u32 taken, count;  // this warp's next entry of the list; the list's entries
     i64 next_slot, next_pos;  // this thread's row of the next tile, as loaded (-1 past the rows)
 };
 
@@ -347,7 +349,8 @@ __device__ __forceinline__ void write_q_out_rows(const Params& p, i64 first, int
     if (!in_range) {
 #pragma unroll
         for (int r = 0; r < Q_ROWS_PER_UNIT; ++r)
-            if (r < rows && head0 + r < NUM_HEADS) out[r] = make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
+            if (r < rows && head0 + r < NUM_HEADS)
+                out[r] = make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
     }
 #endif
 #pragma unroll
@@ -396,7 +399,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_write(const Para
         const i64 unit = static_cast<i64>(blockIdx.x) * UNITS_PER_BLOCK + unit_of_block;
         // The host's row limit (2^30) keeps unit indices in 32 bits.
         if (unit < kv_units)
-            insert_kv_units(p, static_cast<u32>(unit), static_cast<u32>(p.kv_blocks * UNITS_PER_BLOCK), static_cast<u32>(kv_units), c);
+            insert_kv_units(p, static_cast<u32>(unit), static_cast<u32>(p.kv_blocks * UNITS_PER_BLOCK),
+                            static_cast<u32>(kv_units), c);
 #endif
         return;
     }

@@ -48,8 +48,8 @@ __device__ __forceinline__ u32 rope_pair_bits(u32 pair, float c, float s) {
 
 // Rotates the 4 pairs of a 16-byte chunk of RoPE dims with their cos and sin.
 __device__ __forceinline__ uint4 rope_chunk(uint4 x, float4 c, float4 s) {
-    return make_uint4(rope_pair_bits(x.x, c.x, s.x), rope_pair_bits(x.y, c.y, s.y),
-                      rope_pair_bits(x.z, c.z, s.z), rope_pair_bits(x.w, c.w, s.w));
+    return make_uint4(rope_pair_bits(x.x, c.x, s.x), rope_pair_bits(x.y, c.y, s.y), rope_pair_bits(x.z, c.z, s.z),
+                      rope_pair_bits(x.w, c.w, s.w));
 }
 
 // E4M3 (fn) code of x >= 0 or NaN: nearest even, saturating at 448 (0x7E), NaN -> 0x7F.
@@ -281,7 +281,7 @@ struct E2M1Thresholds {
 
 __device__ __forceinline__ E2M1Thresholds e2m1_thresholds(u32 code) {
     const u32 d = e4m3_value_bits(code);
-    const u32 bits = prmt(d, d, 0x3232u);                  // BF16 bits of d in both halves
+    const u32 bits = prmt(d, d, 0x3232u);                    // BF16 bits of d in both halves
     const u32 table = ((d >> 20) & 7u) * 0x0101u + 0x8080u;  // byte m in bytes 0 and 2; t(0) = 0 sign-filled in 1, 3
     // (0x8000 + delta) * 0x10001: the sign bit, and delta added to both halves of bits.
     constexpr u32 neg = 0x80008000u;

@@ -15,6 +15,7 @@ from . import jit, kernel_cache
 from .device import device_info, gpu_unavailable_reason
 from .launch import Launcher
 from .ops import registry
+from .ops.registry import Geometry
 
 ENTRIES = tuple(registry.OPS)  # "main", "kv", "append", "pack", "read", "decode"
 ARCH_LIST_ENV = "TORCH_CUDA_ARCH_LIST"  # nvfp4-mla precompile's default architectures, as torch's builds take them
@@ -71,50 +72,6 @@ def env_arch_list() -> ArchList | None:
     default architectures of ``nvfp4-mla precompile`` without ``--arch``."""
     text = os.environ.get(ARCH_LIST_ENV, "")
     return parse_arch_list(text) if text.strip() else None
-
-
-class Geometry(NamedTuple):
-    """What fixes compiled kernels, for :func:`precompile`: a precompile request.
-
-    ``entry`` is a writer ("main", "kv", "append", "pack"), "read" (the GPU reader) or "decode"
-    (every kernel of ``sparse_mla_decode`` for the GPU); the other fields are the entries'
-    arguments of the same names (``slot_dtype`` is the dtype of ``slot_mapping``, or of the
-    reader's ``slots``, None for ``slots=None``; ``dtype`` is the reader's output dtype).
-    """
-
-    entry: str
-    page_size: int = 0
-    num_heads: int = 0
-    q_head_padded: int = 0
-    apply_q_rope: bool = True
-    q_inplace: bool = False
-    compress_ratio: int = 1
-    slot_dtype: torch.dtype | None = torch.int64
-    dtype: torch.dtype = torch.float32
-
-    def describe(self) -> str:
-        """The request in words, e.g. ``main, page 256, 8 -> 16 heads`` or ``decode``."""
-        slots = "every slot" if self.slot_dtype is None else f"{str(self.slot_dtype)[6:]} slots"
-        if self.entry == "main":
-            if self.q_inplace:
-                what = f"{self.num_heads} heads in place"
-            elif self.q_head_padded:
-                what = f"{self.num_heads} -> {self.q_head_padded} heads"
-            else:
-                what = f"{self.num_heads} heads, cache only (the KV kernel, ratio 1)"
-            return f"main, page {self.page_size}, {what}, {slots}"
-        if self.entry == "kv":
-            return f"kv, page {self.page_size}, compress ratio {self.compress_ratio}, {slots}"
-        if self.entry == "read":
-            return f"read, page {self.page_size}, {slots} -> {str(self.dtype)[6:]}"
-        if self.entry == "decode":
-            return "decode, every kernel of sparse_mla_decode for the GPU"
-        return f"{self.entry}, page {self.page_size}" + ("" if self.entry == "pack" else f", {slots}")
-
-    def specs(self, arch: str) -> tuple[jit.KernelSpec, ...]:
-        """The kernels this request needs on a GPU of ``arch``; ValueError for what the entry itself
-        would refuse."""
-        return registry.specs(self, arch)
 
 
 class Precompiled(NamedTuple):

@@ -16,7 +16,9 @@ the host's speed drifts within a run.
 - the reference: torch ``add_`` on a 1-element CUDA tensor;
 - each writer entry at ``T = 1`` (main 8 -> 16 heads, in place 8, KV ratio 1 and 2, append, pack
   of one 64-row page) with its target ratio to ``add_`` (issue 11: 1.8x for the main entry, in
-  place too, 1.5x for the others), and the reader and ``sparse_mla_decode`` for information;
+  place too, 1.5x for the others), and the reader and ``sparse_mla_decode`` for information, but
+  ``sparse_mla_decode`` with lengths and a reused plan (2.0x: a decode step's per-layer call),
+  and ``plan.update()`` (the scheduler's launch);
 - the pieces of a writer's call, each alone: the full argument checks (what a call's first use
   of a signature runs: ``validation.check_main``), the per-call part a warm call runs instead
   (``validation.signature``, the plan lookup and ``validation.check_pointers``), the ``q_out``
@@ -45,6 +47,7 @@ from .timing import SUITE_HOST_BATCHES, SUITE_HOST_CALLS, host_pair
 OUTPUT_STEM = "host_bench"  # host_bench.csv, host_bench.md
 COLUMNS = ["call", "us", "add_us", "x_add", "target", "verdict"]
 MAIN_TARGET, OTHER_TARGET = 1.8, 1.5  # x add_ (issue 11)
+DECODE_PLAN_TARGET = 2.0  # x add_: a decode call with a reused plan
 MAX_POSITION = 4096
 DECODE_HEADS, DECODE_K = 64, 128  # sparse_mla_decode: one query row, 64 heads, 128 selected tokens
 
@@ -66,6 +69,8 @@ def calls(device: torch.device) -> list[tuple[str, Callable[[], object], float |
     decode_q = random_rows((1, 1, DECODE_HEADS, 512), device)
     decode_slots = torch.randint(0, 64 * 256, (1, 1, DECODE_K), dtype=torch.int32, device=device)
     moving_q = itertools.cycle([decode_q, decode_q.clone()])  # q at another address each call
+    decode_lens = torch.full((1, 1), DECODE_K, dtype=torch.int32, device=device)
+    decode_plan = nvfp4_mla.plan_sparse_mla_decode(DECODE_HEADS, decode_slots, swa_lens=decode_lens)
 
     main = nvfp4_mla.cake_dsv4_nvfp4_rope_quantize_insert
     main(*main_args, q_head_padded=16)  # loads the kernel: the plan below is the warm call's
@@ -115,6 +120,19 @@ def calls(device: torch.device) -> list[tuple[str, Callable[[], object], float |
             lambda: nvfp4_mla.sparse_mla_decode(next(moving_q), cache, decode_slots, sm_scale=0.04),
             None,
         ),
+        (
+            f"sparse_mla_decode, 1 row, {DECODE_HEADS} heads, k={DECODE_K}, with lengths (the call schedules)",
+            lambda: nvfp4_mla.sparse_mla_decode(decode_q, cache, decode_slots, swa_lens=decode_lens, sm_scale=0.04),
+            None,
+        ),
+        (
+            f"sparse_mla_decode, 1 row, {DECODE_HEADS} heads, k={DECODE_K}, with lengths and a reused plan",
+            lambda: nvfp4_mla.sparse_mla_decode(
+                decode_q, cache, decode_slots, swa_lens=decode_lens, sm_scale=0.04, plan=decode_plan
+            ),
+            DECODE_PLAN_TARGET,
+        ),
+        ("  piece: plan.update() (the scheduler's launch)", decode_plan.update, None),
         (
             "  piece: validation.check_main (first use of a signature)",
             lambda: validation.check_main(*main_args, 16, True, False, need_cuda=True),

@@ -153,7 +153,7 @@ def run(device: torch.device, timer: Timer) -> Results:
         spec = gpu_reader.ReaderSpec.of(PAGE_SIZE, torch.int64, torch.bfloat16)._replace(rows_per_team=per_team)
         launcher = kernel_cache.default().launcher(index, spec)
 
-        def launch_variant(slots_out: Any, launcher: Any = launcher, rows_per_block: int = spec.rows_per_block):
+        def launch_variant(slots_out: Any, launcher: Any = launcher, rows_per_block: int = spec.rows_per_block) -> None:
             slots, out = slots_out
             return gpu_reader.launch(launcher, rows_per_block, index, cache, slots.data_ptr(), out, layout, rows, fill)
 

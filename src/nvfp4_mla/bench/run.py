@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..cli import plain
 from ..device import gpu_unavailable_reason
+from ..help_text import plain
 from ..testing import rope_table
 from .arms import ARM_TITLES, Call, Library, compiled_reference, fused_call, same_outputs, unfused_call
 from .ceilings import measure_ceilings

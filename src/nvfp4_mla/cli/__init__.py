@@ -13,18 +13,14 @@ import os
 import sys
 
 from .. import __version__
+from ..help_text import plain
 from ..records import format_record
 from . import demo, info, precompile
 
-__all__ = ["INTERRUPTED_EXIT", "SIGPIPE_EXIT", "build_parser", "format_record", "main", "plain"]
+__all__ = ["INTERRUPTED_EXIT", "SIGPIPE_EXIT", "build_parser", "format_record", "main"]
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 INTERRUPTED_EXIT = 130  # 128 + SIGINT: what a shell reports for a command stopped with Ctrl-C
-
-
-def plain(text: str) -> str:
-    """A docstring paragraph as help text: without reST's double backticks."""
-    return text.replace("``", "")
 
 
 def cmd_bench(argv: list[str]) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.autograd.graph import increment_version
@@ -40,6 +40,16 @@ from . import decode_combine, decode_mma, decode_scheduler, decode_sm90
 from .decode_backend import OVERRIDES, DecodeBackend, arch_capability
 from .decode_schedule import MAX_SPLITS, choose_dim_parts, choose_split_and_parts
 from .library import DEFAULT, KernelLibrary, check_traceable
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from .decode_backend import Attention
+
+    # A call's pool as the launches take it: (cache, slots, lens, layout), the layout a
+    # validation.CacheLayout (num_pages, page_size, page_stride); all None for a missing extra pool.
+    SwaPool: TypeAlias = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, int, int]]
+    Pool: TypeAlias = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, tuple[int, int, int] | None]
 
 # A segment's cost besides its tiles, in tiles (its query load and output rows): the scheduler
 # balances the parts by tiles plus this a segment.
@@ -171,7 +181,16 @@ def plan(
     return lib.remember(key, found)
 
 
-def _list_plan(lib, gpu, backend, attention, num_heads, rows, tokens, lengths) -> DecodePlan:
+def _list_plan(
+    lib: KernelLibrary,
+    gpu: Device,
+    backend: DecodeBackend,
+    attention: Attention,
+    num_heads: int,
+    rows: int,
+    tokens: int,
+    lengths: bool,
+) -> DecodePlan:
     """The plan of a backend that walks a work list, a block per (part, head tile, dim part).
 
     The dim parts are the width split's (:mod:`.decode_schedule`, at the tables' ``tokens``), or
@@ -232,8 +251,13 @@ def _list_plan(lib, gpu, backend, attention, num_heads, rows, tokens, lengths) -
     )
 
 
-def _pool_params(cache, slots, lens, layout) -> tuple[int, ...]:
-    if cache is None:  # no second pool: k = 0, never read
+def _pool_params(
+    cache: torch.Tensor | None,
+    slots: torch.Tensor | None,
+    lens: torch.Tensor | None,
+    layout: tuple[int, int, int] | None,
+) -> tuple[int, ...]:
+    if cache is None or slots is None or layout is None:  # no second pool: k = 0, never read
         return (0, 0, 0, 0, 1, 0, 0, 0, 0)
     num_pages, page_size, page_stride = layout
     return (
@@ -250,8 +274,19 @@ def _pool_params(cache, slots, lens, layout) -> tuple[int, ...]:
 
 
 def _decode_cuda(
-    lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out, planned=None
-):
+    lib: KernelLibrary,
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa_slots: torch.Tensor,
+    swa_lens: torch.Tensor | None,
+    extra_cache: torch.Tensor | None,
+    extra_slots: torch.Tensor | None,
+    extra_lens: torch.Tensor | None,
+    sm_scale: float,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor | None,
+    planned: SparseMlaDecodePlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     swa, extra = validation.check_decode(
         q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, True, out
     )
@@ -278,12 +313,23 @@ def _decode_cuda(
         work = 0
     else:
         found, work = planned.launches, planned.work_address
+        assert found is not None  # a plan made on CUDA tensors with rows, as the check found
     pools = (swa_cache, swa_slots, swa_lens, swa), (extra_cache, extra_slots, extra_lens, extra)
     launch(found, q, out, lse, sm_scale, sinks, *pools, work)
     return out, lse
 
 
-def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool, work: int = 0) -> None:
+def launch(
+    plan: DecodePlan,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    sinks: torch.Tensor | None,
+    swa_pool: SwaPool,
+    extra_pool: Pool,
+    work: int = 0,
+) -> None:
     """The launches of ``plan`` on checked arguments; each pool is ``(cache, slots, lens,
     layout)``, all None for a missing extra pool; ``work``: the address of a public plan's work
     list (0: the call writes its own). With splits, the fp32 workspace comes from torch's caching
@@ -341,7 +387,16 @@ def launch(plan: DecodePlan, q, out, lse, sm_scale, sinks, swa_pool, extra_pool,
         )
 
 
-def _schedule(plan: DecodePlan, stream: int, work: int, rows: int, k_swa, swa_lens, k_extra, extra_lens) -> None:
+def _schedule(
+    plan: DecodePlan,
+    stream: int,
+    work: int,
+    rows: int,
+    k_swa: int,
+    swa_lens: torch.Tensor | None,
+    k_extra: int,
+    extra_lens: torch.Tensor | None,
+) -> None:
     """The scheduler's launch: the work list of ``plan`` at ``work`` from the rows' lengths."""
     scheduler = plan.scheduler
     assert scheduler is not None
@@ -361,7 +416,17 @@ def _schedule(plan: DecodePlan, stream: int, work: int, rows: int, k_swa, swa_le
 
 
 def _launch_list(
-    plan: DecodePlan, q, out, lse, sm_scale, sinks_ptr, swa_pool, extra_pool, stream, rows, work=0
+    plan: DecodePlan,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    sinks_ptr: int,
+    swa_pool: SwaPool,
+    extra_pool: Pool,
+    stream: int,
+    rows: int,
+    work: int = 0,
 ) -> None:
     """The launches of a plan with a work list: the scheduler writes the list at the start of the
     call's workspace (unless the plan holds it, or a public plan's list is at ``work``), the
@@ -373,9 +438,10 @@ def _launch_list(
         workspace = new_output(q, (plan.workspace,), (1,), torch.float32, device)
         partial_ml = workspace.data_ptr() + 4 * (plan.workspace - plan.slots * num_heads * 2)
         partial_o = partial_ml - plan.slots * num_heads * abi.HEAD_DIM * 4
-    static = plan.work is not None  # the host's list, written at planning: read before the kernels' waits
-    if static:
-        work = plan.work.data_ptr()  # type: ignore[union-attr]
+    host_list = plan.work  # the host's list, written at planning: read before the kernels' waits
+    static = host_list is not None
+    if host_list is not None:
+        work = host_list.data_ptr()
     elif not work:
         work = workspace.data_ptr()
         extra_k = 0 if extra_pool[1] is None else extra_pool[1].shape[2]
@@ -423,8 +489,19 @@ def _launch_list(
 
 
 def _decode(
-    lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out, planned=None
-):
+    lib: KernelLibrary,
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa_slots: torch.Tensor,
+    swa_lens: torch.Tensor | None,
+    extra_cache: torch.Tensor | None,
+    extra_slots: torch.Tensor | None,
+    extra_lens: torch.Tensor | None,
+    sm_scale: float,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor | None,
+    planned: SparseMlaDecodePlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(q, torch.Tensor) and q.is_cuda:
         return _decode_cuda(
             lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out, planned
@@ -478,7 +555,17 @@ class SparseMlaDecodePlan:
         "work_address",
     )
 
-    def __init__(self, num_heads, swa_slots, swa_lens, extra_slots, extra_lens, library, launches, work):
+    def __init__(
+        self,
+        num_heads: int,
+        swa_slots: torch.Tensor,
+        swa_lens: torch.Tensor | None,
+        extra_slots: torch.Tensor | None,
+        extra_lens: torch.Tensor | None,
+        library: KernelLibrary,
+        launches: DecodePlan | None,
+        work: torch.Tensor | None,
+    ) -> None:
         self.batch, self.q_len, self.k_swa = swa_slots.shape
         self.num_heads = num_heads
         self.k_extra = 0 if extra_slots is None else extra_slots.shape[2]
@@ -522,7 +609,14 @@ class SparseMlaDecodePlan:
             f"k_swa={self.k_swa}, k_extra={self.k_extra}, device={where}, parts={self.parts})"
         )
 
-    def check(self, q, swa_slots, swa_lens, extra_slots, extra_lens) -> None:
+    def check(
+        self,
+        q: torch.Tensor,
+        swa_slots: torch.Tensor,
+        swa_lens: torch.Tensor | None,
+        extra_slots: torch.Tensor | None,
+        extra_lens: torch.Tensor | None,
+    ) -> None:
         """ValueError unless a call of these arguments is one this plan was made for."""
         k_extra = 0 if extra_slots is None else extra_slots.shape[2]
         got = (q.get_device(), tuple(q.shape[:3]), swa_slots.shape[2], k_extra)
@@ -608,7 +702,17 @@ def _decode_op(
 
 
 @_decode_op.register_fake
-def _(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks):
+def _(
+    q: _Tensor,
+    swa_cache: _Tensor,
+    swa_slots: _Tensor,
+    swa_lens: _OptTensor,
+    extra_cache: _OptTensor,
+    extra_slots: _OptTensor,
+    extra_lens: _OptTensor,
+    sm_scale: float,
+    sinks: _OptTensor,
+) -> tuple[_Tensor, _Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -631,7 +735,18 @@ def _decode_out_op(
 
 
 @_decode_out_op.register_fake
-def _(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out):
+def _(
+    q: _Tensor,
+    swa_cache: _Tensor,
+    swa_slots: _Tensor,
+    swa_lens: _OptTensor,
+    extra_cache: _OptTensor,
+    extra_slots: _OptTensor,
+    extra_lens: _OptTensor,
+    sm_scale: float,
+    sinks: _OptTensor,
+    out: _Tensor,
+) -> _Tensor:
     return q.new_empty(q.shape[:3], dtype=torch.float32)
 
 

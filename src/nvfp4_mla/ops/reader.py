@@ -107,7 +107,17 @@ def fill_pattern(invalid: float, out_fp32: bool) -> int:
     return bf16 * 0x10001
 
 
-def launch(launcher: Launcher, rows_per_block: int, device: int, cache, slots_ptr, out, layout, num_rows, fill):
+def launch(
+    launcher: Launcher,
+    rows_per_block: int,
+    device: int,
+    cache: torch.Tensor,
+    slots_ptr: int,
+    out: torch.Tensor,
+    layout: validation.CacheLayout,
+    num_rows: int,
+    fill: int,
+) -> None:
     """One launch reading ``num_rows > 0`` rows into ``out`` (arguments already checked), on the
     current stream of CUDA device ``device``; the kernel's ``Params`` in order."""
     num_pages, page_size, page_stride = layout
@@ -130,7 +140,14 @@ def launch(launcher: Launcher, rows_per_block: int, device: int, cache, slots_pt
 _NAN_FILLS = {torch.float32: _F32_NAN, torch.bfloat16: _BF16_NAN * 0x10001}
 
 
-def _dequantize(lib: KernelLibrary, cache, slots, dtype, invalid, out):
+def _dequantize(
+    lib: KernelLibrary,
+    cache: torch.Tensor,
+    slots: torch.Tensor | None,
+    dtype: torch.dtype,
+    invalid: float,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
     # Lean on purpose: this is the whole host cost of a decode step's read (see the benchmark).
     layout = validation.check_dequantize(cache, slots, dtype, invalid, out, need_cuda=True)
     given = out is not None
@@ -172,7 +189,7 @@ def _dequantize_op(cache: _Tensor, slots: _Tensor | None, dtype: torch.dtype, in
 
 
 @_dequantize_op.register_fake
-def _(cache, slots, dtype, invalid):
+def _(cache: _Tensor, slots: _Tensor | None, dtype: torch.dtype, invalid: float) -> _Tensor:
     if slots is None:
         layout = validation.check_cache(cache)
         return cache.new_empty((layout.num_pages * layout.page_size, abi.HEAD_DIM), dtype=dtype)
@@ -185,7 +202,7 @@ def _dequantize_out_op(cache: _Tensor, slots: _Tensor | None, dtype: torch.dtype
 
 
 @_dequantize_out_op.register_fake
-def _(cache, slots, dtype, invalid, out):
+def _(cache: _Tensor, slots: _Tensor | None, dtype: torch.dtype, invalid: float, out: _Tensor) -> None:
     return None
 
 

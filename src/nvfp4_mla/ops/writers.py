@@ -78,8 +78,17 @@ def _on_cuda(tensors: tuple) -> bool:
 
 
 def _rope_quantize_insert(
-    lib: KernelLibrary, q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace
-):
+    lib: KernelLibrary,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_head_padded: int,
+    apply_q_rope: bool,
+    q_inplace: bool,
+) -> torch.Tensor:
     tensors = (q, kv, cache, slot_mapping, positions, cos_sin_cache)
     signature = validation.signature(tensors, ("main", q_head_padded, apply_q_rope, q_inplace))
     plan = lib.plans.get(signature)
@@ -113,7 +122,15 @@ def _rope_quantize_insert(
     return q_out
 
 
-def _kv_rope_quantize_insert(lib: KernelLibrary, kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio):
+def _kv_rope_quantize_insert(
+    lib: KernelLibrary,
+    kv: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    compress_ratio: int,
+) -> None:
     tensors = (kv, cache, slot_mapping, positions, cos_sin_cache)
     signature = validation.signature(tensors, ("kv", compress_ratio))
     plan = lib.plans.get(signature)
@@ -137,7 +154,7 @@ def _kv_rope_quantize_insert(lib: KernelLibrary, kv, cache, slot_mapping, positi
         increment_version(cache)
 
 
-def _append(lib: KernelLibrary, latent_kv, slot_mapping, cache):
+def _append(lib: KernelLibrary, latent_kv: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor) -> None:
     tensors = (latent_kv, slot_mapping, cache)
     signature = validation.signature(tensors, ("append",))
     plan = lib.plans.get(signature)
@@ -161,7 +178,7 @@ def _append(lib: KernelLibrary, latent_kv, slot_mapping, cache):
         increment_version(cache)
 
 
-def _pack(lib: KernelLibrary, latent_kv, kv_layout):
+def _pack(lib: KernelLibrary, latent_kv: torch.Tensor, kv_layout: str) -> torch.Tensor:
     tensors = (latent_kv,)
     signature = validation.signature(tensors, ("pack", kv_layout))
     plan = lib.plans.get(signature)
@@ -214,7 +231,16 @@ def _rope_quantize_insert_op(
 
 
 @_rope_quantize_insert_op.register_fake
-def _(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope):
+def _(
+    q: _Tensor,
+    kv: _Tensor,
+    cache: _Tensor,
+    slot_mapping: _Tensor,
+    positions: _Tensor,
+    cos_sin_cache: _Tensor,
+    q_head_padded: int,
+    apply_q_rope: bool,
+) -> _Tensor:
     return q.new_empty((q.shape[0], q_head_padded, abi.HEAD_DIM))
 
 
@@ -243,7 +269,16 @@ def _rope_quantize_insert_inplace_op(
 
 
 @_rope_quantize_insert_inplace_op.register_fake
-def _(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope):
+def _(
+    q: _Tensor,
+    kv: _Tensor,
+    cache: _Tensor,
+    slot_mapping: _Tensor,
+    positions: _Tensor,
+    cos_sin_cache: _Tensor,
+    q_head_padded: int,
+    apply_q_rope: bool,
+) -> None:
     return None
 
 
@@ -257,7 +292,9 @@ def _kv_rope_quantize_insert_op(
 
 
 @_kv_rope_quantize_insert_op.register_fake
-def _(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio):
+def _(
+    kv: _Tensor, cache: _Tensor, slot_mapping: _Tensor, positions: _Tensor, cos_sin_cache: _Tensor, compress_ratio: int
+) -> None:
     return None
 
 
@@ -267,7 +304,7 @@ def _append_op(latent_kv: _Tensor, slot_mapping: _Tensor, cache: _Tensor) -> Non
 
 
 @_append_op.register_fake
-def _(latent_kv, slot_mapping, cache):
+def _(latent_kv: _Tensor, slot_mapping: _Tensor, cache: _Tensor) -> None:
     return None
 
 
@@ -277,7 +314,7 @@ def _pack_op(latent_kv: _Tensor, kv_layout: str) -> _Tensor:
 
 
 @_pack_op.register_fake
-def _(latent_kv, kv_layout):
+def _(latent_kv: _Tensor, kv_layout: str) -> _Tensor:
     return reference.new_cache(latent_kv.shape[0], latent_kv.shape[1], kv_layout, latent_kv.device)
 
 

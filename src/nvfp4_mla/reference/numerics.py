@@ -32,7 +32,7 @@ def to_bf16(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), bf16_nan(x.device), x.to(torch.bfloat16))
 
 
-def bf16_nan(device) -> torch.Tensor:
+def bf16_nan(device: torch.device) -> torch.Tensor:
     return torch.tensor(abi.BF16_NAN_BITS, dtype=torch.int16, device=device).view(torch.bfloat16)
 
 

@@ -8,7 +8,9 @@ from .. import abi, validation
 from .numerics import bf16_nan, quantize_rows, rope
 
 
-def _insert(cache, layout, rows: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> None:
+def _insert(
+    cache: torch.Tensor, layout: validation.CacheLayout, rows: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor
+) -> None:
     """Writes the records of ``rows[keep]`` at ``slots[keep]``; invalid slots are skipped."""
     num_pages, page_size, _ = layout
     slots = slots.long()
@@ -21,7 +23,7 @@ def _insert(cache, layout, rows: torch.Tensor, slots: torch.Tensor, keep: torch.
     scales[pages, entries] = row_scales
 
 
-def _cos_sin(cos_sin_cache: torch.Tensor, rope_rows: torch.Tensor):
+def _cos_sin(cos_sin_cache: torch.Tensor, rope_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """cos, sin ``[n, 32]`` of each RoPE row, and whether the row is inside the table.
 
     Out-of-range rows read row 0 instead (or zeros for an empty table); callers mask them.
@@ -134,7 +136,7 @@ def nvfp4_quantize_append_sparse_mla_cache(
         _insert(cache, layout, latent_kv[:n], slot_mapping, keep)
 
 
-def new_cache(num_pages: int, page_size: int, kv_layout: str, device) -> torch.Tensor:
+def new_cache(num_pages: int, page_size: int, kv_layout: str, device: torch.device | str) -> torch.Tensor:
     """An uninitialised packed cache of the given layout (what the pack entry returns)."""
     shape = (
         (num_pages, 1, page_size, abi.RECORD_BYTES)

@@ -111,7 +111,7 @@ def _check_rope_inputs(positions: torch.Tensor, cos_sin_cache: torch.Tensor, num
         fail("cos_sin_cache must be contiguous")
 
 
-def check_q_options(num_heads: int, q_head_padded, q_inplace: bool) -> None:
+def check_q_options(num_heads: int, q_head_padded: object, q_inplace: bool) -> None:
     """The query options against ``num_heads`` (also what precompile's Geometry checks)."""
     if type(q_head_padded) is not int or (q_head_padded != 0 and q_head_padded not in abi.Q_HEAD_PADDINGS):
         fail(f"q_head_padded must be 0 or one of {abi.Q_HEAD_PADDINGS}, got {q_head_padded!r}")
@@ -128,7 +128,16 @@ def check_q_options(num_heads: int, q_head_padded, q_inplace: bool) -> None:
 
 
 def check_main(
-    q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace, need_cuda
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_head_padded: int,
+    apply_q_rope: bool,
+    q_inplace: bool,
+    need_cuda: bool,
 ) -> CacheLayout:
     """``cake_dsv4_nvfp4_rope_quantize_insert``."""
     tensors = (q, kv, cache, slot_mapping, positions, cos_sin_cache)
@@ -154,7 +163,15 @@ def check_main(
     return layout
 
 
-def check_kv(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio, need_cuda) -> CacheLayout:
+def check_kv(
+    kv: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    compress_ratio: int,
+    need_cuda: bool,
+) -> CacheLayout:
     """``cake_dsv4_nvfp4_kv_rope_quantize_insert``."""
     tensors = (kv, cache, slot_mapping, positions, cos_sin_cache)
     names = KV_NAMES
@@ -199,7 +216,9 @@ def check_slot_dtype(slot_dtype: object) -> None:
         fail(f"slot_dtype must be torch.int32 or torch.int64, got {slot_dtype!r}")
 
 
-def check_append(latent_kv, slot_mapping, cache, need_cuda) -> CacheLayout:
+def check_append(
+    latent_kv: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor, need_cuda: bool
+) -> CacheLayout:
     """``nvfp4_quantize_append_sparse_mla_cache``."""
     tensors = (latent_kv, slot_mapping, cache)
     check_tensors(tensors, APPEND_NAMES)
@@ -213,7 +232,7 @@ def check_append(latent_kv, slot_mapping, cache, need_cuda) -> CacheLayout:
     return layout
 
 
-def check_pack(latent_kv, kv_layout, need_cuda) -> None:
+def check_pack(latent_kv: torch.Tensor, kv_layout: str, need_cuda: bool) -> None:
     """``nvfp4_quantize_pack_sparse_mla_cache``."""
     check_tensors((latent_kv,), ("latent_kv",))
     check_bf16_rows(latent_kv, "latent_kv", "num_pages, page_size, 512", 3)
@@ -228,7 +247,11 @@ def check_pack(latent_kv, kv_layout, need_cuda) -> None:
 
 
 def debug_check_rows(
-    slot_mapping, capacity: int, positions=None, max_position: int = 0, compress_ratio: int = 1
+    slot_mapping: torch.Tensor,
+    capacity: int,
+    positions: torch.Tensor | None = None,
+    max_position: int = 0,
+    compress_ratio: int = 1,
 ) -> None:
     """The NVFP4_MLA_CHECK=1 checks of the device's unchecked preconditions, naming the first bad
     row: every RoPE row the call would read (``positions``: the rows it uses) is inside
