@@ -14,10 +14,10 @@ from nvfp4_mla.ops import decode_scheduler as ds
 TILE = 64
 
 
-def check(tiles, parts, segment_cost, found):
+def check(tiles, parts, segment_cost, found, exact=True):
     """Every tile of every row in exactly one segment, in order; a row in one segment writes out,
     a split row's segments take its slots in tile order; no part's cost past the mean by more
-    than one tile and one segment's cost."""
+    than one tile and one segment's cost (``exact``: the scheduler's payload rule)."""
     assert len(found.parts) == parts and len(found.split_rows) == parts
     walked: dict[int, list[ds.Segment]] = {}
     for part in found.parts:
@@ -25,7 +25,8 @@ def check(tiles, parts, segment_cost, found):
         for seg in ds.segments(part, tiles):
             walked.setdefault(seg.row, []).append(seg)
             share += seg.tile_end - seg.tile_begin + segment_cost
-        assert share <= sum(tiles) / parts + segment_cost * len(tiles) / parts + segment_cost + 1
+        if exact:
+            assert share <= sum(tiles) / parts + segment_cost * len(tiles) / parts + segment_cost + 1
     assert sorted(walked) == list(range(len(tiles)))
     split = [(row, segs[0].slot) for row, segs in sorted(walked.items()) if len(segs) > 1]
     slots = 0
@@ -83,6 +84,29 @@ def test_model_by_hand():
         ds.WorkPart(1, 3, 2, 0, 2, -1),
     )
     assert found.split_rows == ((1, 0), (-1, 3), (-1, 3))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 64, 130])
+def test_the_hosts_width_split_list(rows):
+    """A call without lengths: the width split's (row, split) items dealt into parts whose item
+    counts differ by at most one. Every tile of every row in one segment, in order, slots as the
+    scheduler's lists have them; each part's items whole splits."""
+    for tiles in (1, 10, 18, 130):
+        for splits in {1, 2, min(tiles, 5), tiles}:
+            per_split = -(-tiles // splits)
+            splits = -(-tiles // per_split)  # as decode_schedule deals them: no empty split
+            for parts in {1, 2, rows, rows * splits, max(rows * splits - 1, 1), min(rows * splits, 132)}:
+                found = ds.split_schedule(rows, splits, per_split, parts)
+                check([tiles] * rows, parts, 0, found, exact=False)
+                sizes = []
+                for part in found.parts:
+                    items = 0
+                    for seg in ds.segments(part, [tiles] * rows):
+                        assert seg.tile_begin % per_split == 0
+                        assert seg.tile_end == tiles or seg.tile_end % per_split == 0
+                        items += -(-(seg.tile_end - seg.tile_begin) // per_split)
+                    sizes.append(items)
+                assert sum(sizes) == rows * splits and max(sizes) - min(sizes) <= 1, (rows, tiles, splits, parts)
 
 
 def test_row_tiles_clamp_lengths():
