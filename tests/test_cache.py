@@ -547,7 +547,7 @@ def test_files_record_the_nvrtc_that_compiled_them(kdir):
     _, path, _ = build([kdir])
     compiler = kernel_file.read(path.read_bytes(), jit.kernel_key(SPEC, ARCH), ARCH).compiler
     major, minor = __import__("cupy").cuda.nvrtc.getVersion()
-    library = jit._libnvrtc()[1]
+    library = jit.nvrtc_library()[1]
     digest = hashlib.sha256(Path(library).read_bytes()).digest()
     assert compiler == kernel_file.Compiler(major, minor, digest) == jit.nvrtc_build()
     assert jit.nvrtc_identity() == f"{major}.{minor} sha256:{digest.hex()[:12]} ({library})"
@@ -722,7 +722,7 @@ def test_missing_cupy_names_the_fix(monkeypatch):
     for name in [m for m in modules if m == "cupy" or m.startswith("cupy.")] + ["cupy"]:
         monkeypatch.setitem(modules, name, None)  # importing CuPy now fails
     jit.nvrtc_build.cache_clear()
-    jit._libnvrtc.cache_clear()
+    jit.nvrtc_library.cache_clear()
     with pytest.raises(RuntimeError, match=r"need CuPy: install CuPy .*\.\[cu12\]"):
         launch.Launcher(b"", SPEC.template, Device(0, 90, 132, 232_448))
     with pytest.raises(RuntimeError, match=r"NVRTC is not available: install"):

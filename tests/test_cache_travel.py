@@ -53,7 +53,7 @@ def compiles(monkeypatch):
 
 def _forget_nvrtc() -> None:
     """Drops what this process worked out about NVRTC (the next compile works it out again)."""
-    for name in ("nvrtc_build", "nvrtc_identity", "_libnvrtc"):  # (nvrtc_identity: the former cached one)
+    for name in ("nvrtc_build", "nvrtc_identity", "nvrtc_library"):  # (nvrtc_identity: the former cached one)
         clear = getattr(getattr(jit, name, None), "cache_clear", None)
         if clear is not None:
             clear()
@@ -68,8 +68,8 @@ def no_nvrtc(monkeypatch):
 
     _forget_nvrtc()
     monkeypatch.setitem(sys.modules, "cupy.cuda.nvrtc", None)  # importing it now fails
-    monkeypatch.setattr(jit, "_nvrtc", unavailable)
-    monkeypatch.setattr(jit, "_libnvrtc", unavailable)
+    monkeypatch.setattr(jit, "nvrtc_module", unavailable)
+    monkeypatch.setattr(jit, "nvrtc_library", unavailable)
     yield
     monkeypatch.undo()
     _forget_nvrtc()
@@ -126,7 +126,7 @@ def test_touching_the_nvrtc_library_changes_nothing(image, compiles, monkeypatch
     before = jit.kernel_key(SPEC, ARCH)
     jit.compile_kernel(SPEC, ARCH)  # NVRTC loaded, as after any compile
     compiles.clear()
-    library = os.path.realpath(jit._libnvrtc()[1])
+    library = os.path.realpath(jit.nvrtc_library()[1])
     recorded = getattr(jit, "nvrtc_build", lambda: None)()
     real_stat = os.stat
 
@@ -154,12 +154,12 @@ def test_nvrtc_installed_at_another_path_changes_nothing(image, tmp_path, compil
     jit.compile_kernel(SPEC, ARCH)  # NVRTC loaded, as after any compile
     compiles.clear()
     before, recorded = jit.kernel_key(SPEC, ARCH), getattr(jit, "nvrtc_build", lambda: None)()
-    lib, path = jit._libnvrtc()
+    lib, path = jit.nvrtc_library()
     elsewhere = tmp_path / "venv" / "lib" / Path(path).name
     elsewhere.parent.mkdir(parents=True)
     elsewhere.symlink_to(path)
     _forget_nvrtc()
-    monkeypatch.setattr(jit, "_libnvrtc", lambda: (lib, str(elsewhere)))
+    monkeypatch.setattr(jit, "nvrtc_library", lambda: (lib, str(elsewhere)))
     assert jit.kernel_key(SPEC, ARCH) == before
     _, found, caught = _build([image])
     assert (found, caught, compiles) == (image / _name(), [], [])
@@ -239,7 +239,7 @@ def test_a_file_of_another_nvrtc_is_used_and_logged(tmp_path, compiles, caplog):
 def test_a_file_of_another_nvrtc_without_nvrtc_is_used_silently(tmp_path, caplog, monkeypatch):
     cubin = _planted_by_another_nvrtc(tmp_path / "kernels")
     _forget_nvrtc()
-    monkeypatch.setattr(jit, "_nvrtc", lambda: (_ for _ in ()).throw(RuntimeError("NVRTC is not available")))
+    monkeypatch.setattr(jit, "nvrtc_module", lambda: (_ for _ in ()).throw(RuntimeError("NVRTC is not available")))
     with caplog.at_level(logging.DEBUG, logger="nvfp4_mla"):
         data, _, caught = _build([tmp_path / "kernels"])
     assert (data, caught) == (cubin, []) and not [r for r in caplog.records if "compiled by NVRTC" in r.getMessage()]
@@ -403,7 +403,7 @@ def test_a_precompiled_kernel_loads_and_runs_without_nvrtc(tmp_path):
             with open("/proc/self/maps") as maps:
                 return {line.split()[-1] for line in maps if "libnvrtc" in line}
 
-        jit._nvrtc = jit._libnvrtc = jit.nvrtc_build = jit.compile_kernel = unavailable
+        jit.nvrtc_module = jit.nvrtc_library = jit.nvrtc_build = jit.compile_kernel = unavailable
         jit.loaded_nvrtc = lambda: None
         import cupy  # what CuPy and torch's CUDA map themselves is theirs, not the load's
         rows, slots = random_rows((5, 512), "cuda"), random_slots(5, 32, torch.int32).cuda()

@@ -52,15 +52,15 @@ def caught(call):
 @pytest.mark.parametrize("default", [False, True])
 def test_boolean_values(monkeypatch, value, expected, default):
     monkeypatch.setenv("NVFP4_MLA_TEST_FLAG", value)
-    assert caught(lambda: config._flag("NVFP4_MLA_TEST_FLAG", default)) == (expected, [])
+    assert caught(lambda: config.env_flag("NVFP4_MLA_TEST_FLAG", default)) == (expected, [])
 
 
 @pytest.mark.parametrize("default", [False, True])
 def test_an_unset_or_empty_flag_keeps_its_default_silently(monkeypatch, default):
     monkeypatch.delenv("NVFP4_MLA_TEST_FLAG", raising=False)
-    assert caught(lambda: config._flag("NVFP4_MLA_TEST_FLAG", default)) == (default, [])
+    assert caught(lambda: config.env_flag("NVFP4_MLA_TEST_FLAG", default)) == (default, [])
     monkeypatch.setenv("NVFP4_MLA_TEST_FLAG", "  ")
-    assert caught(lambda: config._flag("NVFP4_MLA_TEST_FLAG", default)) == (default, [])
+    assert caught(lambda: config.env_flag("NVFP4_MLA_TEST_FLAG", default)) == (default, [])
 
 
 def test_an_unknown_flag_value_warns_once_and_keeps_the_default(monkeypatch):

@@ -49,7 +49,7 @@ def _warn_once(message: str) -> None:
         warnings.warn(f"nvfp4_mla: {message}", RuntimeWarning, stacklevel=3)
 
 
-def _flag(name: str, default: bool = False) -> bool:
+def env_flag(name: str, default: bool = False) -> bool:
     """The boolean variable ``name``: 1/0, true/false, yes/no, on/off; else ``default``."""
     value = os.environ.get(name, "").strip().lower()
     if value in _TRUE:
@@ -66,12 +66,12 @@ def _flag(name: str, default: bool = False) -> bool:
 
 # Every writer entry, kernel and reference, also runs validation.debug_check_rows (a host
 # synchronisation) when this is true.
-DEBUG_CHECKS = _flag(CHECK_ENV)
+DEBUG_CHECKS = env_flag(CHECK_ENV)
 
 
 def trust_group() -> bool:
     """Whether ``NVFP4_MLA_CACHE_TRUST_GROUP`` opts into group-writable kernel files."""
-    return _flag(TRUST_GROUP_ENV)
+    return env_flag(TRUST_GROUP_ENV)
 
 
 def lock_timeout() -> float:

@@ -116,7 +116,8 @@ def included_headers(name: str) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _nvrtc() -> Any:
+def nvrtc_module() -> Any:
+    """CuPy's NVRTC binding, loaded (RuntimeError with the fix where CuPy or NVRTC is missing)."""
     try:
         from cupy.cuda import nvrtc
 
@@ -130,10 +131,10 @@ _LIBNVRTC = re.compile(r"/libnvrtc(\.alt)?\.so[.\d]*$")  # not libnvrtc-builtins
 
 
 @functools.cache
-def _libnvrtc() -> tuple[ctypes.CDLL, str]:
+def nvrtc_library() -> tuple[ctypes.CDLL, str]:
     """The libnvrtc CuPy's binding uses, and its path: the mapped one of CuPy's NVRTC version,
     opened with RTLD_NOLOAD so that it is the very library already loaded, never a second copy."""
-    version = tuple(_nvrtc().getVersion())  # makes CuPy load its libnvrtc if it has not yet
+    version = tuple(nvrtc_module().getVersion())  # makes CuPy load its libnvrtc if it has not yet
     try:
         with open("/proc/self/maps") as maps:
             paths = sorted({line.split(maxsplit=5)[-1].strip() for line in maps if _LIBNVRTC.search(line.strip())})
@@ -171,9 +172,9 @@ def nvrtc_build() -> kernel_file.Compiler:
     and the SHA-256 of the libnvrtc file CuPy loaded, hashed once per process (about 0.2 s for
     100 MB, beside seconds of compiling). Loads NVRTC: only compiles call it, never a lookup or a
     load (:func:`loaded_nvrtc`)."""
-    major, minor = _nvrtc().getVersion()
+    major, minor = nvrtc_module().getVersion()
     digest = hashlib.sha256()
-    with open(_libnvrtc()[1], "rb") as library:
+    with open(nvrtc_library()[1], "rb") as library:
         while chunk := library.read(1 << 20):
             digest.update(chunk)
     return kernel_file.Compiler(major, minor, digest.digest())
@@ -189,13 +190,13 @@ def nvrtc_identity() -> str:
     """NVRTC in words: its version, the start of its library's digest and the library's path, e.g.
     ``12.9 sha256:3f2a9c...e1 (/venv/.../libnvrtc.so.12)``. Loads NVRTC. Not in the key
     (docs/format.md section 11): a kernel file records :func:`nvrtc_build`."""
-    return f"{nvrtc_build().describe()} ({_libnvrtc()[1]})"
+    return f"{nvrtc_build().describe()} ({nvrtc_library()[1]})"
 
 
 def whole_cubin(program: int) -> bytes:
     """NVRTC's complete cubin of a compiled program: ``nvrtcGetCUBINSize`` bytes, copied on CuPy's
     program handle through CuPy's own libnvrtc (CuPy's ``getCUBIN`` drops the last byte)."""
-    lib = _libnvrtc()[0]
+    lib = nvrtc_library()[0]
     handle, size = ctypes.c_void_p(program), ctypes.c_size_t()
     if rc := lib.nvrtcGetCUBINSize(handle, ctypes.byref(size)):
         raise RuntimeError(f"nvrtcGetCUBINSize failed: {lib.nvrtcGetErrorString(rc).decode()}")
@@ -270,7 +271,7 @@ def _run_nvrtc(
     spec: KernelSpec, gpu_architecture: str, key: str, sources: Mapping[str, str] | None, ptx: bool
 ) -> tuple[bytes, str]:
     """NVRTC's output (a cubin, or PTX when ``ptx``) and log for one spec."""
-    nvrtc = _nvrtc()
+    nvrtc = nvrtc_module()
     (name, text), *headers = _texts(spec, sources)
     options = [*_options(spec, gpu_architecture), f'-DNVFP4_MLA_KEY="{kernel_file.KEY_PREFIX}{key}"']
     program = nvrtc.createProgram(text, name, [h.encode() for _, h in headers], [n.encode() for n, _ in headers])
