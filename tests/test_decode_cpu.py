@@ -17,6 +17,7 @@ from nvfp4_mla.ops import (
     decode_backend,
     decode_combine,
     decode_mma,
+    decode_planner,
     decode_schedule,
     decode_scheduler,
     decode_sm90,
@@ -100,14 +101,14 @@ def test_a_forced_backend_must_exist_and_support_the_gpu(monkeypatch):
     library = nvfp4_mla.KernelLibrary(decode_backend="no_such_backend")
     with pytest.raises(ValueError, match="decode backend 'no_such_backend' is not one of"):
         decode.plan(library, 0, 16, 1, 32, 0)
-    monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[80])
+    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[80])
     with pytest.raises(ValueError, match="decode backend 'wgmma_sm90' does not run on sm_80"):
         decode.plan(nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90"), 0, 64, 1, 32, 0)
 
 
 def test_a_forced_head_tile_needs_the_mma_sync_kernel(monkeypatch):
     """The wgmma kernel has one head tile: forcing another must not be ignored silently."""
-    monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[90])
+    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[90])
     with pytest.raises(ValueError, match="decode_head_tile=32 applies to the mma_sync backends' kernels only, but"):
         decode.plan(nvfp4_mla.KernelLibrary(decode_head_tile=32), 0, 64, 8, 128, 0)
     with pytest.raises(ValueError, match="runs the wgmma_sm90 backend"):
@@ -118,7 +119,7 @@ def test_the_work_list_parts_need_a_hopper_backend(monkeypatch):
     """Only the Hopper kernels walk a work list: forcing its parts on the mma.sync kernel (a block
     an item), or the mma.sync kernel's splits and head tile on a Hopper one, must not be ignored
     silently."""
-    monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[90])
+    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[90])
     message = "decode_parts=4 applies to the wgmma_sm90_narrow and wgmma_sm90 backends' kernels only"
     with pytest.raises(ValueError, match=message):
         decode.plan(nvfp4_mla.KernelLibrary(decode_parts=4), 0, 16, 1, 128, 0)  # the rule: mma_sync
@@ -166,7 +167,7 @@ class _StandInKernels:
 def _list_plan(monkeypatch, num_heads, rows, kernels=None, **forced):
     """``decode.plan`` of a call on the fake H200 with stand-in kernels (nothing compiled), and the
     library it planned on."""
-    monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[90])
+    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[90])
     library = nvfp4_mla.KernelLibrary(kernels or _StandInKernels(), **forced)  # type: ignore[arg-type]  # a stand-in cache
     return decode.plan(library, 0, num_heads, rows, 128, 512), library
 
@@ -262,7 +263,7 @@ def test_decode_parts_out_of_range_are_refused(monkeypatch, parts):
 def test_a_forced_dim_split_needs_a_backend_that_has_it(monkeypatch):
     """Only the wgmma kernel splits a row's output dims over two items: asking the mma.sync kernel
     for it, or for parts no kernel has, must not be ignored silently."""
-    monkeypatch.setattr(decode, "device_info", lambda index: FAKE_GPUS[90])
+    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[90])
     with pytest.raises(
         ValueError, match=r"decode_dim_parts=2 is not a form of the mma_sync backend's kernel \(its forms: \(1,\)\)"
     ):

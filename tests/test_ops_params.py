@@ -7,7 +7,7 @@ from typing import NamedTuple
 import pytest
 
 from nvfp4_mla import jit, launch, params
-from nvfp4_mla.ops import decode, registry
+from nvfp4_mla.ops import decode, decode_launch, registry
 from nvfp4_mla.ops.decode_backend import ATTEND_PARAMS, POOL
 from nvfp4_mla.ops.reader import READ_PARAMS, ReaderSpec
 
@@ -105,7 +105,7 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch):
         def launch(self, gx, gy, gz, shared_bytes, stream, *values):
             packed.append(values)
 
-    monkeypatch.setattr(decode, "current_raw_stream", lambda device: 0)
+    monkeypatch.setattr(decode_launch, "current_raw_stream", lambda device: 0)
     plan = decode.DecodePlan("test", Recorder(), 64, 3, 1, 7, 1, None, None)  # type: ignore[arg-type]
     q = torch.zeros(2, 1, 5, 512, dtype=torch.bfloat16)
     swa_cache, slots = torch.zeros(4, 64, 384, dtype=torch.uint8), torch.zeros(2, 1, 9, dtype=torch.int64)
@@ -157,8 +157,8 @@ def test_a_work_list_launch_packs_each_value_into_its_named_field(monkeypatch, l
         allocated.append(torch.empty(shape, dtype=dtype))
         return allocated[-1]
 
-    monkeypatch.setattr(decode, "current_raw_stream", lambda device: 0)
-    monkeypatch.setattr(decode, "new_output", new_output)
+    monkeypatch.setattr(decode_launch, "current_raw_stream", lambda device: 0)
+    monkeypatch.setattr(decode_launch, "new_output", new_output)
     parts, heads, split_rows = 3, 5, 2  # 2 query rows (q below), both cut
     slots = parts - 1 + split_rows
     list_values = 32 if lengths else 0  # work_ints(3) = 30 int32, rounded up to 16 bytes

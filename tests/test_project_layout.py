@@ -85,7 +85,7 @@ def test_the_check_sees_a_circle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(edges) == [["a", "b", "c"]]
     graph = import_graph()
-    assert "nvfp4_mla.ops.decode_scheduler" in graph["nvfp4_mla.ops.decode"]  # relative imports resolved
+    assert "nvfp4_mla.ops.decode_launch" in graph["nvfp4_mla.ops.decode"]  # relative imports resolved
     assert "nvfp4_mla.help_text" in graph["nvfp4_mla.cli"]
 
 

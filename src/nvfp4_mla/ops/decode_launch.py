@@ -1,0 +1,221 @@
+"""The launches of a planned ``sparse_mla_decode`` call (:class:`.decode_planner.DecodePlan`).
+
+With a work list: the scheduler writes the call's list at the start of its workspace (unless the
+plan holds the host's list, or a step's plan is given), the attention kernel's blocks walk their
+part's segments, and the combine merges the rows cut between parts. Without one (mma.sync): the
+attention kernel over its splits, and the combine where the tokens are split. Every launch takes
+raw pointers on torch's current stream; the workspace comes from torch's caching allocator.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import abi
+from ..launch import current_raw_stream, new_output
+from . import decode_scheduler, decode_sm90
+from .decode_planner import SEGMENT_COST, DecodePlan
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    # A call's pool as the launches take it: (cache, slots, lens, layout), the layout a
+    # validation.CacheLayout (num_pages, page_size, page_stride); all None for a missing extra pool.
+    SwaPool: TypeAlias = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, int, int]]
+    Pool: TypeAlias = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, tuple[int, int, int] | None]
+
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def _pool_params(
+    cache: torch.Tensor | None,
+    slots: torch.Tensor | None,
+    lens: torch.Tensor | None,
+    layout: tuple[int, int, int] | None,
+) -> tuple[int, ...]:
+    if cache is None or slots is None or layout is None:  # no second pool: k = 0, never read
+        return (0, 0, 0, 0, 1, 0, 0, 0, 0)
+    num_pages, page_size, page_stride = layout
+    return (
+        cache.data_ptr(),
+        slots.data_ptr(),
+        0 if lens is None else lens.data_ptr(),
+        page_stride,
+        page_size,
+        num_pages * page_size,
+        slots.shape[2],
+        int(slots.dtype is torch.int64),
+        int(lens is not None and lens.dtype is torch.int64),
+    )
+
+
+def launch(
+    plan: DecodePlan,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    sinks: torch.Tensor | None,
+    swa_pool: SwaPool,
+    extra_pool: Pool,
+    work: int = 0,
+) -> None:
+    """The launches of ``plan`` on checked arguments; each pool is ``(cache, slots, lens,
+    layout)``, all None for a missing extra pool; ``work``: the address of a public plan's work
+    list (0: the call writes its own). With splits, the fp32 workspace comes from torch's caching
+    allocator on the current stream."""
+    num_heads, device, q_ptr = q.shape[2], q.get_device(), q.data_ptr()
+    rows = q.shape[0] * q.shape[1]  # batch * q_len
+    stream = current_raw_stream(device)
+    sinks_ptr = 0 if sinks is None else sinks.data_ptr()
+    if plan.parts:
+        _launch_list(plan, q, out, lse, sm_scale, sinks_ptr, swa_pool, extra_pool, stream, rows, work)
+        return
+    partial_o = partial_ml = 0
+    if plan.combine is not None:
+        entries = rows * num_heads * plan.num_splits
+        workspace = new_output(q, (entries * (abi.HEAD_DIM + 2),), (1,), torch.float32, device)
+        partial_o = workspace.data_ptr()
+        partial_ml = partial_o + entries * abi.HEAD_DIM * 4
+    plan.attend.launch(
+        plan.blocks,
+        1,
+        1,
+        plan.attend.shared_bytes,
+        stream,
+        q_ptr,
+        out.data_ptr(),
+        lse.data_ptr(),
+        partial_o,
+        partial_ml,
+        sinks_ptr,
+        *_pool_params(*swa_pool),
+        *_pool_params(*extra_pool),
+        rows,
+        num_heads,
+        plan.num_splits,
+        plan.tiles_per_split,
+        float(sm_scale) * _LOG2E,  # type: ignore[arg-type]  # Params' double: struct packs it with "d"
+        *(() if plan.q_map is None else (plan.q_map(q_ptr),)),
+    )
+    if plan.combine is not None:
+        plan.combine.launch(
+            rows * num_heads,
+            1,
+            1,
+            0,
+            stream,
+            partial_o,
+            partial_ml,
+            sinks_ptr,
+            out.data_ptr(),
+            lse.data_ptr(),
+            num_heads,
+            plan.num_splits,
+            0,
+            0,
+        )
+
+
+def launch_scheduler(
+    plan: DecodePlan,
+    stream: int,
+    work: int,
+    rows: int,
+    k_swa: int,
+    swa_lens: torch.Tensor | None,
+    k_extra: int,
+    extra_lens: torch.Tensor | None,
+) -> None:
+    """The scheduler's launch: the work list of ``plan`` at ``work`` from the rows' lengths."""
+    scheduler = plan.scheduler
+    assert scheduler is not None
+    decode_scheduler.launch(
+        scheduler,
+        stream,
+        work,
+        plan.parts,
+        rows,
+        k_swa,
+        swa_lens,
+        k_extra,
+        extra_lens,
+        decode_sm90.BLOCK_N,
+        SEGMENT_COST,
+    )
+
+
+def _launch_list(
+    plan: DecodePlan,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    sinks_ptr: int,
+    swa_pool: SwaPool,
+    extra_pool: Pool,
+    stream: int,
+    rows: int,
+    work: int = 0,
+) -> None:
+    """The launches of a plan with a work list: the scheduler writes the list at the start of the
+    call's workspace (unless the plan holds it, or a public plan's list is at ``work``), the
+    attention kernel walks it, and the combine merges the split rows' partials (their slots in the
+    workspace, after the list)."""
+    num_heads, device = q.shape[2], q.get_device()
+    partial_o = partial_ml = 0
+    if plan.workspace:
+        workspace = new_output(q, (plan.workspace,), (1,), torch.float32, device)
+        partial_ml = workspace.data_ptr() + 4 * (plan.workspace - plan.slots * num_heads * 2)
+        partial_o = partial_ml - plan.slots * num_heads * abi.HEAD_DIM * 4
+    host_list = plan.work  # the host's list, written at planning: read before the kernels' waits
+    static = host_list is not None
+    if host_list is not None:
+        work = host_list.data_ptr()
+    elif not work:
+        work = workspace.data_ptr()
+        extra_k = 0 if extra_pool[1] is None else extra_pool[1].shape[2]
+        launch_scheduler(plan, stream, work, rows, swa_pool[1].shape[2], swa_pool[2], extra_k, extra_pool[2])
+    plan.attend.launch(
+        plan.blocks,
+        1,
+        1,
+        plan.attend.shared_bytes,
+        stream,
+        q.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        partial_o,
+        partial_ml,
+        sinks_ptr,
+        *_pool_params(*swa_pool),
+        *_pool_params(*extra_pool),
+        rows,
+        num_heads,
+        plan.num_splits,
+        0,
+        float(sm_scale) * _LOG2E,  # type: ignore[arg-type]  # Params' double: struct packs it with "d"
+        work,
+        int(static),
+        plan.q_map(q.data_ptr()),  # type: ignore[misc,arg-type]  # raw bytes: the Params' tensor map
+    )
+    if plan.combine is not None:
+        plan.combine.launch(
+            plan.combine_blocks,
+            1,
+            1,
+            0,
+            stream,
+            partial_o,
+            partial_ml,
+            sinks_ptr,
+            out.data_ptr(),
+            lse.data_ptr(),
+            num_heads,
+            0,
+            work + decode_scheduler.PART_INTS * 4 * plan.parts,
+            int(static),
+        )

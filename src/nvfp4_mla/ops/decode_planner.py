@@ -1,0 +1,228 @@
+"""How ``sparse_mla_decode`` plans a call: the backend that runs it and how its work is divided.
+
+**Backends.** Each declares a :class:`~nvfp4_mla.ops.decode_backend.DecodeBackend` (its GPUs, its
+kernels, the shapes it prefers, the overrides it accepts): :data:`BACKENDS`, in order of
+preference. :func:`select_backend` takes the first that runs on the GPU and prefers the shape.
+
+**The work.** On a backend that walks a work list (the Hopper kernels) a call's plan holds the
+list's parts, a block per part, head tile and part of the output dims: with length tensors the
+scheduler (:mod:`.decode_scheduler`) writes the list on the GPU each call, without them the list
+is made here once. On the others (mma.sync) a block per query row, head tile and split of the
+selected tokens (:mod:`.decode_schedule`). A :class:`DecodePlan` is kept in the library's plan
+table, so a warm call does one lookup; :mod:`.decode_launch` launches it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from .. import abi
+from ..device import Device, device_info
+from ..launch import Launcher
+from . import decode_combine, decode_mma, decode_scheduler, decode_sm90
+from .decode_backend import OVERRIDES, DecodeBackend, arch_capability
+from .decode_schedule import MAX_SPLITS, choose_dim_parts, choose_split_and_parts
+from .library import KernelLibrary
+
+if TYPE_CHECKING:
+    from .decode_backend import Attention
+
+# A segment's cost besides its tiles, in tiles (its query load and output rows): the scheduler
+# balances the parts by tiles plus this a segment.
+SEGMENT_COST = 1
+# The most parts of a work list: one row may be cut at every boundary, and the combine merges up to
+# MAX_PARTIALS partials a row.
+MAX_LIST_PARTS = min(decode_combine.MAX_PARTIALS, decode_scheduler.MAX_PARTS)
+
+# Every backend, in order of preference.
+BACKENDS: dict[str, DecodeBackend] = {b.name: b for b in (*decode_sm90.BACKENDS, decode_mma.BACKEND)}
+
+
+def select_backend(gpu: Device, num_heads: int, rows: int, tokens: int) -> DecodeBackend:
+    """The backend of a call of ``rows`` query rows of ``num_heads`` heads over ``tokens`` selected
+    tokens a row (both tables' widths): the first of :data:`BACKENDS` that runs on the GPU and
+    prefers the shape. docs/format.md section 12 says where each is taken."""
+    capability = gpu.capability
+    found = next((b for b in BACKENDS.values() if b.supports(capability) and b.prefers(num_heads, rows, tokens)), None)
+    if found is None:
+        raise ValueError(f"no decode backend runs on {gpu.arch}")
+    return found
+
+
+def specs(arch: str) -> tuple:
+    """Every kernel ``sparse_mla_decode`` may launch on a GPU of ``arch``: each supporting
+    backend's, the combine's builds and the scheduler."""
+    capability = arch_capability(arch)
+    kernels = [s for b in BACKENDS.values() if b.supports(capability) for s in b.specs(arch)]
+    return (*kernels, *decode_combine.specs(), *decode_scheduler.specs())
+
+
+def check_overrides(lib: KernelLibrary, backend: DecodeBackend) -> None:
+    """ValueError for a field of ``lib`` that overrides what ``backend`` does not declare: one of
+    its OVERRIDES, or dim parts it has no form for."""
+    for field in OVERRIDES:
+        value = getattr(lib, field)
+        if value is not None and field not in backend.overrides:
+            takers = " and ".join(b.name for b in BACKENDS.values() if field in b.overrides)
+            raise ValueError(
+                f"{field}={value} applies to the {takers} backends' kernels only, but this call runs the "
+                f"{backend.name} backend: force decode_backend= with it"
+            )
+    if lib.decode_dim_parts is not None and lib.decode_dim_parts not in backend.dim_parts:
+        raise ValueError(
+            f"decode_dim_parts={lib.decode_dim_parts} is not a form of the {backend.name} backend's kernel "
+            f"(its forms: {backend.dim_parts})"
+        )
+
+
+class DecodePlan(NamedTuple):
+    """The launches of one call shape on one device."""
+
+    backend: str
+    attend: Launcher
+    head_tile: int
+    blocks: int  # of the attention launch
+    num_splits: int  # without a work list: of a row's selected tokens
+    tiles_per_split: int
+    dim_parts: int  # of a row's output dims, an item each
+    combine: Launcher | None  # None: no split
+    q_map: Callable[[int], bytes] | None  # q's address -> the tensor map that ends the attention Params
+    parts: int = 0  # of the work list; 0: no list (the width split)
+    scheduler: Launcher | None = None  # writes the work list of a call with lengths
+    combine_blocks: int = 0  # of the combine launch
+    workspace: int = 0  # fp32 values of the call's workspace: the work list (with lengths), then the partials
+    slots: int = 0  # partial slots the workspace holds (with a work list)
+    work: torch.Tensor | None = None  # a call without lengths: its work list, on the device
+
+
+def plan(
+    lib: KernelLibrary,
+    device_index: int,
+    num_heads: int,
+    rows: int,
+    k_swa: int,
+    k_extra: int,
+    lengths: bool = True,
+) -> DecodePlan:
+    """The plan of a call on ``device_index`` (compiling or loading its kernels on a miss):
+    ``rows`` query rows (batch * q_len) of ``num_heads`` heads over tables of ``k_swa`` and
+    ``k_extra`` entries, with length tensors (``lengths``: the work list is written on the GPU
+    each call) or without (every entry counts: the list is made here, once). ``lib``'s decode
+    fields override the backend, head tile, split, parts and dim parts."""
+    key = ("decode", device_index, num_heads, rows, k_swa, k_extra, lengths)
+    found = lib.plans.get(key)
+    if found is not None:
+        return found
+    forced = lib.decode_backend
+    if forced is not None and forced not in BACKENDS:
+        raise ValueError(f"decode backend {forced!r} is not one of {sorted(BACKENDS)}")
+    gpu = device_info(device_index)
+    backend = select_backend(gpu, num_heads, rows, k_swa + k_extra) if forced is None else BACKENDS[forced]
+    if not backend.supports(gpu.capability):
+        raise ValueError(f"decode backend {backend.name!r} does not run on {gpu.arch}")
+    check_overrides(lib, backend)
+    attention = backend.attention(lib, gpu, num_heads, 1)
+    if attention.work_list:
+        return lib.remember(key, _list_plan(lib, gpu, backend, attention, num_heads, rows, k_swa + k_extra, lengths))
+    blocks = rows * -(-num_heads // attention.head_tile)
+    num_tiles = -(-(k_swa + k_extra) // attention.tile_tokens)
+    parts = backend.dim_parts if lib.decode_dim_parts is None else (lib.decode_dim_parts,)
+    if lib.decode_splits is None:
+        resident = attention.launcher.resident_blocks
+        num_splits, tiles_per_split, dim_parts = choose_split_and_parts(
+            parts, blocks, num_tiles, resident, attention.max_blocks, rows * num_heads, attention.halves_pair
+        )
+    else:
+        tiles_per_split = -(-num_tiles // min(lib.decode_splits, MAX_SPLITS))
+        num_splits = -(-num_tiles // tiles_per_split)
+        dim_parts = choose_dim_parts(parts, blocks * num_splits, attention.max_blocks)
+    dim_parts = lib.decode_dim_parts or dim_parts
+    if dim_parts != 1:
+        attention = backend.attention(lib, gpu, num_heads, dim_parts)
+    combine = decode_combine.launcher(lib, device_index, rows * num_heads) if num_splits > 1 else None
+    items = blocks * num_splits * attention.dim_parts
+    found = DecodePlan(
+        backend.name,
+        attention.launcher,
+        attention.head_tile,
+        min(items, attention.max_blocks) if attention.max_blocks else items,
+        num_splits,
+        tiles_per_split,
+        attention.dim_parts,
+        combine,
+        None if attention.q_map is None else attention.q_map(num_heads, rows),
+    )
+    return lib.remember(key, found)
+
+
+def _list_plan(
+    lib: KernelLibrary,
+    gpu: Device,
+    backend: DecodeBackend,
+    attention: Attention,
+    num_heads: int,
+    rows: int,
+    tokens: int,
+    lengths: bool,
+) -> DecodePlan:
+    """The plan of a backend that walks a work list, a block per (part, head tile, dim part).
+
+    The dim parts are the width split's (:mod:`.decode_schedule`, at the tables' ``tokens``), or
+    ``lib.decode_dim_parts``. With length tensors the scheduler writes the list on the GPU each
+    call: its parts fill the GPU at once (or ``lib.decode_parts``). Without, every row has the
+    tables' ``tokens``: the list is made here once and kept on the device, the width split's
+    (row, split) items dealt into parts, or with ``lib.decode_parts`` as the scheduler deals
+    them."""
+    head_tiles = -(-num_heads // attention.head_tile)
+    tiles = decode_scheduler.live_tiles(tokens, 0, attention.tile_tokens)
+    dims = backend.dim_parts if lib.decode_dim_parts is None else (lib.decode_dim_parts,)
+    resident = attention.launcher.resident_blocks
+    num_splits, tiles_per_split, dim_parts = choose_split_and_parts(
+        dims, rows * head_tiles, tiles, resident, attention.max_blocks, rows * num_heads, attention.halves_pair
+    )
+    dim_parts = lib.decode_dim_parts or dim_parts
+    known = None
+    if not lengths and lib.decode_parts is None:
+        parts = min(rows * num_splits, max(attention.max_blocks // (head_tiles * dim_parts), 1), MAX_LIST_PARTS)
+        known = decode_scheduler.split_schedule(rows, num_splits, tiles_per_split, parts)
+    else:
+        num_splits = 1  # the kernel's early dependent launch: the list's splits are not the width's
+    if dim_parts != 1:
+        attention = backend.attention(lib, gpu, num_heads, dim_parts)
+    per_part = head_tiles * attention.dim_parts
+    if lib.decode_parts is not None and not 1 <= lib.decode_parts <= MAX_LIST_PARTS:
+        raise ValueError(f"decode_parts must be in [1, {MAX_LIST_PARTS}], got {lib.decode_parts}")
+    if known is None:
+        parts = lib.decode_parts or min(max(attention.max_blocks // per_part, 1), MAX_LIST_PARTS)
+        if not lengths:
+            known = decode_scheduler.schedule([tiles] * rows, parts, SEGMENT_COST)
+    split_rows = min(parts - 1, rows)  # a boundary between parts cuts at most one row
+    slots = parts - 1 + split_rows  # cuts, plus a slot more a split row
+    list_values = -(-decode_scheduler.work_ints(parts) // 4) * 4  # the partials start 16-byte aligned
+    work = None
+    if known is not None:
+        split_rows = sum(row >= 0 for row, _ in known.split_rows)
+        slots = known.split_rows[-1][1]  # past the split rows: (-1, slots)
+        work = torch.tensor(known.ints(), dtype=torch.int32, device=torch.device("cuda", gpu.index))
+        list_values = 0
+    combine = decode_combine.launcher(lib, gpu.index, split_rows * num_heads) if split_rows else None
+    return DecodePlan(
+        backend.name,
+        attention.launcher,
+        attention.head_tile,
+        parts * per_part,
+        num_splits,
+        0,
+        attention.dim_parts,
+        combine,
+        None if attention.q_map is None else attention.q_map(num_heads, rows),
+        parts,
+        None if known is not None else lib.launcher(gpu.index, lib.spec(decode_scheduler.SchedulerSpec())),
+        split_rows * num_heads,
+        list_values + slots * num_heads * (abi.HEAD_DIM + 2),
+        slots,
+        work,
+    )
