@@ -64,22 +64,28 @@ def launch(
     work: int = 0,
 ) -> None:
     """The launches of ``plan`` on checked arguments; each pool is ``(cache, slots, lens,
-    layout)``, all None for a missing extra pool; ``work``: the address of a public plan's work
-    list (0: the call writes its own). With splits, the fp32 workspace comes from torch's caching
-    allocator on the current stream."""
+    layout)``, all None for a missing extra pool; ``work``: the address of a step's plan's work
+    list (0: a call with lengths writes its own at the start of its workspace). The workspace
+    comes from torch's caching allocator on the current stream: the list, then the partials of
+    the rows the combine merges (their slots in a work list, else every row's splits)."""
     num_heads, device, q_ptr = q.shape[2], q.get_device(), q.data_ptr()
     rows = q.shape[0] * q.shape[1]  # batch * q_len
     stream = current_raw_stream(device)
     sinks_ptr = 0 if sinks is None else sinks.data_ptr()
-    if plan.parts:
-        _launch_list(plan, q, out, lse, sm_scale, sinks_ptr, swa_pool, extra_pool, stream, rows, work)
-        return
     partial_o = partial_ml = 0
-    if plan.combine is not None:
-        entries = rows * num_heads * plan.num_splits
-        workspace = new_output(q, (entries * (abi.HEAD_DIM + 2),), (1,), torch.float32, device)
-        partial_o = workspace.data_ptr()
-        partial_ml = partial_o + entries * abi.HEAD_DIM * 4
+    if plan.workspace:
+        workspace = new_output(q, (plan.workspace,), (1,), torch.float32, device)
+        partial_ml = workspace.data_ptr() + 4 * (plan.workspace - plan.slots * num_heads * 2)
+        partial_o = partial_ml - plan.slots * num_heads * abi.HEAD_DIM * 4
+    host_list = plan.work  # the host's list, written at planning: read before the kernels' waits
+    if host_list is not None:
+        work = host_list.data_ptr()
+    elif plan.parts and not work:
+        work = workspace.data_ptr()
+        extra_k = 0 if extra_pool[1] is None else extra_pool[1].shape[2]
+        launch_scheduler(plan, stream, work, rows, swa_pool[1].shape[2], swa_pool[2], extra_k, extra_pool[2])
+    static = int(host_list is not None)
+    listed = (work, static) if plan.parts else ()  # the Hopper Params' work list
     plan.attend.launch(
         plan.blocks,
         1,
@@ -99,11 +105,12 @@ def launch(
         plan.num_splits,
         plan.tiles_per_split,
         float(sm_scale) * _LOG2E,  # type: ignore[arg-type]  # Params' double: struct packs it with "d"
+        *listed,
         *(() if plan.q_map is None else (plan.q_map(q_ptr),)),
     )
     if plan.combine is not None:
         plan.combine.launch(
-            rows * num_heads,
+            plan.combine_blocks,
             1,
             1,
             0,
@@ -114,9 +121,9 @@ def launch(
             out.data_ptr(),
             lse.data_ptr(),
             num_heads,
-            plan.num_splits,
-            0,
-            0,
+            0 if plan.parts else plan.num_splits,  # a list's rows have their own partial counts
+            work + decode_scheduler.PART_INTS * 4 * plan.parts if plan.parts else 0,  # the split rows
+            static,
         )
 
 
@@ -146,76 +153,3 @@ def launch_scheduler(
         decode_sm90.BLOCK_N,
         SEGMENT_COST,
     )
-
-
-def _launch_list(
-    plan: DecodePlan,
-    q: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    sinks_ptr: int,
-    swa_pool: SwaPool,
-    extra_pool: Pool,
-    stream: int,
-    rows: int,
-    work: int = 0,
-) -> None:
-    """The launches of a plan with a work list: the scheduler writes the list at the start of the
-    call's workspace (unless the plan holds it, or a public plan's list is at ``work``), the
-    attention kernel walks it, and the combine merges the split rows' partials (their slots in the
-    workspace, after the list)."""
-    num_heads, device = q.shape[2], q.get_device()
-    partial_o = partial_ml = 0
-    if plan.workspace:
-        workspace = new_output(q, (plan.workspace,), (1,), torch.float32, device)
-        partial_ml = workspace.data_ptr() + 4 * (plan.workspace - plan.slots * num_heads * 2)
-        partial_o = partial_ml - plan.slots * num_heads * abi.HEAD_DIM * 4
-    host_list = plan.work  # the host's list, written at planning: read before the kernels' waits
-    static = host_list is not None
-    if host_list is not None:
-        work = host_list.data_ptr()
-    elif not work:
-        work = workspace.data_ptr()
-        extra_k = 0 if extra_pool[1] is None else extra_pool[1].shape[2]
-        launch_scheduler(plan, stream, work, rows, swa_pool[1].shape[2], swa_pool[2], extra_k, extra_pool[2])
-    plan.attend.launch(
-        plan.blocks,
-        1,
-        1,
-        plan.attend.shared_bytes,
-        stream,
-        q.data_ptr(),
-        out.data_ptr(),
-        lse.data_ptr(),
-        partial_o,
-        partial_ml,
-        sinks_ptr,
-        *_pool_params(*swa_pool),
-        *_pool_params(*extra_pool),
-        rows,
-        num_heads,
-        plan.num_splits,
-        0,
-        float(sm_scale) * _LOG2E,  # type: ignore[arg-type]  # Params' double: struct packs it with "d"
-        work,
-        int(static),
-        plan.q_map(q.data_ptr()),  # type: ignore[misc,arg-type]  # raw bytes: the Params' tensor map
-    )
-    if plan.combine is not None:
-        plan.combine.launch(
-            plan.combine_blocks,
-            1,
-            1,
-            0,
-            stream,
-            partial_o,
-            partial_ml,
-            sinks_ptr,
-            out.data_ptr(),
-            lse.data_ptr(),
-            num_heads,
-            0,
-            work + decode_scheduler.PART_INTS * 4 * plan.parts,
-            int(static),
-        )

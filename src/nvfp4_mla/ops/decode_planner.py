@@ -93,8 +93,10 @@ class DecodePlan(NamedTuple):
     parts: int = 0  # of the work list; 0: no list (the width split)
     scheduler: Launcher | None = None  # writes the work list of a call with lengths
     combine_blocks: int = 0  # of the combine launch
-    workspace: int = 0  # fp32 values of the call's workspace: the work list (with lengths), then the partials
-    slots: int = 0  # partial slots the workspace holds (with a work list)
+    # fp32 values of a call's workspace: the work list (a list the scheduler writes), then the
+    # partial outputs of `slots` slots of num_heads rows, then their (m, l)
+    workspace: int = 0
+    slots: int = 0
     work: torch.Tensor | None = None  # a call without lengths: its work list, on the device
 
 
@@ -143,17 +145,20 @@ def plan(
     if dim_parts != 1:
         attention = backend.attention(lib, gpu, num_heads, dim_parts)
     combine = decode_combine.launcher(lib, device_index, rows * num_heads) if num_splits > 1 else None
-    items = blocks * num_splits * attention.dim_parts
+    slots = rows * num_splits if combine is not None else 0  # a row's splits at consecutive partial slots
     found = DecodePlan(
         backend.name,
         attention.launcher,
         attention.head_tile,
-        min(items, attention.max_blocks) if attention.max_blocks else items,
+        blocks * num_splits * attention.dim_parts,  # a block an item
         num_splits,
         tiles_per_split,
         attention.dim_parts,
         combine,
         None if attention.q_map is None else attention.q_map(num_heads, rows),
+        combine_blocks=rows * num_heads if combine is not None else 0,
+        workspace=slots * num_heads * (abi.HEAD_DIM + 2),
+        slots=slots,
     )
     return lib.remember(key, found)
 
