@@ -18,7 +18,7 @@ from nvfp4_mla.bench.arms import Entries
 from nvfp4_mla.bench.grid import Row
 from nvfp4_mla.device import Device
 from nvfp4_mla.ops import library as library_module
-from nvfp4_mla.ops import writers
+from nvfp4_mla.ops import writer_calls
 from nvfp4_mla.ops.writer_spec import WriterSpec
 from nvfp4_mla.testing import Case, check_case, one_kv_block, record_offsets, rope_table
 
@@ -170,7 +170,7 @@ def test_a_library_plans_with_its_cache_and_tune_in_its_own_table(kv_rows_per_wa
     library = nvfp4_mla.KernelLibrary(cache, tune=tune)  # type: ignore[arg-type]  # a stand-in cache
     spec = WriterSpec.kv(128, torch.int64, 2)
     shipped = dict(ops.DEFAULT.plans)
-    plan = writers._plan(library, ("signature",), 5, spec, None, LAYOUT, 0, 0, 10)  # type: ignore[arg-type]  # no checks: never run
+    plan = writer_calls.make_plan(library, ("signature",), 5, spec, None, LAYOUT, 0, 0, 10)  # type: ignore[arg-type]  # no checks: never run
     assert library.plans == {("signature",): plan} and ops.DEFAULT.plans == shipped
     expected = spec if kv_rows_per_warp is None else spec._replace(kv_rows_per_warp=kv_rows_per_warp)
     assert plan.launch is not None
@@ -193,8 +193,8 @@ def test_a_plan_with_nothing_to_launch_has_no_launch():
     cache = _RecordingCache()
     library = nvfp4_mla.KernelLibrary(cache)  # type: ignore[arg-type]  # a stand-in cache
     spec = WriterSpec.kv(128, torch.int64, 2)
-    work = writers._plan(library, ("some",), 5, spec, None, LAYOUT, 0, 0, 10)  # type: ignore[arg-type]  # no checks
-    empty = writers._plan(library, ("none",), 5, spec, None, LAYOUT, 0, 0, 0)  # type: ignore[arg-type]  # no checks
+    work = writer_calls.make_plan(library, ("some",), 5, spec, None, LAYOUT, 0, 0, 10)  # type: ignore[arg-type]  # no checks
+    empty = writer_calls.make_plan(library, ("none",), 5, spec, None, LAYOUT, 0, 0, 0)  # type: ignore[arg-type]  # no checks
     assert work.launch is not None
     assert work.launch.func == STAND_IN.launch and empty.launch is None and len(cache.bound) == 1
 
