@@ -130,14 +130,14 @@ def decode(results):
         results[label] = (out, lse)
 
     for name in names:
-        # A backend that walks a work list takes its parts (decode_parts), the others their splits
-        # (decode_splits): a tree from before the work list forces splits on every backend.
-        walks = "decode_parts" in getattr(decode_op.BACKENDS[name], "overrides", ())
-        field, what = ("decode_parts", "parts") if walks else ("decode_splits", "splits")
+        # A backend cuts the rows n ways by its work list's parts (decode_parts), or in a tree from
+        # before its kernel walked one, by its splits (decode_splits, where it declares them).
+        splits = "decode_splits" in getattr(decode_op.BACKENDS[name], "overrides", ())
+        field = "decode_splits" if splits else "decode_parts"
         for heads in (16, 64, 128):
             for n in (1, 5):
                 library = nvfp4_mla.KernelLibrary(decode_backend=name, **{field: n})
-                call(f"decode {name} {heads} heads {n} {what}", 3, 2, heads, 512, library)
+                call(f"decode {name} {heads} heads cut {n} ways", 3, 2, heads, 512, library)
     for rows in (1, 2, 3, 4, 64):
         for heads in (16, 64, 128):
             call(f"decode rule {rows} rows {heads} heads", rows, 1, heads, 1024)

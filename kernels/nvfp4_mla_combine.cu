@@ -1,5 +1,5 @@
-// The split combine of every sparse-decode backend: one block per (split row, head) merges the
-// row's partial outputs in slot order (deterministic) and finishes the row as the attention kernels
+// The split combine of every sparse-decode backend: one block per (split row of the work list, head)
+// merges the row's partial outputs in slot order (deterministic) and finishes the row as the attention kernels
 // do (docs/kernels/combine.md). -D constants: MAX_SPLITS, PREFETCH; THREADS and the record ABI come
 // from jit.py/abi.py.
 #include "nvfp4_mla_params.cuh"  // Params: decode_combine.COMBINE_PARAMS
@@ -18,11 +18,9 @@ struct RowPartials {
     int count;
 };
 
-// Split row i's partials for `head`: without a work list, row i with num_splits partials at
-// consecutive entries (row * num_heads + head) * num_splits + s; with one, split row i of the
-// list, its slots' entries slot * num_heads + head (row -1: no such split row, nothing to do).
+// Split row i's partials for `head`: its slots' entries slot * num_heads + head (row -1: no such
+// split row, nothing to do).
 __device__ __forceinline__ RowPartials row_partials(const Params& p, i64 i, i64 head) {
-    if (p.split_rows == nullptr) return {i, (i * p.num_heads + head) * p.num_splits, 1, static_cast<int>(p.num_splits)};
     const SplitRow r = p.split_rows[i], next = p.split_rows[i + 1];
     return {r.row, r.first_slot * p.num_heads + head, p.num_heads, next.first_slot - r.first_slot};
 }
@@ -32,7 +30,7 @@ __device__ __forceinline__ RowPartials row_partials(const Params& p, i64 i, i64 
 // with them the first PREFETCH partial rows, so up to PREFETCH partials the block waits for one
 // round trip of loads, not two. The host builds PREFETCH 4 (no more registers than 0) and 16,
 // whose registers cost blocks an SM, so it takes that one only for a combine that fits the GPU in
-// one wave (decode.plan).
+// one wave (decode_combine.launcher).
 extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(const Params p) {
     __shared__ float weights[MAX_SPLITS], sums[MAX_SPLITS], warp_max[THREADS / 32];
     const int tid = threadIdx.x;
@@ -40,9 +38,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
     // long call on the way to the first loads): the grid and the heads fit them.
     const u32 heads = static_cast<u32>(p.num_heads), split_row = blockIdx.x / heads;
     const i64 head = blockIdx.x - split_row * heads;
-    // Without a list, or with the host's (written before the call), the block's partials are
-    // known before the wait; the scheduler's split rows come from the kernels before.
-    const bool known = p.split_rows == nullptr || p.static_list != 0;
+    // With the host's list (written before the call) the block's partials are known before the
+    // wait; the scheduler's split rows come from the kernels before.
+    const bool known = p.static_list != 0;
     launch_dependents();
     if (!known) wait_for_prior_grids();
     const RowPartials rp = row_partials(p, split_row, head);

@@ -46,11 +46,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1)
     if (!early) wait_for_prior_grids();
     const WorkPart work = load_part(p.work, part_index);
     if (early) wait_for_prior_grids();  // the setup above touched no memory a kernel before this one writes
-    const auto tiles_of = [&](int row) {
-        return live_tiles(static_cast<u32>(live_count(p.swa.lens, p.swa.lens_int64, p.swa.k, row) +
-                                           live_count(p.extra.lens, p.extra.lens_int64, p.extra.k, row)),
-                          TILE_SHIFT);
-    };
+    const auto tiles_of = [&](int row) { return row_tiles(p, row, TILE_SHIFT); };
 
     const int warpgroup = tid >> 7;  // tid / WARPGROUP_THREADS (a shift: tid is not negative)
     // The block's tiles of its earlier segments, modulo 4: a tile's K/V buffer and phase, and a

@@ -76,3 +76,12 @@ __device__ __forceinline__ void launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+// threadIdx.x read afresh (an opaque value to the compiler): what a loop body derives from it is
+// computed in each pass, where it is used, instead of hoisted out of the loop and held in
+// registers over every pass.
+__device__ __forceinline__ int thread_index_in_pass() {
+    u32 tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    return static_cast<int>(tid);
+}

@@ -7,11 +7,26 @@
 #pragma once
 
 #include "nvfp4_mla_params.cuh"
-#include "nvfp4_mla_work.cuh"  // live_count
+#include "nvfp4_mla_work.cuh"  // live_count, live_tiles
 
 // Whether entry n's slot table holds int64 slots (else int32).
 __device__ __forceinline__ bool slot_is_int64(const Params& p, i64 n) {
     return n < p.swa.k ? p.swa.slot_int64 : p.extra.slot_int64;
+}
+
+// A query row's tiles of 2^tile_shift live entries (the work list's count: live_tiles of both
+// tables' clamped lengths).
+__device__ __forceinline__ u32 row_tiles(const Params& p, int row, u32 tile_shift) {
+    return live_tiles(static_cast<u32>(live_count(p.swa.lens, p.swa.lens_int64, p.swa.k, row) +
+                                       live_count(p.extra.lens, p.extra.lens_int64, p.extra.k, row)),
+                      tile_shift);
+}
+
+// Live entry c of a query row as the work list counts them (the window's first swa_live entries,
+// then the extra table's) as an entry index n (which counts the window's k entries first). Past
+// both live counts c maps past them too: a dead entry.
+__device__ __forceinline__ i64 live_entry(const Params& p, i64 c, i64 swa_live) {
+    return c < swa_live ? c : c + (p.swa.k - swa_live);
 }
 
 // Where the slot of entry n of query row `row` lies in its table: its word (int32) or words

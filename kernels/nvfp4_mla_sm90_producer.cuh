@@ -132,10 +132,7 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
     const int units = UNITS_PER_TILE * num_tiles;
     const i64 swa_live = live_count(p.swa.lens, p.swa.lens_int64, p.swa.k, row),
               extra_live = live_count(p.extra.lens, p.extra.lens_int64, p.extra.k, row);
-    // Live entry c is the window's entry c, or past swa_live the extra table's c - swa_live (the
-    // entries' index n counts the window's k entries first); dead entries map past both live counts.
-    const i64 extra_shift = p.swa.k - swa_live;
-#define ENTRY(c) ((c) < swa_live ? (c) : (c) + extra_shift)
+    const auto entry = [&](i64 c) { return live_entry(p, c, swa_live); };  // live entry c's index n
 
     // Dequantization: token t of a unit (8 a warp), chunks 4 i + c0 (i = 0..15) of its row.
     const int t = warp * 8 + (lane & 7), c0 = lane >> 3;
@@ -148,15 +145,15 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
     // own raw barriers and only for itself (the warps proceed independently).
     // Unit u of the item is the block's unit unit0 + u: its raw buffer is that count's.
 #define GATHER(unit, slot)                                                                                             \
-    gather_unit(p, ENTRY(first + (unit) * UNIT_STEP), slot, raw + ((unit0 + (unit)) & 1) * UNIT * RAW_STRIDE,          \
+    gather_unit(p, entry(first + (unit) * UNIT_STEP), slot, raw + ((unit0 + (unit)) & 1) * UNIT * RAW_STRIDE,          \
                 bars + (BAR_RAW + 8 * group + 2 * warp + ((unit0 + (unit)) & 1)) * 8, t, c0)
     SlotWords slot_a = NO_SLOT, slot_b = NO_SLOT;
     u32 unit_mask[2] = {0u, 0u};  // the warp's live tokens of the units in raw buffers 0 and 1
     if (units > 0) {
-        const SlotWords s0 = load_slot(p, row, ENTRY(first), swa_live, extra_live);
-        const SlotWords s1 = units > 1 ? load_slot(p, row, ENTRY(first + UNIT_STEP), swa_live, extra_live) : NO_SLOT;
-        if (units > 2) slot_a = load_slot(p, row, ENTRY(first + 2 * UNIT_STEP), swa_live, extra_live);
-        if (units > 3) slot_b = load_slot(p, row, ENTRY(first + 3 * UNIT_STEP), swa_live, extra_live);
+        const SlotWords s0 = load_slot(p, row, entry(first), swa_live, extra_live);
+        const SlotWords s1 = units > 1 ? load_slot(p, row, entry(first + UNIT_STEP), swa_live, extra_live) : NO_SLOT;
+        if (units > 2) slot_a = load_slot(p, row, entry(first + 2 * UNIT_STEP), swa_live, extra_live);
+        if (units > 3) slot_b = load_slot(p, row, entry(first + 3 * UNIT_STEP), swa_live, extra_live);
         const u32 mask0 = GATHER(0, s0);
         const u32 mask1 = units > 1 ? GATHER(1, s1) : 0u;
         const bool odd = unit0 & 1;  // selects, not an index: the masks stay in registers
@@ -184,7 +181,7 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
                 unit_mask[0] = next_mask;
             slot_a = slot_b;
             slot_b =
-                u + 4 < units ? load_slot(p, row, ENTRY(first + (u + 4) * UNIT_STEP), swa_live, extra_live) : NO_SLOT;
+                u + 4 < units ? load_slot(p, row, entry(first + (u + 4) * UNIT_STEP), swa_live, extra_live) : NO_SLOT;
         }
         if (half == 0 || SHARERS == 2) {  // the consumers (of both blocks) are done with buffer b
             mbar_wait(bars + (BAR_EMPTY + b) * 8, ((tile >> 1) & 1) ^ 1);
@@ -211,5 +208,4 @@ __device__ __forceinline__ void produce_item(const Params& p, u8* smem, i64 row,
         }
     }
 #undef GATHER
-#undef ENTRY
 }

@@ -115,25 +115,14 @@ def test_a_forced_head_tile_needs_the_mma_sync_kernel(monkeypatch):
         decode.plan(nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_head_tile=64), 0, 16, 1, 128, 0)
 
 
-def test_the_work_list_parts_need_a_hopper_backend(monkeypatch):
-    """Only the Hopper kernels walk a work list: forcing its parts on the mma.sync kernel (a block
-    an item), or the mma.sync kernel's splits and head tile on a Hopper one, must not be ignored
-    silently."""
+def test_a_forced_head_tile_on_a_hopper_build_is_refused(monkeypatch):
+    """The head tile is the mma.sync kernel's only (every backend takes ``decode_parts``): forcing
+    it on a Hopper build must not be ignored silently."""
     monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[90])
-    message = "decode_parts=4 applies to the wgmma_sm90_narrow and wgmma_sm90 backends' kernels only"
-    with pytest.raises(ValueError, match=message):
-        decode.plan(nvfp4_mla.KernelLibrary(decode_parts=4), 0, 16, 1, 128, 0)  # the rule: mma_sync
-    with pytest.raises(ValueError, match="runs the mma_sync backend"):
-        decode.plan(nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_parts=4), 0, 64, 64, 128, 0)
-    message = "decode_splits=3 applies to the mma_sync backends' kernels only, but this call runs the wgmma_sm90 "
-    with pytest.raises(ValueError, match=message):
-        decode.plan(nvfp4_mla.KernelLibrary(decode_splits=3), 0, 64, 8, 128, 0)  # the rule: wgmma_sm90
-    with pytest.raises(ValueError, match=r"decode_splits=3 applies .* runs the wgmma_sm90_narrow backend"):
-        decode.plan(nvfp4_mla.KernelLibrary(decode_splits=3), 0, 16, 64, 128, 0)  # the rule: the NARROW build
     with pytest.raises(ValueError, match=r"decode_head_tile=16 applies .* runs the wgmma_sm90_narrow backend"):
         forced = nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90_narrow", decode_head_tile=16)
         decode.plan(forced, 0, 16, 1, 128, 0)
-    assert decode.MAX_LIST_PARTS == decode_combine.MAX_PARTIALS == 256 < decode_scheduler.MAX_PARTS
+    assert decode.MAX_LIST_PARTS == decode_combine.MAX_PARTIALS == 512 < decode_scheduler.MAX_PARTS
 
 
 class _StandInLauncher(NamedTuple):
@@ -151,12 +140,14 @@ class _StandInKernels:
     holding ``attention`` Hopper attention blocks an SM (one: their shared memory), 4 blocks of
     the combine build that prefetches 16 partials and 8 of the others."""
 
-    def __init__(self, sms: int = 132, attention: int = 1):
-        self.sms, self.attention = sms, attention
+    def __init__(self, sms: int = 132, attention: int = 1, mma: int = 1):
+        self.sms, self.attention, self.mma = sms, attention, mma
 
     def launcher(self, device_index: int, spec: Any) -> _StandInLauncher:
         if isinstance(spec, decode_sm90.WgmmaAttentionSpec):
             per_sm = self.attention
+        elif isinstance(spec, decode_mma.MmaAttentionSpec):
+            per_sm = self.mma
         elif isinstance(spec, decode_combine.CombineSpec):
             per_sm = 4 if spec.prefetch == decode_combine.PREFETCH else 8
         else:
@@ -164,10 +155,10 @@ class _StandInKernels:
         return _StandInLauncher(spec, self.sms * per_sm)
 
 
-def _list_plan(monkeypatch, num_heads, rows, kernels=None, **forced):
-    """``decode.plan`` of a call on the fake H200 with stand-in kernels (nothing compiled), and the
-    library it planned on."""
-    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[90])
+def _list_plan(monkeypatch, num_heads, rows, kernels=None, capability=90, **forced):
+    """``decode.plan`` of a call on a fake GPU (the H200) with stand-in kernels (nothing compiled),
+    and the library it planned on."""
+    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[capability])
     library = nvfp4_mla.KernelLibrary(kernels or _StandInKernels(), **forced)  # type: ignore[arg-type]  # a stand-in cache
     return decode.plan(library, 0, num_heads, rows, 128, 512), library
 
@@ -181,14 +172,14 @@ def _check_list_plan(plan, num_heads, rows, parts, dim_parts):
     head_tiles = -(-num_heads // plan.head_tile)
     split_rows = min(parts - 1, rows)
     assert (plan.parts, plan.dim_parts, plan.blocks) == (parts, dim_parts, parts * head_tiles * dim_parts)
-    assert (plan.num_splits, plan.tiles_per_split) == (1, 0)
+    assert plan.num_splits == 1
     assert (plan.combine is None) == (parts == 1)
     assert plan.combine_blocks == split_rows * num_heads
     assert plan.slots == parts - 1 + split_rows <= decode_scheduler.max_slots(parts)
     list_values = -(-decode_scheduler.work_ints(parts) // 4) * 4
     assert plan.workspace == list_values + plan.slots * num_heads * (abi.HEAD_DIM + 2)
     assert plan.scheduler is not None and plan.scheduler.spec == decode_scheduler.SchedulerSpec()
-    assert plan.q_map is not None
+    assert (plan.q_map is not None) == plan.backend.startswith("wgmma")
 
 
 @pytest.mark.parametrize(
@@ -235,15 +226,35 @@ def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_pa
         assert len(split) * num_heads <= plan.combine_blocks and listed.split_rows[-1][1] <= plan.slots
 
 
-def test_a_list_plan_has_at_most_256_parts(monkeypatch):
+@pytest.mark.parametrize("capability", [80, 90, 120])
+@pytest.mark.parametrize(("num_heads", "rows", "head_tile"), [(16, 1, 16), (16, 5, 16), (8, 40, 16), (64, 3, 64)])
+def test_the_mma_sync_kernel_walks_the_list_too(monkeypatch, capability, num_heads, rows, head_tile):
+    """On every GPU the mma.sync kernel walks a work list in tiles of 32 entries, with lengths in as
+    many parts as its blocks fit the GPU at once over its head tiles (here 3 blocks an SM)."""
+    if capability == 90 and ((num_heads > 8 and rows >= 2) or rows >= 6):
+        forced = {"decode_backend": "mma_sync"}  # the rule picks a Hopper build there
+    else:
+        forced = {}
+    if capability == 120 and head_tile == 64:
+        forced["decode_head_tile"] = 32  # 64 heads a block do not fit sm_120's shared memory
+        head_tile = 32
+    kernels = _StandInKernels(FAKE_GPUS[capability].sms, mma=3)
+    plan, _ = _list_plan(monkeypatch, num_heads, rows, kernels, capability, **forced)
+    head_tiles = -(-num_heads // head_tile)
+    assert (plan.backend, plan.head_tile, plan.tile_tokens) == ("mma_sync", head_tile, decode_mma.BLOCK_N)
+    parts = min(3 * FAKE_GPUS[capability].sms // head_tiles, decode.MAX_LIST_PARTS)
+    _check_list_plan(plan, num_heads, rows, parts, 1)
+
+
+def test_a_list_plan_has_at_most_max_list_parts(monkeypatch):
     """Where the GPU holds more blocks than that, the combine's most partials of a row (one row
     may be cut at every boundary) cap the parts."""
-    plan, _ = _list_plan(monkeypatch, 16, 64, _StandInKernels(attention=2))
+    plan, _ = _list_plan(monkeypatch, 16, 64, _StandInKernels(attention=4))
     _check_list_plan(plan, 16, 64, decode.MAX_LIST_PARTS, 1)
-    assert plan.blocks == 256 < 2 * 132
+    assert plan.blocks == decode.MAX_LIST_PARTS == 512 < 4 * 132
 
 
-@pytest.mark.parametrize("parts", [1, 2, 3, 7, 64, 255, 256])
+@pytest.mark.parametrize("parts", [1, 2, 3, 7, 64, 255, 256, 512])
 def test_decode_parts_forces_the_parts(monkeypatch, parts):
     """``decode_parts`` sets the parts, whatever the GPU holds at once, on both Hopper backends and
     in whole or half rows: half rows at the same parts take twice the blocks (the same list)."""
@@ -253,10 +264,10 @@ def test_decode_parts_forces_the_parts(monkeypatch, parts):
             _check_list_plan(plan, heads, rows, parts, dim_parts or 1)
 
 
-@pytest.mark.parametrize("parts", [0, -1, 257, 1023])
+@pytest.mark.parametrize("parts", [0, -1, 513, 1023])
 def test_decode_parts_out_of_range_are_refused(monkeypatch, parts):
     for heads, rows in ((128, 3), (16, 40)):
-        with pytest.raises(ValueError, match=rf"decode_parts must be in \[1, 256\], got {parts}"):
+        with pytest.raises(ValueError, match=rf"decode_parts must be in \[1, 512\], got {parts}"):
             _list_plan(monkeypatch, heads, rows, decode_parts=parts)
 
 
@@ -362,9 +373,9 @@ def test_the_q_tensor_map_is_encoded_once_then_moved(monkeypatch):
         q_map(0)
     params = decode_sm90.PARAMS
     assert params.size == 256 + launch.TENSOR_MAP_BYTES
-    assert params.names == (*decode_backend.ATTEND_PARAMS.names, "work", "static_list", "q_map")
-    assert params.offsets["work"] == decode_backend.ATTEND_PARAMS.size == 232  # the work list, then the map
-    assert params.offsets["q_map"] == 256  # the next 64 bytes after the attention Params and the list
+    assert params.names == (*decode_backend.ATTEND_PARAMS.names, "q_map")
+    assert decode_backend.ATTEND_PARAMS.names[-2:] == ("work", "static_list")  # every backend's work list
+    assert params.offsets["q_map"] == 256 > decode_backend.ATTEND_PARAMS.size == 240  # the next 64 bytes
     assert decode_sm90.WgmmaAttentionSpec.of(1).template.params is params and params.size <= launch.PARAMS_CAPACITY
 
 

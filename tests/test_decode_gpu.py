@@ -7,20 +7,19 @@ fp32 only absolute errors are meaningful: a peaked softmax can leave an output e
 exactly 0 and +inf. Every check prints its measured maxima (``pytest -s`` shows them) and a failure
 names the worst element. Cases: every mask kind, one and two pools, sinks, lonely rows, every
 head count, q_len 1 and > 1, int32/int64 slots, page sizes and layouts, NaN records at masked
-positions, every head tile and split of the mma.sync kernel (both epilogues), the Hopper kernels'
-work list in 1 to 256 parts (rows whole and cut between parts, most parts empty, blocks walking
-many segments), ragged batches of 1 to 16,384 rows, determinism, CUDA graphs (two replayed in turn
+positions, every head tile of the mma.sync kernel, every backend's work list in 1 to
+MAX_LIST_PARTS parts (rows whole and cut between parts, both epilogues, most parts empty, blocks
+walking many segments), ragged batches of 1 to 16,384 rows, determinism, CUDA graphs (two replayed in turn
 too, and lengths that change between replays), two streams at once, ``out=``, torch.compile, and
 the largest prefill (16,384 rows of 128 heads). The semantic and execution tests run on every
 backend of this GPU (``backend``: the default library, whose rule picks by architecture and shape,
 and a library that forces each backend of this GPU: the mma.sync kernel, and on sm_90 the Hopper
 wgmma kernel's two builds).
 
-The mma.sync kernel splits every row's selected tokens by the tables' widths (``decode_splits``);
-the Hopper kernels walk a work list that the scheduler writes on the GPU from the rows' live
-lengths (``decode_parts``: a row is cut where the parts' boundaries fall in its tiles). Two calls
-with the same list give the same bits; other parts cut the rows elsewhere, so those are compared
-with the float64 answer only.
+Every backend walks a work list that the scheduler writes on the GPU from the rows' live lengths,
+or without length tensors one made on the host from the tables' widths (``decode_parts``: a row is
+cut where the parts' boundaries fall in its tiles). Two calls with the same list give the same
+bits; other parts cut the rows elsewhere, so those are compared with the float64 answer only.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import nvfp4_mla
 import nvfp4_mla.reference.decode as exact_decode
 from nvfp4_mla import abi, validation
 from nvfp4_mla.device import device_info
-from nvfp4_mla.ops import decode, decode_backend, decode_combine, decode_mma, decode_scheduler, decode_sm90
+from nvfp4_mla.ops import decode, decode_combine, decode_mma, decode_scheduler, decode_sm90
 from nvfp4_mla.testing import dirty_allocator, make_cache
 from nvfp4_mla.testing.kernels import VirtualArchKernels
 
@@ -188,24 +187,16 @@ def head_tile_fits(head_tile: int) -> bool:
     return decode_mma.shared_bytes(head_tile) <= device_info(torch.cuda.current_device()).shared_optin
 
 
-def walks_a_list(name: str) -> bool:
-    """Whether backend ``name`` walks a work list (the Hopper kernels): it takes ``decode_parts``."""
-    return decode_backend.PARTS_OVERRIDE in decode.BACKENDS[name].overrides
-
-
 def cut(name: str, n: int, **kwargs) -> nvfp4_mla.KernelLibrary:
-    """A library forcing backend ``name`` with its work cut ``n`` ways: the mma.sync kernel's ``n``
-    splits of every row's selected tokens, or a Hopper backend's work list in ``n`` parts (which
-    cut the rows where the parts' boundaries fall in their live tiles)."""
-    if walks_a_list(name):
-        return nvfp4_mla.KernelLibrary(decode_backend=name, decode_parts=n, **kwargs)
-    return nvfp4_mla.KernelLibrary(decode_backend=name, decode_splits=n, **kwargs)
+    """A library forcing backend ``name`` with its work list in ``n`` parts (which cut the rows
+    where the parts' boundaries fall in their live tiles)."""
+    return nvfp4_mla.KernelLibrary(decode_backend=name, decode_parts=n, **kwargs)
 
 
-def cuts(name: str, counts: tuple[int, ...], rows: int) -> tuple[int, ...]:
-    """``counts``, and on a backend that walks a work list also ``3 * rows`` parts: more parts than
-    rows, so that most rows are cut, some more than once."""
-    return (*counts, min(3 * rows, decode.MAX_LIST_PARTS)) if walks_a_list(name) else counts
+def cuts(counts: tuple[int, ...], rows: int) -> tuple[int, ...]:
+    """``counts``, and ``3 * rows`` parts: more parts than rows, so that most rows are cut, some
+    more than once."""
+    return (*counts, min(3 * rows, decode.MAX_LIST_PARTS))
 
 
 def plan_of(q, pools, library=None) -> decode.DecodePlan:
@@ -369,7 +360,7 @@ def test_nan_records_in_masked_positions_do_not_leak(backend, seed):
 def test_nan_outputs_are_torchs_nan(seed):
     """NaN records at live positions make NaN outputs, stored as torch's 0x7FC0 like the
     reference's, on every backend, the work whole (the attention kernel's epilogue) and cut in three
-    (splits, or parts that cut rows: the combine's)."""
+    (parts that cut rows: the combine's)."""
     g = torch.Generator().manual_seed(seed)
     pool = Pool(8, 64, g)
     for slot in range(0, pool.capacity, 7):
@@ -456,7 +447,7 @@ def test_ragged_batches_through_the_default_library(seed, rows, heads):
         check_rows((out, lse), q, pools, sample, f"{rows} rows of {heads} heads, {name} lengths", sinks)
 
 
-# ---------------------------------------------------------------- head tiles and splits
+# ---------------------------------------------------------------- head tiles and parts
 
 
 def split_case(seed, heads, extra_k):
@@ -473,26 +464,24 @@ def split_case(seed, heads, extra_k):
     return q, pools, sinks, exact(q, pools, sinks=sinks)
 
 
-def planned(q, pools, head_tile, num_splits, sinks=None):
-    """The decode with a forced head tile and split count, and its plan."""
-    library = nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_head_tile=head_tile, decode_splits=num_splits)
-    widths = [slots.shape[2] for _, slots, _ in pools] + [0]
-    plan = decode.plan(library, q.get_device(), q.shape[2], q.shape[0] * q.shape[1], widths[0], widths[1])
-    return plan, run(q, pools, sinks=sinks, library=library)
+def planned(q, pools, head_tile, parts, sinks=None):
+    """The decode on the mma.sync kernel with a forced head tile and parts, and its plan."""
+    library = nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_head_tile=head_tile, decode_parts=parts)
+    return plan_of(q, pools, library), run(q, pools, sinks=sinks, library=library)
 
 
 @pytest.mark.parametrize("heads", [8, 40, 64, 128])
 @pytest.mark.parametrize("head_tile", decode_mma.HEAD_TILES)
-def test_every_head_tile_and_split(seed, heads, head_tile):
-    """Both epilogues (direct, and partials + combine) for each head tile, heads not a multiple of it."""
+def test_every_head_tile_whole_and_cut(seed, heads, head_tile):
+    """Both epilogues (direct, and partials + combine) for each head tile, heads not a multiple of
+    it: the 4 rows whole, then cut between 2, 4 and 11 parts."""
     if not head_tile_fits(head_tile):
         pytest.skip(f"this GPU's blocks cannot hold the shared memory of {head_tile} heads")
     q, pools, sinks, want = split_case(seed, heads, 200)
-    num_tiles = -(-328 // decode_mma.BLOCK_N)  # 11: splits of 6, 3 and 1 tiles below
-    for num_splits in (1, 2, 4, num_tiles):
-        plan, got = planned(q, pools, head_tile, num_splits, sinks)
-        assert plan.num_splits == num_splits and (plan.combine is None) == (num_splits == 1)
-        check(got, want, f"heads {heads} tile {head_tile} splits {num_splits}")
+    for parts in (1, 2, 4, 11):
+        plan, got = planned(q, pools, head_tile, parts, sinks)
+        assert plan.parts == parts and (plan.combine is None) == (parts == 1) and plan.tile_tokens == 32
+        check(got, want, f"heads {heads} tile {head_tile} in {parts} parts")
 
 
 SM80_PTX = VirtualArchKernels("sm_80")  # compiled on first use, kept in memory
@@ -501,38 +490,24 @@ SM80_PTX = VirtualArchKernels("sm_80")  # compiled on first use, kept in memory
 @pytest.mark.parametrize("head_tile", decode_mma.HEAD_TILES)
 def test_the_mma_sync_kernel_as_sm_80_ptx(seed, head_tile):
     """The mma.sync kernel's sm_80 code, as PTX that the driver compiles for this GPU (the path of
-    an A100): each head tile, whole rows (11 tiles) and 4 splits of 2-3 tiles, against the float64
-    answer."""
+    an A100): each head tile, whole rows and the work list in 5 parts (rows cut), against the
+    float64 answer."""
     if not head_tile_fits(head_tile):
         pytest.skip(f"this GPU's blocks cannot hold the shared memory of {head_tile} heads")
     q, pools, sinks, want = split_case(seed, 40, 200)
-    for num_splits in (1, 4):
+    for parts in (1, 5):
         library = nvfp4_mla.KernelLibrary(
-            SM80_PTX, decode_backend="mma_sync", decode_head_tile=head_tile, decode_splits=num_splits
+            SM80_PTX, decode_backend="mma_sync", decode_head_tile=head_tile, decode_parts=parts
         )
-        check(run(q, pools, sinks=sinks, library=library), want, f"sm_80 PTX, tile {head_tile}, {num_splits} splits")
-
-
-def test_the_most_splits_the_combine_takes(seed):
-    """128 tiles in MAX_SPLITS splits of one tile (the combine's limit); asking for more clamps."""
-    g = torch.Generator().manual_seed(seed)
-    swa, extra = Pool(8, 64, g), Pool(128, 64, g)
-    pools = [(swa, swa.slots((1, 1, 100), g, invalid=0.1), None), (extra, extra.slots((1, 1, 3996), g), None)]
-    q = queries(1, 1, 16, g)
-    want = exact(q, pools)
-    for forced in (decode.MAX_SPLITS, 136):
-        plan, got = planned(q, pools, 16, forced)
-        assert plan.num_splits == decode.MAX_SPLITS == 128
-        check(got, want, f"{forced} splits asked")
+        check(run(q, pools, sinks=sinks, library=library), want, f"sm_80 PTX, tile {head_tile}, {parts} parts")
 
 
 @pytest.mark.parametrize("heads", [16, 128])
 def test_a_row_does_not_depend_on_the_other_rows(backend, seed, heads):
     """Batch invariance within a call shape: new queries and slots in the other rows leave a row's
-    bits as they were (the backend follows from the shape, the split or the work list from the
-    shape and the lengths). New lengths in the other rows move the Hopper work list's cuts, so
-    there the row stays within the tolerances of the float64 answer; on the mma.sync kernel, whose
-    split follows the shape only, it keeps its bits."""
+    bits as they were (the backend follows from the shape, the work list from the shape and the
+    lengths). New lengths in the other rows move the work list's cuts, so there the row stays
+    within the tolerances of the float64 answer."""
     g = torch.Generator().manual_seed(seed)
     swa, extra = Pool(16, 64, g), Pool(32, 64, g)
     batch, q_len = 40, 1  # at 16 heads, 40 rows take the wgmma kernel on sm_90
@@ -553,8 +528,6 @@ def test_a_row_does_not_depend_on_the_other_rows(backend, seed, heads):
     extra_lens[1:] = lengths(batch - 1, q_len, 640, g, torch.int64)
     moved = run(q, pools, sinks=sinks, library=backend)
     check(moved, exact(q, pools, sinks=sinks), f"heads {heads}, and their lengths")
-    if plan_of(q, pools, backend).parts == 0:  # no work list: the split follows the shape only
-        assert bits_equal(moved[0][:1], first[0][:1]) and bits_equal(moved[1][:1], first[1][:1])
 
 
 def test_split_runs_are_bitwise_reproducible(backend, seed):
@@ -573,43 +546,40 @@ def test_split_runs_are_bitwise_reproducible(backend, seed):
 
 @pytest.mark.parametrize("heads", [16, 64, 100, 128])
 def test_every_backend_with_every_split(seed, heads):
-    """Each backend of this GPU, forced, over 1 to many splits of the mma.sync kernel or parts of
-    the Hopper work list (up to three a row: rows whole and cut, both epilogues), heads that do not
-    fill its head tile, both pools with lengths and invalid slots."""
+    """Each backend of this GPU, forced, over its work list in 1 to 12 parts (up to three a row:
+    rows whole and cut, both epilogues), heads that do not fill its head tile, both pools with
+    lengths and invalid slots."""
     q, pools, sinks, want = split_case(seed, heads, 300)
     gpu = device_info(q.get_device())
     for name in [n for n, b in decode.BACKENDS.items() if b.supports(gpu.capability)]:
-        for n in cuts(name, (1, 2, 3, 7), 4):  # batch 2 x q_len 2
+        for n in cuts((1, 2, 3, 7), 4):  # batch 2 x q_len 2
             library = cut(name, n)
             plan = plan_of(q, pools, library)
             assert plan.backend == name
-            if walks_a_list(name):
-                assert (plan.parts, plan.num_splits) == (n, 1) and (plan.combine is None) == (n == 1)
-            else:
-                assert plan.parts == 0 and (plan.combine is None) == (plan.num_splits == 1)
+            assert (plan.parts, plan.num_splits) == (n, 1) and (plan.combine is None) == (n == 1)
             check(run(q, pools, sinks=sinks, library=library), want, f"{name}, heads {heads}, cut {n} ways")
 
 
-def one_row_cut_most_ways() -> int:
-    """Live tokens of one row that the work list in MAX_LIST_PARTS parts cuts into the combine's
-    most partials of a row (MAX_PARTIALS), by the CPU model of the scheduler."""
+def one_row_cut_most_ways(tile_tokens: int) -> int:
+    """Live tokens of one row (tiles of ``tile_tokens``) that the work list in MAX_LIST_PARTS parts
+    cuts into the combine's most partials of a row (MAX_PARTIALS), by the CPU model of the
+    scheduler."""
     parts = decode.MAX_LIST_PARTS
     for tiles in range(parts, 64 * parts):
         listed = decode_scheduler.schedule([tiles], parts, decode.SEGMENT_COST)
         segments = sum(1 for part in listed.parts for _ in decode_scheduler.segments(part, [tiles]))
         if segments == decode_combine.MAX_PARTIALS:
-            return tiles * decode_sm90.BLOCK_N
+            return tiles * tile_tokens
     raise AssertionError("no row length is cut into MAX_PARTIALS segments")
 
 
 def test_the_combine_builds_give_the_same_bits(seed):
     """The combine kernel prefetching no partial, the shipped 4 and 16 add a row's partials in the
-    same order: the same bits, at fewer partials than the prefetches hold, more, and the most: the
-    mma.sync kernel's splits up to MAX_SPLITS, and on sm_90 one row that the Hopper work list in
-    256 parts cuts 256 ways (MAX_PARTIALS, two a combine thread). And the plan takes the
-    16-partial build only where its blocks (a (row, head), or with a work list a (split row, head))
-    fit the GPU at once, else the 4-partial one."""
-    q, pools, sinks, want = split_case(seed, 64, 8000)  # 128 + 8000 tokens: up to 128 splits
+    same order: the same bits, at fewer partials a row than the prefetches hold, more, and on every
+    backend of this GPU one row cut into the most (MAX_PARTIALS: four a combine thread), within
+    the float64 answer's tolerances. And the plan takes the 16-partial build only where its
+    blocks (a split row and head each) fit the GPU at once, else the 4-partial one."""
+    q, pools, sinks, want = split_case(seed, 64, 8000)  # 4 rows of 128 + 8000 tokens
 
     def combine_build(prefetch):
         def tune(spec):
@@ -626,16 +596,17 @@ def test_the_combine_builds_give_the_same_bits(seed):
             assert bits_equal(got[0][0], other[0]) and bits_equal(got[0][1], other[1]), what
         check(got[2], want, f"prefetching combine, {what}")
 
-    for num_splits in (3, decode_combine.PREFETCH + 1, decode.MAX_SPLITS):
+    for parts in (3, 4 * (decode_combine.PREFETCH + 1), decode.MAX_LIST_PARTS):  # up to about 128 partials a row
         same_bits_from_every_build(
-            q, pools, sinks, want, f"{num_splits} splits", decode_backend="mma_sync", decode_splits=num_splits
+            q, pools, sinks, want, f"{parts} parts", decode_backend="mma_sync", decode_parts=parts
         )
     device = q.get_device()
-    hopper = decode.BACKENDS["wgmma_sm90"].supports(device_info(device).capability)
-    if hopper:
+    gpu = device_info(device)
+    for name in [n for n, b in decode.BACKENDS.items() if b.supports(gpu.capability)]:
+        tile_tokens = plan_of(q, pools, nvfp4_mla.KernelLibrary(decode_backend=name)).tile_tokens
         g = torch.Generator().manual_seed(seed + 1)
         swa, extra = Pool(8, 64, g), Pool(64, 64, g)
-        extra_k = one_row_cut_most_ways() - 128  # 32,512 with the shipped costs: 510 tiles of 64
+        extra_k = one_row_cut_most_ways(tile_tokens) - 128
         swa_lens = torch.full((1, 1), 128, dtype=torch.int32, device=DEVICE)  # every entry live
         extra_lens = torch.full((1, 1), extra_k, dtype=torch.int64, device=DEVICE)
         one = [
@@ -643,28 +614,23 @@ def test_the_combine_builds_give_the_same_bits(seed):
             (extra, extra.slots((1, 1, extra_k), g, torch.int32, invalid=0.1), extra_lens),
         ]
         q_one, sinks_one = queries(1, 1, 64, g), torch.randn(64, generator=g).to(DEVICE)
-        forced = {"decode_backend": "wgmma_sm90", "decode_parts": decode.MAX_LIST_PARTS}
-        plan = plan_of(
-            q_one, one, nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_parts=decode.MAX_LIST_PARTS)
-        )
+        forced = {"decode_backend": name, "decode_parts": decode.MAX_LIST_PARTS}
+        plan = plan_of(q_one, one, nvfp4_mla.KernelLibrary(**forced))  # type: ignore[arg-type]
         assert plan.parts == decode.MAX_LIST_PARTS and plan.combine_blocks == 64  # one split row
         want_one = exact(q_one, one, sinks=sinks_one)
-        same_bits_from_every_build(q_one, one, sinks_one, want_one, "a row cut 256 ways", **forced)
-    library = nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_splits=2)
+        what = f"{name}: a row cut {decode_combine.MAX_PARTIALS} ways"
+        same_bits_from_every_build(q_one, one, sinks_one, want_one, what, **forced)
+    library = nvfp4_mla.KernelLibrary(decode_backend="mma_sync")
     prefetching = library.launcher(device, library.spec(decode_combine.CombineSpec.of(decode_combine.PREFETCH)))
-    one_wave = decode.plan(library, device, 64, prefetching.resident_blocks // 64, 128, 512)
-    more = decode.plan(library, device, 64, prefetching.resident_blocks // 64 + 1, 128, 512)
     waves = library.launcher(device, library.spec(decode_combine.CombineSpec.of(decode_combine.PREFETCH_WAVES)))
-    assert one_wave.combine is prefetching and more.combine is waves
-    split_rows = prefetching.resident_blocks // 64  # with a work list: a split row a boundary, at most
-    if hopper and split_rows + 2 <= decode.MAX_LIST_PARTS:
-        forcing = functools.partial(nvfp4_mla.KernelLibrary, decode_backend="wgmma_sm90")
-        listed = [
-            decode.plan(forcing(decode_parts=parts), device, 64, 4096, 128, 512)
-            for parts in (split_rows + 1, split_rows + 2)
-        ]
-        assert [p.combine_blocks for p in listed] == [64 * split_rows, 64 * (split_rows + 1)]
-        assert listed[0].combine is prefetching and listed[1].combine is waves
+    split_rows = prefetching.resident_blocks // 64  # a split row a boundary, at most
+    assert split_rows + 2 <= decode.MAX_LIST_PARTS
+    listed = [
+        decode.plan(nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_parts=parts), device, 64, 4096, 128, 512)
+        for parts in (split_rows + 1, split_rows + 2)
+    ]
+    assert [p.combine_blocks for p in listed] == [64 * split_rows, 64 * (split_rows + 1)]
+    assert listed[0].combine is prefetching and listed[1].combine is waves
 
 
 @pytest.mark.parametrize(("heads", "dim_parts"), [(65, 1), (128, 1), (256, 1), (16, 2), (64, 2), (128, 2)])
@@ -679,7 +645,7 @@ def test_wgmma_clusters_give_the_bits_of_single_blocks(seed, heads, dim_parts):
         pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
     assert decode_sm90.cluster_of(heads, dim_parts) == 2
     q, pools, sinks, want = split_case(seed, heads, 300)
-    for parts in cuts("wgmma_sm90", (1, 3, 7), 4):
+    for parts in cuts((1, 3, 7), 4):
         forced = functools.partial(
             nvfp4_mla.KernelLibrary, decode_backend="wgmma_sm90", decode_parts=parts, decode_dim_parts=dim_parts
         )
@@ -789,7 +755,7 @@ def test_wgmma_half_rows_give_the_bits_of_whole_rows(seed, heads):
     swa_lens[1, 0] = 0  # row 2: nothing live
     extra_slots[1, 0] = -1
     want = exact(q, pools, sinks=sinks)
-    for parts in cuts("wgmma_sm90", (1, 3, 7), 4):
+    for parts in cuts((1, 3, 7), 4):
         forced = functools.partial(nvfp4_mla.KernelLibrary, decode_backend="wgmma_sm90", decode_parts=parts)
         whole, halves = forced(decode_dim_parts=1), forced(decode_dim_parts=2)
         whole_plan, halves_plan = plan_of(q, pools, whole), plan_of(q, pools, halves)
@@ -873,8 +839,8 @@ def test_a_chain_of_calls_each_on_the_last_ones_out(seed, heads, name, cut_ways,
     dependent launch), so it must read q only once the previous call wrote it, and write its
     workspace (the previous call's, freed and handed out again: the work list the scheduler writes
     from the lengths, the partials) only once the previous call's kernels read it. Each backend,
-    forced, its work whole and cut in four (splits, or parts that cut rows), without lengths and
-    with them (on a Hopper backend: the plan's list, or the scheduler's each call), queued behind a
+    forced, its work whole and cut in four (parts that cut rows), without lengths and with them
+    (the plan's list, or the scheduler's each call), queued behind a
     sleeping kernel (so that the GPU, not the host, paces the calls) or replayed as one graph: the
     bits of the same calls with the GPU synchronised between them."""
     g = torch.Generator().manual_seed(seed)
@@ -904,7 +870,7 @@ def test_a_chain_of_calls_each_on_the_last_ones_out(seed, heads, name, cut_ways,
 
     plan = plan_of(first, [(pool, slots, lens)], library)
     launchers = [x for x in (plan.scheduler, plan.attend, plan.combine) if x is not None]
-    assert (plan.scheduler is not None) == (with_lengths and walks_a_list(name))
+    assert (plan.scheduler is not None) == with_lengths
     assert [x.dependent_launch for x in launchers] == [gpu.capability >= 90] * len(launchers)
     want = chain(synchronize=True)
     check(want[0], exact(first, [(pool, slots, lens)]), "the first call")
@@ -922,7 +888,7 @@ def test_a_chain_of_calls_each_on_the_last_ones_out(seed, heads, name, cut_ways,
 @pytest.mark.parametrize("heads", [16, 100])
 def test_out_inside_a_larger_buffer_is_all_that_is_written(seed, heads):
     """``out`` a slice of a canary-filled buffer, on every backend of this GPU, its work whole and
-    cut in three (splits, or parts that cut rows: both epilogues), with heads that leave a head tile
+    cut in three (parts that cut rows: both epilogues), with heads that leave a head tile
     partly empty: the bytes around out keep their canary, and out holds a fresh call's bits."""
     q, pools, sinks, _ = split_case(seed, heads, 300)
     gpu = device_info(q.get_device())
@@ -1017,10 +983,10 @@ def test_full_lengths_give_the_bits_of_no_lengths(seed):
         bare = [(swa, swa_slots, None), (extra, extra_slots, None)]
         want = exact(q, bare, sinks=sinks)
         for name in [n for n, b in decode.BACKENDS.items() if b.supports(gpu.capability)]:
-            forced = [cut(name, n) for n in (1, 7, 40)] if walks_a_list(name) else [cut(name, 1), cut(name, 3)]
-            for library in forced:
+            for parts in (1, 7, 40):
+                library = cut(name, parts)
                 got, bare_got = run(q, full, sinks=sinks, library=library), run(q, bare, sinks=sinks, library=library)
-                what = f"{name}, batch {batch}, q_len {q_len}, cut {library.decode_parts or library.decode_splits} ways"
+                what = f"{name}, batch {batch}, q_len {q_len}, cut {parts} ways"
                 assert bits_equal(got[0], bare_got[0]) and bits_equal(got[1], bare_got[1]), what
                 check(bare_got, want, what)
             library = nvfp4_mla.KernelLibrary(decode_backend=name)
@@ -1032,11 +998,10 @@ def test_full_lengths_give_the_bits_of_no_lengths(seed):
 @pytest.mark.parametrize("heads", [16, 128])
 def test_two_streams_at_once_and_two_graphs_in_turn(backend, seed, heads):
     """A call's only state past its launch is its workspace (from torch's caching allocator, on
-    the call's stream) read by its combine kernel. Two call sets with splits (or rows cut between
-    parts): queued on two
-    streams at once (behind a sleeping kernel each, so that the GPU runs both streams' calls
-    together), and captured as two graphs replayed in turn without a synchronisation between them,
-    give the bits of the same calls made one at a time."""
+    the call's stream) read by its combine kernel. Two call sets with rows cut between parts:
+    queued on two streams at once (behind a sleeping kernel each, so that the GPU runs both
+    streams' calls together), and captured as two graphs replayed in turn without a
+    synchronisation between them, give the bits of the same calls made one at a time."""
     g = torch.Generator().manual_seed(seed)
     pool = Pool(16, 64, g)
     cases = [(queries(1, 2, heads, g), pool.slots((1, 2, 640), g, invalid=0.05)) for _ in range(2)]

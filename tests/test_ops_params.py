@@ -57,7 +57,7 @@ def test_the_packer_lays_fields_out_as_c_does(layout):
 
 
 def test_the_attention_layout():
-    assert POOL.size == 72 and ATTEND_PARAMS.size == 232
+    assert POOL.size == 72 and ATTEND_PARAMS.size == 240
     assert ATTEND_PARAMS.offsets["swa.k"] == 48 + 48 and ATTEND_PARAMS.offsets["extra.cache"] == 48 + 72
     hopper = decode.BACKENDS["wgmma_sm90"].specs("sm_90")[0].template.params
     assert hopper.offsets["q_map"] == 256 and hopper.size == 384 and hopper.names[-1] == "q_map"
@@ -93,48 +93,13 @@ def test_a_template_lists_every_header_its_source_includes():
     assert used == {path.name for path in jit.kernel_dir().iterdir() if path.suffix in (".cu", ".cuh")}
 
 
-def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch):
-    """decode.launch passes the attention Params by position: each value lands in its field."""
-    import torch
-
-    packed: list[tuple] = []
-
-    class Recorder:
-        shared_bytes = 0
-
-        def launch(self, gx, gy, gz, shared_bytes, stream, *values):
-            packed.append(values)
-
-    monkeypatch.setattr(decode_launch, "current_raw_stream", lambda device: 0)
-    plan = decode.DecodePlan("test", Recorder(), 64, 3, 1, 7, 1, None, None)  # type: ignore[arg-type]
-    q = torch.zeros(2, 1, 5, 512, dtype=torch.bfloat16)
-    swa_cache, slots = torch.zeros(4, 64, 384, dtype=torch.uint8), torch.zeros(2, 1, 9, dtype=torch.int64)
-    lens = torch.zeros(2, 1, dtype=torch.int32)
-    swa = (swa_cache, slots, lens, (4, 64, 64 * 384))
-    out, lse = torch.empty_like(q), torch.empty(2, 1, 5)
-    decode.launch(plan, q, out, lse, 0.5, None, swa, (None, None, None, None))
-    (values,) = packed
-    got = dict(zip(ATTEND_PARAMS.names, values))
-    assert len(values) == len(ATTEND_PARAMS.names)
-    assert got["q"] == q.data_ptr() and got["out"] == out.data_ptr() and got["lse"] == lse.data_ptr()
-    assert got["sinks"] == got["partial_o"] == got["partial_ml"] == 0
-    assert (got["swa.cache"], got["swa.slots"], got["swa.lens"]) == (
-        swa_cache.data_ptr(),
-        slots.data_ptr(),
-        lens.data_ptr(),
-    )
-    assert (got["swa.page_stride"], got["swa.page_size"], got["swa.capacity"], got["swa.k"]) == (64 * 384, 64, 256, 9)
-    assert (got["swa.slot_int64"], got["swa.lens_int64"], got["extra.k"]) == (1, 0, 0)
-    assert (got["rows"], got["num_heads"], got["num_splits"], got["tiles_per_split"]) == (2, 5, 1, 7)
-    assert got["score_scale"] == pytest.approx(0.5 / 0.6931471805599453)
-
-
-@pytest.mark.parametrize("lengths", [True, False])
-def test_a_work_list_launch_packs_each_value_into_its_named_field(monkeypatch, lengths):
-    """decode.launch of a plan with a work list (the Hopper backends') passes three Params by
-    position: with lengths the scheduler writes the list at the start of the call's workspace,
-    without them the plan holds it; the attention Params end with the list and q's tensor map, the
-    combine's with the list's split rows; the partial slots follow the list, 16-byte aligned."""
+@pytest.mark.parametrize(("lengths", "hopper"), [(True, True), (False, True), (True, False), (False, False)])
+def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, lengths, hopper):
+    """decode.launch passes three Params by position: with lengths the scheduler writes the list
+    at the start of the call's workspace, without them the plan holds it; the attention Params end
+    with the list (and on the Hopper backends q's tensor map), the combine's with the list's split
+    rows; the partial slots follow the list, 16-byte aligned; the scheduler counts the backend's
+    tiles (64 tokens on Hopper, 32 on mma.sync)."""
     import torch
 
     from nvfp4_mla.ops import decode_combine, decode_scheduler, decode_sm90
@@ -163,16 +128,17 @@ def test_a_work_list_launch_packs_each_value_into_its_named_field(monkeypatch, l
     slots = parts - 1 + split_rows
     list_values = 32 if lengths else 0  # work_ints(3) = 30 int32, rounded up to 16 bytes
     work = None if lengths else torch.zeros(decode_scheduler.work_ints(parts), dtype=torch.int32)
+    tile_tokens = 64 if hopper else 32
     plan = decode.DecodePlan(
         "test",
         Recorder("attend"),  # type: ignore[arg-type]
         64,
+        tile_tokens,
         parts * 4,
         1 if lengths else 3,  # without lengths, the list may deal the width split's splits
-        0,
         2,
         Recorder("combine"),  # type: ignore[arg-type]
-        lambda address: address.to_bytes(8, "little") * 16,
+        (lambda address: address.to_bytes(8, "little") * 16) if hopper else None,
         parts=parts,
         scheduler=Recorder("scheduler") if lengths else None,  # type: ignore[arg-type]
         combine_blocks=split_rows * heads,
@@ -193,25 +159,26 @@ def test_a_work_list_launch_packs_each_value_into_its_named_field(monkeypatch, l
     assert list(packed) == (["scheduler", "attend", "combine"] if lengths else ["attend", "combine"])  # in order
 
     attend_grid, values = packed["attend"]
-    names = decode_sm90.PARAMS.names
+    names = decode_sm90.PARAMS.names if hopper else ATTEND_PARAMS.names
     got = dict(zip(names, values))
     assert len(values) == len(names) and attend_grid == (parts * 4, 1, 1)
-    assert got["work"] == at and got["q_map"] == q.data_ptr().to_bytes(8, "little") * 16
+    assert got["work"] == at and got["static_list"] == int(not lengths)
+    assert not hopper or got["q_map"] == q.data_ptr().to_bytes(8, "little") * 16
     assert got["partial_o"] == start + 4 * list_values and got["partial_o"] % 16 == start % 16
     assert got["partial_ml"] == got["partial_o"] + slots * heads * 512 * 4
     assert got["partial_ml"] + slots * heads * 2 * 4 == start + 4 * plan.workspace  # the workspace's end
-    assert (got["rows"], got["num_heads"], got["num_splits"], got["tiles_per_split"]) == (2, heads, plan.num_splits, 0)
+    assert (got["rows"], got["num_heads"], got["num_splits"]) == (2, heads, plan.num_splits)
     assert (got["swa.lens"], got["swa.k"], got["extra.k"]) == (0 if lens is None else lens.data_ptr(), 9, 0)
 
     combine_grid, values = packed["combine"]
     combined = dict(zip(decode_combine.COMBINE_PARAMS.names, values))
     assert len(values) == len(decode_combine.COMBINE_PARAMS.names) and combine_grid == (split_rows * heads, 1, 1)
     assert (combined["partial_o"], combined["partial_ml"]) == (got["partial_o"], got["partial_ml"])
-    assert (combined["out"], combined["lse"], combined["num_heads"], combined["num_splits"]) == (
+    assert (combined["out"], combined["lse"], combined["num_heads"], combined["static_list"]) == (
         out.data_ptr(),
         lse.data_ptr(),
         heads,
-        0,
+        int(not lengths),
     )
     assert combined["split_rows"] == at + parts * decode_scheduler.PART_INTS * 4  # after the parts' records
 
@@ -225,6 +192,7 @@ def test_a_work_list_launch_packs_each_value_into_its_named_field(monkeypatch, l
             9,
             0,
         )
-        assert (scheduled["rows"], scheduled["parts"], scheduled["tile_shift"]) == (2, parts, 6)  # tiles of 64
+        shift = tile_tokens.bit_length() - 1
+        assert (scheduled["rows"], scheduled["parts"], scheduled["tile_shift"]) == (2, parts, shift)
         assert scheduled["segment_cost"] == decode.SEGMENT_COST
         assert scheduled["parts_out"] == at and scheduled["split_rows"] == combined["split_rows"]

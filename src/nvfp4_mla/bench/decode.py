@@ -36,9 +36,8 @@ plus one empty launch (graph-replayed), over the measured time. ``diff`` is the 
 ``|fused - torch_reader|`` over the largest ``|torch_reader|`` (a sanity check: both read the same
 records; BF16 weights make it about 1e-2 at most).
 
-**Plan**: each row's ``backend``, ``head_tile`` and ``splits``, the ways its plan cuts the work:
-the mma.sync kernel's splits of every row's selected tokens, or the Hopper backends' work-list
-parts (the rows are cut where the parts' boundaries fall in their live tiles).
+**Plan**: each row's ``backend``, ``head_tile`` and ``parts``, the parts of its work list (the
+rows are cut where the parts' boundaries fall in their live tiles).
 
 **Verdicts**: the targets against the torch arms and the rooflines, then the Hopper kernel's
 absolute targets (lines labelled "Hopper target:") on the rows the selection rule ran (``choice``
@@ -65,7 +64,6 @@ from .. import abi
 from ..device import device_info
 from ..ops import decode as decode_op
 from ..ops import decode_mma
-from ..ops.decode_backend import PARTS_OVERRIDE
 from .ceilings import copy_bandwidth, empty_kernel_launcher, matmul_flops
 from .report import markdown_grid, write_suite
 from .run import require_gpu, results_dir, suite_parser
@@ -245,20 +243,13 @@ def measure(
     add_rooflines(row, shape, ceilings)
     library = forced or nvfp4_mla.ops.DEFAULT  # the plan of the arms' calls (without lengths)
     plan = decode_op.plan(library, 0, heads, batch * q_len, SWA_K, extra_k, lengths=False)
-    row["backend"], row["head_tile"], row["splits"] = plan.backend, plan.head_tile, cut_ways(plan)
+    row["backend"], row["head_tile"], row["parts"] = plan.backend, plan.head_tile, plan.parts
     if "torch_bf16" in arms:
         row["vs_torch_bf16"] = row["torch_bf16_graph_us"] / row["fused_graph_us"]
         row["vs_torch_reader"] = row["torch_reader_graph_us"] / row["fused_graph_us"]
         got, want = fused(pools, sets[0])[0].float(), torch_reader(pools, sets[0])[0].float()
         row["diff"] = float((got - want).abs().max() / want.abs().max())
     return row
-
-
-def cut_ways(plan: decode_op.DecodePlan) -> int:
-    """The ``splits`` column: the ways a plan cuts the work, its work list's parts (the Hopper
-    backends, whose parts cut the rows where their live tiles fall) or its splits of every row's
-    selected tokens (the mma.sync kernel)."""
-    return plan.parts or plan.num_splits
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -336,7 +327,7 @@ def verdicts(rows: list[dict]) -> list[str]:
 
 
 COLUMNS = [
-    "batch", "q_len", "heads", "tokens", "backend", "head_tile", "splits", "sets",
+    "batch", "q_len", "heads", "tokens", "backend", "head_tile", "parts", "sets",
     "fused_graph_us", "fused_eager_us", "torch_bf16_graph_us", "torch_bf16_eager_us",
     "torch_reader_graph_us", "torch_reader_eager_us", "vs_torch_bf16", "vs_torch_reader",
     "fused_tflops", "bytes_pct", "flops_pct", "binding", "roofline_pct", "byte_roofline_pct", "choice", "diff",
@@ -405,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         f"empty launch {ceilings['launch'] * 1e6:.2f} us"
     )
     pools = Pools(device)
-    header = f"{'batch':>5} {'q':>2} {'heads':>5} {'tok':>5} {'tile':>4} {'spl':>3} {'fused':>8} {'bf16':>8} "
+    header = f"{'batch':>5} {'q':>2} {'heads':>5} {'tok':>5} {'tile':>4} {'parts':>5} {'fused':>8} {'bf16':>8} "
     print(header + f"{'reader':>8} {'xbf16':>6} {'TF/s':>6} {'roof%':>6} {'diff':>8}")
     rows = []
     grid = shapes(args.quick)
@@ -414,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
         print(
             f"{r['batch']:5d} {r['q_len']:2d} {r['heads']:5d} {r['tokens']:5d} {r.get('head_tile', 0):4d} "
-            f"{r.get('splits', 0):3d} {r['fused_graph_us']:8.1f} {r['torch_bf16_graph_us']:8.1f} "
+            f"{r.get('parts', 0):5d} {r['fused_graph_us']:8.1f} {r['torch_bf16_graph_us']:8.1f} "
             f"{r['torch_reader_graph_us']:8.1f} {r['vs_torch_bf16']:6.2f} {r['fused_tflops']:6.1f} "
             f"{r['roofline_pct']:6.1f} {r['diff']:8.2e}"
         )
@@ -449,9 +440,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = measure(pools, shape, ceilings, g, timer, library)
                 rows.append(r)
                 speedup = default["fused_graph_us"] / r["fused_graph_us"]
-                cuts = "parts" if PARTS_OVERRIDE in decode_op.BACKENDS[backend].overrides else "splits"
                 print(
-                    f"{backend}: {shape} fused {r['fused_graph_us']:.1f} us ({r['splits']} {cuts}), "
+                    f"{backend}: {shape} fused {r['fused_graph_us']:.1f} us ({r['parts']} parts), "
                     f"{r['fused_tflops']:.1f} TFLOP/s, {speedup:.2f}x the default"
                 )
     lines = verdicts(rows)

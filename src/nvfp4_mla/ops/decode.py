@@ -7,19 +7,16 @@ and ``plan``. CUDA tensors go to a backend's kernels, other devices to the refer
 :mod:`.decode_planner` (the backend and the division of the work, a plan a call shape),
 :mod:`.decode_launch` (the launches), :mod:`.decode_step_plan` (a decode step's plan).
 
-**Execution.** On a backend that walks a work list (the Hopper kernels): the scheduler
-(:mod:`.decode_scheduler`) writes the call's list on the GPU from the rows' live lengths, the
-attention kernel's blocks (a block per part, head tile and part of the output dims) walk their
-part's segments, and the combine (:mod:`.decode_combine`) merges the rows cut between parts; the
-work follows the live tokens, not the tables' widths. On the others (mma.sync): one launch of the
-attention kernel, a block per query row, head tile and split of the selected tokens, plus the
-combine when the tokens are split (:mod:`.decode_schedule`: a function of the shapes and the
-device). Either way the split is a function of the shapes, the device and the lengths, and the
-combine adds a row's partials in a fixed order, so equal inputs give equal bits on every run. A
-warm call does the checks of :mod:`nvfp4_mla.validation`, one plan lookup and its allocations (the
-outputs and the workspace, through torch's caching allocator on the current stream), with no host
-synchronisation: it can be captured in a CUDA graph, and its work follows lengths that change
-between replays.
+**Execution.** The scheduler (:mod:`.decode_scheduler`) writes the call's work list on the GPU
+from the rows' live lengths (or, without length tensors, the plan holds one made on the host from
+the tables' widths); the attention kernel's blocks (a block per part, head tile and part of the
+output dims) walk their part's segments, and the combine (:mod:`.decode_combine`) merges the rows
+cut between parts: the work follows the live tokens, not the tables' widths. The list is a
+function of the shapes, the device and the lengths, and the combine adds a row's partials in a
+fixed order, so equal inputs give equal bits on every run. A warm call does the checks of
+:mod:`nvfp4_mla.validation`, one plan lookup and its allocations (the outputs and the workspace,
+through torch's caching allocator on the current stream), with no host synchronisation: it can be
+captured in a CUDA graph, and its work follows lengths that change between replays.
 """
 
 from __future__ import annotations

@@ -1,18 +1,16 @@
 """The contract of a ``sparse_mla_decode`` backend: the attention kernels' parameters, what a
 backend declares (:class:`DecodeBackend`) and what it gives a call (:class:`Attention`).
 
-An attention kernel takes the ``Params`` of :data:`ATTEND_PARAMS` and works on items: either
-(``Attention.work_list``) the segments of the call's work list, which the scheduler
-(:mod:`.decode_scheduler`) writes on the GPU from the rows' live lengths, a block per (part, head
-tile, part of the 512 output dims) walking its part's segments in turn; or (query row, head tile,
-split of the selected tokens), the head tile fastest, a block each. An item writes ``out`` and
-``lse`` itself where it holds a whole row, else unnormalized fp32 partial outputs that the combine
-kernel (:mod:`.decode_combine`) merges in order.
+An attention kernel takes the ``Params`` of :data:`ATTEND_PARAMS` and walks the call's work list
+(:mod:`.decode_scheduler`): a block per (part, head tile, part of the 512 output dims), walking
+its part's segments (its tiles of one query row's live entries) in turn. A segment that holds a
+whole row writes ``out`` and ``lse`` itself, the others unnormalized fp32 partial outputs at
+their slots, which the combine kernel (:mod:`.decode_combine`) merges in order.
 
 A backend declares the GPUs it runs on, its kernels, the shapes it prefers and the
-:class:`~nvfp4_mla.ops.library.KernelLibrary` overrides it accepts. The planner (:mod:`.decode`)
-takes the first backend in order of preference that runs on the GPU and prefers the call's shape,
-and refuses overrides the backend does not declare; it names no backend.
+:class:`~nvfp4_mla.ops.library.KernelLibrary` overrides it accepts. The planner
+(:mod:`.decode_planner`) takes the first backend in order of preference that runs on the GPU and
+prefers the call's shape, and refuses overrides the backend does not declare; it names no backend.
 """
 
 from __future__ import annotations
@@ -51,16 +49,17 @@ ATTEND_PARAMS = ParamsLayout(
         pointer("q", "const u16*", "BF16 [rows, num_heads, 512]"),
         pointer("out", "u32*", "BF16 [rows, num_heads, 512] (no splits)"),
         pointer("lse", "float*", "[rows, num_heads] (no splits)"),
-        pointer("partial_o", "float*", "[slots, num_heads, 512], or [rows, num_heads, num_splits, 512] (splits)"),
-        pointer("partial_ml", "float*", "[slots, num_heads, 2], or [rows, num_heads, num_splits, 2]: m, l"),
+        pointer("partial_o", "float*", "[slots, num_heads, 512]: the segments' partial outputs"),
+        pointer("partial_ml", "float*", "[slots, num_heads, 2]: their m (log2) and l"),
         pointer("sinks", "const float*", "[num_heads] or null"),
         nested("swa", POOL, "the sliding-window pool"),
         nested("extra", POOL, "the extra (compressed) pool"),
         int64("rows", "query rows: batch * q_len"),
         int64("num_heads", "heads of q"),
-        int64("num_splits", "splits of a row's selected tokens (a work list: of the width split, or 1)"),
-        int64("tiles_per_split", "tiles of the kernel's own tile size (no work list)"),
+        int64("num_splits", "the host's list: the splits of a row it was dealt from; else 1"),
         float64("score_scale", "sm_scale * log2(e)"),
+        pointer("work", "const void*", "the work list's parts (struct WorkPart), 16-byte aligned"),
+        int64("static_list", "the list was written before the call (the host's): read before the wait"),
     ],
 )
 
@@ -70,10 +69,9 @@ class Attention(NamedTuple):
 
     launcher: Launcher  # its launches ask for the template's shared memory (launcher.shared_bytes)
     head_tile: int  # heads a block
-    tile_tokens: int  # selected tokens a tile (splits and segments are whole tiles)
-    # Blocks the GPU holds at once (whole clusters): with a work list, the parts are these over
-    # the blocks a part takes; 0: a block an item (no work list).
-    max_blocks: int = 0
+    tile_tokens: int  # live entries a tile (segments are whole tiles)
+    # Blocks the GPU holds at once (whole clusters): the parts are these over the blocks a part takes.
+    max_blocks: int
     dim_parts: int = 1  # the parts of a row's output dims, an item each
     # Whether a row's two halves run as a pair of blocks that share each dequantized tile (the
     # plan weighs half rows by that).
@@ -81,14 +79,12 @@ class Attention(NamedTuple):
     # Kernels whose Params end with a tensor map of q: (num_heads, rows) -> that map for q's
     # address (the bytes of the last field).
     q_map: Callable[[int, int], Callable[[int], bytes]] | None = None
-    # Whether it walks the work list (its Params hold `work` before q_map), else the width split.
-    work_list: bool = False
 
 
 # The KernelLibrary fields a backend may accept (DecodeBackend.overrides). Every backend takes
-# decode_backend (its own name) and decode_dim_parts among its dim_parts.
-HEAD_TILE_OVERRIDE, SPLITS_OVERRIDE, PARTS_OVERRIDE = "decode_head_tile", "decode_splits", "decode_parts"
-OVERRIDES = (HEAD_TILE_OVERRIDE, SPLITS_OVERRIDE, PARTS_OVERRIDE)
+# decode_backend (its own name), decode_parts, and decode_dim_parts among its dim_parts.
+HEAD_TILE_OVERRIDE = "decode_head_tile"
+OVERRIDES = (HEAD_TILE_OVERRIDE,)
 
 
 class DecodeBackend(NamedTuple):

@@ -1,7 +1,6 @@
 """The split combine of ``sparse_mla_decode``: ``kernels/nvfp4_mla_combine.cu``, shared by every
 backend. One block per (split row, head) merges the row's partial outputs in order and finishes the
-row (docs/kernels/combine.md): the work list's split rows and their slots, or without a list every
-row's ``num_splits`` splits.
+row (docs/kernels/combine.md): the work list's split rows and their slots.
 """
 
 from __future__ import annotations
@@ -19,19 +18,18 @@ if TYPE_CHECKING:
 
 SOURCE = "nvfp4_mla_combine.cu"
 THREADS = abi.HEAD_DIM // 4  # 4 output dims a thread
-MAX_PARTIALS = 2 * THREADS  # partial outputs a row: two a thread
+MAX_PARTIALS = 4 * THREADS  # partial outputs a row: four a thread
 
 COMBINE_PARAMS = ParamsLayout(
     "Params",
     [
-        pointer("partial_o", "const float*", "[slots, num_heads, 512], or [rows, num_heads, num_splits, 512]"),
-        pointer("partial_ml", "const float2*", "[slots, num_heads], or [rows, num_heads, num_splits]: m (log2), l"),
+        pointer("partial_o", "const float*", "[slots, num_heads, 512]"),
+        pointer("partial_ml", "const float2*", "[slots, num_heads]: m (log2), l"),
         pointer("sinks", "const float*", "[num_heads] or null"),
         pointer("out", "uint2*", "BF16 [rows, num_heads, 512]"),
         pointer("lse", "float*", "[rows, num_heads]"),
         int64("num_heads", "heads of q"),
-        int64("num_splits", "without a work list: a row's splits, at most MAX_PARTIALS"),
-        pointer("split_rows", "const struct SplitRow*", "the work list's split rows, or null (no list)"),
+        pointer("split_rows", "const struct SplitRow*", "the work list's split rows"),
         int64("static_list", "the list was written before the call (the host's): read before the wait"),
     ],
 )

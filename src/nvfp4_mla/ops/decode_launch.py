@@ -1,10 +1,8 @@
-"""The launches of a planned ``sparse_mla_decode`` call (:class:`.decode_planner.DecodePlan`).
-
-With a work list: the scheduler writes the call's list at the start of its workspace (unless the
-plan holds the host's list, or a step's plan is given), the attention kernel's blocks walk their
-part's segments, and the combine merges the rows cut between parts. Without one (mma.sync): the
-attention kernel over its splits, and the combine where the tokens are split. Every launch takes
-raw pointers on torch's current stream; the workspace comes from torch's caching allocator.
+"""The launches of a planned ``sparse_mla_decode`` call (:class:`.decode_planner.DecodePlan`): the
+scheduler writes the call's work list at the start of its workspace (unless the plan holds the
+host's list, or a step's plan is given), the attention kernel's blocks walk their part's
+segments, and the combine merges the rows cut between parts. Every launch takes raw pointers on
+torch's current stream; the workspace comes from torch's caching allocator.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import torch
 
 from .. import abi
 from ..launch import current_raw_stream, new_output
-from . import decode_scheduler, decode_sm90
+from . import decode_scheduler
 from .decode_planner import SEGMENT_COST, DecodePlan
 
 if TYPE_CHECKING:
@@ -67,7 +65,7 @@ def launch(
     layout)``, all None for a missing extra pool; ``work``: the address of a step's plan's work
     list (0: a call with lengths writes its own at the start of its workspace). The workspace
     comes from torch's caching allocator on the current stream: the list, then the partials of
-    the rows the combine merges (their slots in a work list, else every row's splits)."""
+    the segments of the rows cut between parts, at their slots."""
     num_heads, device, q_ptr = q.shape[2], q.get_device(), q.data_ptr()
     rows = q.shape[0] * q.shape[1]  # batch * q_len
     stream = current_raw_stream(device)
@@ -80,12 +78,11 @@ def launch(
     host_list = plan.work  # the host's list, written at planning: read before the kernels' waits
     if host_list is not None:
         work = host_list.data_ptr()
-    elif plan.parts and not work:
+    elif not work:
         work = workspace.data_ptr()
         extra_k = 0 if extra_pool[1] is None else extra_pool[1].shape[2]
         launch_scheduler(plan, stream, work, rows, swa_pool[1].shape[2], swa_pool[2], extra_k, extra_pool[2])
     static = int(host_list is not None)
-    listed = (work, static) if plan.parts else ()  # the Hopper Params' work list
     plan.attend.launch(
         plan.blocks,
         1,
@@ -103,9 +100,9 @@ def launch(
         rows,
         num_heads,
         plan.num_splits,
-        plan.tiles_per_split,
         float(sm_scale) * _LOG2E,  # type: ignore[arg-type]  # Params' double: struct packs it with "d"
-        *listed,
+        work,
+        static,
         *(() if plan.q_map is None else (plan.q_map(q_ptr),)),
     )
     if plan.combine is not None:
@@ -121,8 +118,7 @@ def launch(
             out.data_ptr(),
             lse.data_ptr(),
             num_heads,
-            0 if plan.parts else plan.num_splits,  # a list's rows have their own partial counts
-            work + decode_scheduler.PART_INTS * 4 * plan.parts if plan.parts else 0,  # the split rows
+            work + decode_scheduler.PART_INTS * 4 * plan.parts,  # the split rows
             static,
         )
 
@@ -150,6 +146,6 @@ def launch_scheduler(
         swa_lens,
         k_extra,
         extra_lens,
-        decode_sm90.BLOCK_N,
+        plan.tile_tokens,
         SEGMENT_COST,
     )

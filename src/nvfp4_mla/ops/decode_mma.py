@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from .. import abi
 from ..device import Device
 from ..jit import Template, included_headers
-from .decode_backend import ATTEND_PARAMS, HEAD_TILE_OVERRIDE, SPLITS_OVERRIDE, Attention, DecodeBackend
+from .decode_backend import ATTEND_PARAMS, HEAD_TILE_OVERRIDE, Attention, DecodeBackend
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
@@ -119,7 +119,8 @@ def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int
     the head tile); ``dim_parts`` is 1, this kernel's one form: its items are whole output rows."""
     head_tile = lib.decode_head_tile or choose_head_tile(num_heads, device.shared_optin)
     spec = lib.spec(MmaAttentionSpec.of(head_tile))
-    return Attention(lib.launcher(device.index, spec), spec.head_tile, BLOCK_N)
+    launcher = lib.launcher(device.index, spec)
+    return Attention(launcher, spec.head_tile, BLOCK_N, max(launcher.resident_blocks, 1))
 
 
 def prefers(num_heads: int, rows: int, tokens: int) -> bool:
@@ -127,6 +128,4 @@ def prefers(num_heads: int, rows: int, tokens: int) -> bool:
     return True
 
 
-BACKEND = DecodeBackend(
-    "mma_sync", 80, 10**9, specs, attention, prefers, frozenset({HEAD_TILE_OVERRIDE, SPLITS_OVERRIDE})
-)
+BACKEND = DecodeBackend("mma_sync", 80, 10**9, specs, attention, prefers, frozenset({HEAD_TILE_OVERRIDE}))

@@ -4,18 +4,18 @@
 kernels, the shapes it prefers, the overrides it accepts): :data:`BACKENDS`, in order of
 preference. :func:`select_backend` takes the first that runs on the GPU and prefers the shape.
 
-**The work.** On a backend that walks a work list (the Hopper kernels) a call's plan holds the
-list's parts, a block per part, head tile and part of the output dims: with length tensors the
-scheduler (:mod:`.decode_scheduler`) writes the list on the GPU each call, without them the list
-is made here once. On the others (mma.sync) a block per query row, head tile and split of the
-selected tokens (:mod:`.decode_schedule`). A :class:`DecodePlan` is kept in the library's plan
-table, so a warm call does one lookup; :mod:`.decode_launch` launches it.
+**The work.** Every backend walks a work list: a call's plan holds the list's parts, a block
+per part, head tile and part of the output dims. With length tensors the scheduler
+(:mod:`.decode_scheduler`) writes the list on the GPU each call; without them the list is made
+here once, from the split of the rows by the tables' widths (:mod:`.decode_schedule`). A
+:class:`DecodePlan` is kept in the library's plan table, so a warm call does one lookup;
+:mod:`.decode_launch` launches it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -24,11 +24,8 @@ from ..device import Device, device_info
 from ..launch import Launcher
 from . import decode_combine, decode_mma, decode_scheduler, decode_sm90
 from .decode_backend import OVERRIDES, DecodeBackend, arch_capability
-from .decode_schedule import MAX_SPLITS, choose_dim_parts, choose_split_and_parts
+from .decode_schedule import choose_split_and_parts
 from .library import KernelLibrary
-
-if TYPE_CHECKING:
-    from .decode_backend import Attention
 
 # A segment's cost besides its tiles, in tiles (its query load and output rows): the scheduler
 # balances the parts by tiles plus this a segment.
@@ -79,25 +76,26 @@ def check_overrides(lib: KernelLibrary, backend: DecodeBackend) -> None:
 
 
 class DecodePlan(NamedTuple):
-    """The launches of one call shape on one device."""
+    """The launches of one call shape on one device: a block per (part of the work list, head
+    tile, dim part), then the combine of the rows cut between parts."""
 
     backend: str
     attend: Launcher
     head_tile: int
+    tile_tokens: int  # live entries a tile of the work list
     blocks: int  # of the attention launch
-    num_splits: int  # without a work list: of a row's selected tokens
-    tiles_per_split: int
-    dim_parts: int  # of a row's output dims, an item each
-    combine: Launcher | None  # None: no split
+    num_splits: int  # the host's list: the splits of a row it was dealt from; else 1
+    dim_parts: int  # of a row's output dims, a block each
+    combine: Launcher | None  # None: no row is cut
     q_map: Callable[[int], bytes] | None  # q's address -> the tensor map that ends the attention Params
-    parts: int = 0  # of the work list; 0: no list (the width split)
-    scheduler: Launcher | None = None  # writes the work list of a call with lengths
-    combine_blocks: int = 0  # of the combine launch
+    parts: int  # of the work list
+    scheduler: Launcher | None  # writes the work list of a call with lengths; None: the host's list
+    combine_blocks: int  # of the combine launch
     # fp32 values of a call's workspace: the work list (a list the scheduler writes), then the
     # partial outputs of `slots` slots of num_heads rows, then their (m, l)
-    workspace: int = 0
-    slots: int = 0
-    work: torch.Tensor | None = None  # a call without lengths: its work list, on the device
+    workspace: int
+    slots: int
+    work: torch.Tensor | None  # a call without lengths: its work list, on the device
 
 
 def plan(
@@ -111,9 +109,15 @@ def plan(
 ) -> DecodePlan:
     """The plan of a call on ``device_index`` (compiling or loading its kernels on a miss):
     ``rows`` query rows (batch * q_len) of ``num_heads`` heads over tables of ``k_swa`` and
-    ``k_extra`` entries, with length tensors (``lengths``: the work list is written on the GPU
-    each call) or without (every entry counts: the list is made here, once). ``lib``'s decode
-    fields override the backend, head tile, split, parts and dim parts."""
+    ``k_extra`` entries, with length tensors (``lengths``) or without (every entry counts).
+    ``lib``'s decode fields override the backend, head tile, parts and dim parts.
+
+    The dim parts are the width split's (:mod:`.decode_schedule`, at the tables' widths), or
+    ``lib.decode_dim_parts``. With length tensors the scheduler writes the list on the GPU each
+    call: its parts fill the GPU at once (or ``lib.decode_parts``). Without, every row has the
+    tables' entries: the list is made here once and kept on the device, the width split's
+    (row, split) items dealt into parts, or with ``lib.decode_parts`` as the scheduler deals
+    them."""
     key = ("decode", device_index, num_heads, rows, k_swa, k_extra, lengths)
     found = lib.plans.get(key)
     if found is not None:
@@ -121,87 +125,33 @@ def plan(
     forced = lib.decode_backend
     if forced is not None and forced not in BACKENDS:
         raise ValueError(f"decode backend {forced!r} is not one of {sorted(BACKENDS)}")
+    if lib.decode_parts is not None and not 1 <= lib.decode_parts <= MAX_LIST_PARTS:
+        raise ValueError(f"decode_parts must be in [1, {MAX_LIST_PARTS}], got {lib.decode_parts}")
     gpu = device_info(device_index)
     backend = select_backend(gpu, num_heads, rows, k_swa + k_extra) if forced is None else BACKENDS[forced]
     if not backend.supports(gpu.capability):
         raise ValueError(f"decode backend {backend.name!r} does not run on {gpu.arch}")
     check_overrides(lib, backend)
     attention = backend.attention(lib, gpu, num_heads, 1)
-    if attention.work_list:
-        return lib.remember(key, _list_plan(lib, gpu, backend, attention, num_heads, rows, k_swa + k_extra, lengths))
-    blocks = rows * -(-num_heads // attention.head_tile)
-    num_tiles = -(-(k_swa + k_extra) // attention.tile_tokens)
-    parts = backend.dim_parts if lib.decode_dim_parts is None else (lib.decode_dim_parts,)
-    if lib.decode_splits is None:
-        resident = attention.launcher.resident_blocks
-        num_splits, tiles_per_split, dim_parts = choose_split_and_parts(
-            parts, blocks, num_tiles, resident, attention.max_blocks, rows * num_heads, attention.halves_pair
-        )
-    else:
-        tiles_per_split = -(-num_tiles // min(lib.decode_splits, MAX_SPLITS))
-        num_splits = -(-num_tiles // tiles_per_split)
-        dim_parts = choose_dim_parts(parts, blocks * num_splits, attention.max_blocks)
-    dim_parts = lib.decode_dim_parts or dim_parts
-    if dim_parts != 1:
-        attention = backend.attention(lib, gpu, num_heads, dim_parts)
-    combine = decode_combine.launcher(lib, device_index, rows * num_heads) if num_splits > 1 else None
-    slots = rows * num_splits if combine is not None else 0  # a row's splits at consecutive partial slots
-    found = DecodePlan(
-        backend.name,
-        attention.launcher,
-        attention.head_tile,
-        blocks * num_splits * attention.dim_parts,  # a block an item
-        num_splits,
-        tiles_per_split,
-        attention.dim_parts,
-        combine,
-        None if attention.q_map is None else attention.q_map(num_heads, rows),
-        combine_blocks=rows * num_heads if combine is not None else 0,
-        workspace=slots * num_heads * (abi.HEAD_DIM + 2),
-        slots=slots,
-    )
-    return lib.remember(key, found)
-
-
-def _list_plan(
-    lib: KernelLibrary,
-    gpu: Device,
-    backend: DecodeBackend,
-    attention: Attention,
-    num_heads: int,
-    rows: int,
-    tokens: int,
-    lengths: bool,
-) -> DecodePlan:
-    """The plan of a backend that walks a work list, a block per (part, head tile, dim part).
-
-    The dim parts are the width split's (:mod:`.decode_schedule`, at the tables' ``tokens``), or
-    ``lib.decode_dim_parts``. With length tensors the scheduler writes the list on the GPU each
-    call: its parts fill the GPU at once (or ``lib.decode_parts``). Without, every row has the
-    tables' ``tokens``: the list is made here once and kept on the device, the width split's
-    (row, split) items dealt into parts, or with ``lib.decode_parts`` as the scheduler deals
-    them."""
     head_tiles = -(-num_heads // attention.head_tile)
-    tiles = decode_scheduler.live_tiles(tokens, 0, attention.tile_tokens)
+    tiles = decode_scheduler.live_tiles(k_swa + k_extra, 0, attention.tile_tokens)
     dims = backend.dim_parts if lib.decode_dim_parts is None else (lib.decode_dim_parts,)
     resident = attention.launcher.resident_blocks
     num_splits, tiles_per_split, dim_parts = choose_split_and_parts(
         dims, rows * head_tiles, tiles, resident, attention.max_blocks, rows * num_heads, attention.halves_pair
     )
     dim_parts = lib.decode_dim_parts or dim_parts
-    known = None
-    if not lengths and lib.decode_parts is None:
-        parts = min(rows * num_splits, max(attention.max_blocks // (head_tiles * dim_parts), 1), MAX_LIST_PARTS)
-        known = decode_scheduler.split_schedule(rows, num_splits, tiles_per_split, parts)
-    else:
-        num_splits = 1  # the kernel's early dependent launch: the list's splits are not the width's
     if dim_parts != 1:
         attention = backend.attention(lib, gpu, num_heads, dim_parts)
     per_part = head_tiles * attention.dim_parts
-    if lib.decode_parts is not None and not 1 <= lib.decode_parts <= MAX_LIST_PARTS:
-        raise ValueError(f"decode_parts must be in [1, {MAX_LIST_PARTS}], got {lib.decode_parts}")
-    if known is None:
-        parts = lib.decode_parts or min(max(attention.max_blocks // per_part, 1), MAX_LIST_PARTS)
+    most_parts = min(max(attention.max_blocks // per_part, 1), MAX_LIST_PARTS)
+    known = None
+    if not lengths and lib.decode_parts is None:
+        parts = min(rows * num_splits, most_parts)
+        known = decode_scheduler.split_schedule(rows, num_splits, tiles_per_split, parts)
+    else:
+        num_splits = 1  # the kernel's early dependent launch: the list's splits are not the width's
+        parts = lib.decode_parts or most_parts
         if not lengths:
             known = decode_scheduler.schedule([tiles] * rows, parts, SEGMENT_COST)
     split_rows = min(parts - 1, rows)  # a boundary between parts cuts at most one row
@@ -214,13 +164,13 @@ def _list_plan(
         work = torch.tensor(known.ints(), dtype=torch.int32, device=torch.device("cuda", gpu.index))
         list_values = 0
     combine = decode_combine.launcher(lib, gpu.index, split_rows * num_heads) if split_rows else None
-    return DecodePlan(
+    found = DecodePlan(
         backend.name,
         attention.launcher,
         attention.head_tile,
+        attention.tile_tokens,
         parts * per_part,
         num_splits,
-        0,
         attention.dim_parts,
         combine,
         None if attention.q_map is None else attention.q_map(num_heads, rows),
@@ -231,3 +181,4 @@ def _list_plan(
         slots,
         work,
     )
+    return lib.remember(key, found)

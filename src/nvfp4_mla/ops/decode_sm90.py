@@ -14,9 +14,8 @@ the kernel.
   warpgroups, each gathering and dequantizing one of every tile's two halves: at 16 heads the
   64-head build's one producer is what binds.
 
-Both walk the call's work list (:mod:`.decode_scheduler`): a block per (part, head tile, dim
-part), walking its part's segments in turn. Where each is preferred was measured on the H200
-(docs/performance.md#decode-backend-rule).
+Both walk the call's work list (:mod:`.decode_scheduler`), like every backend. Where each is
+preferred was measured on the H200 (docs/performance.md#decode-backend-rule).
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ from .. import abi
 from ..device import Device
 from ..jit import Template, included_headers
 from ..launch import TENSOR_MAP_BYTES, Bf16TensorMap
-from ..params import int64, pointer, raw_bytes
-from .decode_backend import ATTEND_PARAMS, PARTS_OVERRIDE, Attention, DecodeBackend
+from ..params import raw_bytes
+from .decode_backend import ATTEND_PARAMS, Attention, DecodeBackend
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
@@ -41,14 +40,10 @@ THREADS = 3 * 128  # consumer 0, consumer 1, the producer; NARROW: a consumer, t
 GATHER_UNIT = 32  # tokens the producer copies at once (two units a tile)
 RAW_RECORD_BYTES = abi.RECORD_BYTES + 16  # a copied record in shared memory, padded: conflict-free reads
 Q_SLAB_DIMS = 64  # dims of q a tensor copy loads (128-byte rows, the swizzle's width)
-# The attention Params, the work list, then the tensor map of q (the host's cuTensorMapEncodeTiled:
-# BF16 [rows, num_heads, 512] as dims (512, num_heads, rows), boxes of 64 dims x HEAD_TILE heads x
-# 1 row, 128-byte swizzle, zeros past num_heads), so that one thread's tensor copies load an item's Q.
-PARAMS = ATTEND_PARAMS.extended(
-    pointer("work", "const void*", "the work list's parts (struct WorkPart), 16-byte aligned"),
-    int64("static_list", "the list was written before the call (the host's): read before the wait"),
-    raw_bytes("q_map", TENSOR_MAP_BYTES, 64, "CUtensorMap of q (q_tensor_map)"),
-)
+# The attention Params, then the tensor map of q (the host's cuTensorMapEncodeTiled: BF16
+# [rows, num_heads, 512] as dims (512, num_heads, rows), boxes of 64 dims x HEAD_TILE heads x 1 row,
+# 128-byte swizzle, zeros past num_heads), so that one thread's tensor copies load an item's Q.
+PARAMS = ATTEND_PARAMS.extended(raw_bytes("q_map", TENSOR_MAP_BYTES, 64, "CUtensorMap of q (q_tensor_map)"))
 PARTS = (1, 2)  # an item's output rows: whole, or in two halves (a block each)
 NARROW_HEAD_TILE = 16  # the NARROW build: 16 heads a block as wgmma's N, one consumer, two producers
 
@@ -174,7 +169,7 @@ def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int
     resident = launcher.resident_blocks
     max_blocks = max(resident - resident % cluster, cluster)
     halves_pair = cluster_of(num_heads, 2) == 2 and cluster_of(num_heads) == 1
-    return Attention(launcher, spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts, halves_pair, q_tensor_map, True)
+    return Attention(launcher, spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts, halves_pair, q_tensor_map)
 
 
 def narrow_attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int) -> Attention:
@@ -183,7 +178,7 @@ def narrow_attention(lib: KernelLibrary, device: Device, num_heads: int, dim_par
     spec = lib.spec(NARROW_SPEC)
     launcher = lib.launcher(device.index, spec)
     q_map = functools.partial(q_tensor_map, head_tile=NARROW_HEAD_TILE)
-    return Attention(launcher, NARROW_HEAD_TILE, BLOCK_N, max(launcher.resident_blocks, 1), 1, False, q_map, True)
+    return Attention(launcher, NARROW_HEAD_TILE, BLOCK_N, max(launcher.resident_blocks, 1), 1, False, q_map)
 
 
 def prefers(num_heads: int, rows: int, tokens: int) -> bool:
@@ -196,8 +191,6 @@ def narrow_prefers(num_heads: int, rows: int, tokens: int) -> bool:
     return num_heads <= NARROW_HEAD_TILE and (rows >= NARROW_MIN_ROWS or (rows >= 2 and tokens >= LONG_TOKENS))
 
 
-BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, prefers, frozenset({PARTS_OVERRIDE}), PARTS)
-NARROW_BACKEND = DecodeBackend(
-    "wgmma_sm90_narrow", 90, 90, narrow_specs, narrow_attention, narrow_prefers, frozenset({PARTS_OVERRIDE})
-)
+BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, prefers, frozenset(), PARTS)
+NARROW_BACKEND = DecodeBackend("wgmma_sm90_narrow", 90, 90, narrow_specs, narrow_attention, narrow_prefers)
 BACKENDS = (NARROW_BACKEND, BACKEND)  # in order of preference

@@ -80,7 +80,7 @@ class SparseMlaDecodePlan:
         scheduler on the current stream, no host synchronisation, capturable in a CUDA graph. Run
         it on the stream of the calls (or order the streams) before the calls that should follow
         the new lengths. Nothing to do where the plan has no scheduled list (no length tensors,
-        the ``mma_sync`` backend, CPU tensors)."""
+        CPU tensors)."""
         if self.work_address:
             stream = current_raw_stream(self.device)
             rows = self.batch * self.q_len
@@ -132,7 +132,7 @@ def plan_sparse_mla_decode(
     the slot tables ``swa_slots`` (``[batch, q_len, k]``) and ``extra_slots``, with the length
     tensors ``swa_lens`` and ``extra_lens`` that the calls will pass (the same tensors).
 
-    On the Hopper kernels with length tensors the plan holds the step's work list: it runs the
+    With length tensors on the GPU the plan holds the step's work list: it runs the
     scheduler once here (on the current stream) and again at each :meth:`~SparseMlaDecodePlan.update`,
     and the calls with ``plan=`` launch no scheduler. The list is read-only and shared by the calls;
     their partial outputs come per call from the current stream, so one plan may serve calls on two

@@ -43,14 +43,14 @@ class KernelLibrary:
     decode_backend
         The name of the ``sparse_mla_decode`` backend to use (``ops.decode.BACKENDS``); None: the
         selection rule's choice.
-    decode_head_tile, decode_splits
-        Heads a block and splits of the selected tokens for the ``mma_sync`` kernel; None: the
-        plan's choice. A call that runs another backend with one set is refused.
+    decode_head_tile
+        Heads a block of the ``mma_sync`` kernel (16, 32 or 64); None: the plan's choice. A call
+        that runs another backend with it set is refused.
     decode_parts
-        The parts of the work list of a backend that walks one (``wgmma_sm90``,
-        ``wgmma_sm90_narrow``), 1 to 256: a block per part, head tile and dim part, each walking its
-        part's segments; None: as many parts as fill the GPU at once. A call that runs the
-        ``mma_sync`` kernel with it is refused.
+        The parts of the decode's work list, 1 to ``ops.decode.MAX_LIST_PARTS``: a block per part,
+        head tile and dim part, each walking its part's segments (a call without length tensors
+        then deals its rows' tiles as the scheduler does); None: as many parts as fill the GPU at
+        once (without length tensors, the split of the rows by the tables' widths).
     decode_dim_parts
         The parts of a row's 512 output dims for the decode, an item (and block) each: 1, or 2
         (the ``wgmma_sm90`` kernel's half rows); None: the plan's choice. A call whose backend
@@ -63,7 +63,6 @@ class KernelLibrary:
         "decode_dim_parts",
         "decode_head_tile",
         "decode_parts",
-        "decode_splits",
         "plans",
         "tune",
         "writer_grid",
@@ -77,7 +76,6 @@ class KernelLibrary:
         writer_grid: GridPolicy | None = None,
         decode_backend: str | None = None,
         decode_head_tile: int | None = None,
-        decode_splits: int | None = None,
         decode_parts: int | None = None,
         decode_dim_parts: int | None = None,
     ):
@@ -86,7 +84,6 @@ class KernelLibrary:
         self.writer_grid = writer_grid
         self.decode_backend = decode_backend
         self.decode_head_tile = decode_head_tile
-        self.decode_splits = decode_splits
         self.decode_parts = decode_parts
         self.decode_dim_parts = decode_dim_parts
         # Keyed by (op name, ...): the one lookup a warm call does. Read directly on the hot path.
