@@ -2,10 +2,9 @@
 
 Runs the writers (every mode, canary-filled caches: the whole storage is an output), the reader
 (both dtypes, int32, int64 and no slots, invalid slots) and the decode (every backend this GPU
-runs, forced, its work whole and cut in five: the mma.sync kernel's splits, the Hopper backends'
-work-list parts; at 16, 64 and 128 heads, both pools with lengths, sinks, and the rule's own
-choice over 1-4 and 64 rows) on inputs drawn on the CPU from fixed seeds, and
-saves what each call wrote. Only the public entries and ``KernelLibrary`` are used, so any tree's
+runs, forced, its work list whole and cut in five parts; at 16, 64 and 128 heads, both pools
+with lengths, sinks, and the rule's own choice over 1-4 and 64 rows) on inputs drawn on the CPU
+from fixed seeds, and saves what each call wrote. Only the public entries and ``KernelLibrary`` are used, so any tree's
 ``nvfp4_mla`` on the path runs it::
 
     PYTHONPATH=src python benchmarks/compare_outputs.py --out new.pt

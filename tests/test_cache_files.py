@@ -253,10 +253,46 @@ def test_a_file_of_format_1_is_refused_by_its_version():
     """Format 1's trailer (no NVRTC fields) under this format's name: refused by its version, not
     misread (its files are named .v1 and never looked up anyway)."""
     cubin = build(SCALE, "sm_90", KEY)
-    head = struct.pack("<8sIQ", b"NVFP4MLA", 1, len(cubin)) + kernel_file._fields(KEY, "sm_90")
+    fields = struct.pack("<H", len(KEY)) + KEY.encode() + struct.pack("<H", 5) + b"sm_90"  # k, key, a, arch
+    head = struct.pack("<8sIQ", b"NVFP4MLA", 1, len(cubin)) + fields
     digest = hashlib.sha256(cubin + head).digest()
     old = cubin + head + digest + struct.pack("<I8s", len(head) + 32 + 12, b"NVFP4END")
     assert refused(old) == f"format version 1, not {kernel_file.FORMAT_VERSION}"
+
+
+def redigested(data: bytes, at: int, value: bytes) -> bytes:
+    """``data`` (a kernel file) with ``value`` written at ``at`` and its digest made anew: a digest
+    is no signature, so only the other checks can refuse it."""
+    changed = bytearray(data)
+    changed[at : at + len(value)] = value
+    end = len(changed) - 12 - 32  # the digest, then the trailer's length and the end marker
+    changed[end : end + 32] = hashlib.sha256(changed[:end]).digest()
+    return bytes(changed)
+
+
+def test_the_key_and_arch_a_file_records():
+    """What ``nvfp4-mla info`` reads a file by: read's trailer checks first, then exactly two
+    length-prefixed UTF-8 fields; fields malformed under a valid digest are refused, not misread."""
+    data = packed("sm_90a")
+    assert kernel_file.packed_for(data) == (KEY, "sm_90a")
+    key_length = len(build(SCALE, "sm_90a", KEY)) + 20  # after the start marker, the version, the cubin's length
+    arch_length = key_length + 2 + len(KEY)
+    malformed = {
+        "key past the fields": (key_length, b"\xff\xff"),
+        "key one byte longer": (key_length, struct.pack("<H", len(KEY) + 1)),
+        "arch one byte shorter": (arch_length, struct.pack("<H", 5)),
+        "key not UTF-8": (key_length + 2, b"\xff"),
+        "arch not UTF-8": (arch_length + 2, b"\xc3"),
+    }
+    for at, value in malformed.values():
+        with pytest.raises(KernelFileError, match=r"^malformed key and arch fields$"):
+            kernel_file.packed_for(redigested(data, at, value))
+    for damaged, reason in [
+        (data[:-1], "cut or extended: no end marker"),
+        (data[:7] + b"!" + data[8:], "digest mismatch"),
+    ]:
+        with pytest.raises(KernelFileError, match=rf"^{reason}$"):
+            kernel_file.packed_for(damaged)
 
 
 def key_segment(cubin: bytes) -> int:

@@ -1,5 +1,6 @@
 """The command line, on the CPU: info, demo (reference path), inspect, precompile (NVRTC, no GPU)."""
 
+import hashlib
 import io
 import os
 import re
@@ -12,8 +13,9 @@ import pytest
 import torch
 
 import nvfp4_mla
-from nvfp4_mla import Geometry, abi, gpu_unavailable_reason, kernel_cache, kernel_file, reference
+from nvfp4_mla import Geometry, abi, gpu_unavailable_reason, jit, kernel_cache, kernel_file, reference
 from nvfp4_mla.cli import SIGPIPE_EXIT, format_record, main
+from nvfp4_mla.cli.info import cache_summary
 from nvfp4_mla.ops import decode
 from nvfp4_mla.testing import CANARY, make_cache, random_rows, rope_table
 
@@ -87,8 +89,74 @@ def test_info_lists_cache_layers_and_why_each_is_used_or_not(tmp_path):
         "    trusted; 1 kernel of an older format, never used (delete them)",
         "    1 kernel, 100 B",
         "    sm_90: 1 kernel, 100 B",
+        "    1 kernel refused when read (compiled afresh at first use):",
+        f"      sm_90-abc.v{kernel_file.FORMAT_VERSION}.cubin: cut or extended: no end marker",
         f"  {tmp_path / 'xdg' / 'nvfp4_mla'}",
         "    not created yet",
+    ]
+
+
+def write_kernel(layer: Path, page_size: int, arch: str, compiler: kernel_file.Compiler) -> Path:
+    """The KV writer of ``page_size`` for ``arch`` as the cache writes it (NVRTC's cubin, packed
+    under the kernel's file name), recording ``compiler``."""
+    (spec,) = Geometry("kv", page_size).specs(arch)
+    key = jit.kernel_key(spec, arch)
+    path = layer / kernel_cache.KernelCache.file_name(key, arch)
+    path.write_bytes(kernel_file.pack(jit.compile_kernel(spec, arch).cubin, key, arch, compiler))
+    return path
+
+
+def test_info_shows_the_nvrtc_each_kernel_records(tmp_path):
+    """Per layer, the NVRTC each kernel file records (newest first), each file read as a lookup
+    reads it; a file a lookup refuses is counted with its reason, and the others are still read:
+    a kernel under another kernel's name, a cut one, an oversized one, junk under a name that is
+    not UTF-8."""
+    layer = tmp_path / "kernels"
+    layer.mkdir(mode=0o700)
+    new, old = (kernel_file.Compiler(12, minor, hashlib.sha256(bytes([minor])).digest()) for minor in (9, 8))
+    first = write_kernel(layer, 16, "sm_90", new)
+    write_kernel(layer, 32, "sm_90", new)
+    write_kernel(layer, 16, "sm_80", old)
+    write_kernel(layer, 32, "sm_80", kernel_file.UNRECORDED)
+    data, v = first.read_bytes(), kernel_file.FORMAT_VERSION
+    (layer / f"sm_90-{'0' * 32}.v{v}.cubin").write_bytes(data)
+    (layer / f"sm_90-{'1' * 32}.v{v}.cubin").write_bytes(data[:-1])
+    with open(layer / f"sm_90-{'2' * 32}.v{v}.cubin", "wb") as huge:
+        huge.truncate(kernel_file.MAX_FILE_BYTES + 1)  # sparse: never read
+    with open(os.fsencode(layer) + f"/sm_90-\xff.v{v}.cubin".encode("latin-1"), "wb") as junk:
+        junk.write(b"\x7fELF" + bytes(100))
+    done = run_module("info", env=cache_env(tmp_path), capture_output=True)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stdout.split(f"  {layer}\n")[1].splitlines()
+    assert lines[0] == "    trusted"
+    assert [line.split(", ")[0] for line in lines[1:4]] == [
+        "    8 kernels",
+        "    sm_80: 2 kernels",
+        "    sm_90: 6 kernels",
+    ]
+    key = jit.kernel_key(Geometry("kv", 16).specs("sm_90")[0], "sm_90")
+    assert lines[4:13] == [
+        f"    built by NVRTC 12.9 sha256:{new.library.hex()[:12]}: 2 kernels",
+        f"    built by NVRTC 12.8 sha256:{old.library.hex()[:12]}: 1 kernel",
+        "    built by an unrecorded NVRTC: 1 kernel",
+        "    4 kernels refused when read (compiled afresh at first use):",
+        f"      sm_90-{'0' * 32}.v{v}.cubin: packed for sm_90, key {key[:16]}..., not the kernel its name stands for",
+        f"      sm_90-{'1' * 32}.v{v}.cubin: cut or extended: no end marker",
+        f"      sm_90-{'2' * 32}.v{v}.cubin: {kernel_file.MAX_FILE_BYTES + 1} bytes, over the 16 MiB cap",
+        f"      sm_90-?.v{v}.cubin: cut or extended: no end marker",
+        f"  {tmp_path / 'xdg' / 'nvfp4_mla'}",
+    ]
+
+
+def test_info_names_the_first_refused_kernels(tmp_path):
+    """A layer of many refused files: the first few by name with their reasons, then a count."""
+    for i in range(7):
+        (tmp_path / f"sm_90-{i}.v{kernel_file.FORMAT_VERSION}.cubin").write_bytes(b"")
+    assert cache_summary(tmp_path, "trusted")[-7:] == [
+        "    7 kernels refused when read (compiled afresh at first use):",
+        *[f"      sm_90-{i}.v{kernel_file.FORMAT_VERSION}.cubin: empty file" for i in range(5)],
+        "      and 2 more",
     ]
 
 

@@ -2,6 +2,7 @@
 (argparse's convention), or one ``interrupted`` line and exit status 130; never a traceback."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -169,7 +170,7 @@ def test_interrupted_demo(capsys, monkeypatch):
 # before it returns, so the KeyboardInterrupt comes from the signal, at a known point.
 SIGINT_SCRIPT = """
 import runpy, signal, sys
-from nvfp4_mla import kernel_cache, reference
+from nvfp4_mla import cli, kernel_cache, reference  # cli: every import done before the stand-ins go in
 
 def ctrl_c(*args, **kwargs):
     signal.raise_signal(signal.SIGINT)
@@ -194,3 +195,50 @@ def test_sigint_subprocess(tmp_path, argv):
     assert "Traceback" not in done.stderr
     assert done.stderr.splitlines()[-1] == INTERRUPTED
     assert [line for line in done.stderr.splitlines() if not line.startswith("[")] == [INTERRUPTED]
+
+
+# In a fresh interpreter, the command whose import of MODULE gets a real SIGINT: a Ctrl-C before
+# cli.main's handler, while torch and the ops load (seconds). ENTRY is the console script's
+# "module:function", called as its wrapper calls it, or "nvfp4_mla" for ``python -m nvfp4_mla``.
+IMPORT_SIGINT_SCRIPT = """
+import runpy, signal, sys
+
+interrupted = sys.argv[1]
+entry = sys.argv[2]
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == interrupted:
+            signal.raise_signal(signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["nvfp4-mla", "info"]
+if ":" in entry:
+    module, function = entry.split(":")
+    sys.exit(getattr(__import__(module, fromlist=[function]), function)())
+runpy.run_module(entry, run_name="__main__", alter_sys=True)
+"""
+
+
+def console_script() -> str:
+    """The ``nvfp4-mla`` console script's entry, ``module:function``, as pyproject.toml declares it."""
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    found = re.search(r'^nvfp4-mla = "([\w.]+:\w+)"$', pyproject, re.M)
+    assert found, "pyproject.toml declares no nvfp4-mla console script"
+    return found.group(1)
+
+
+@pytest.mark.parametrize("module", ["torch", "nvfp4_mla.cli"])
+@pytest.mark.parametrize("how", ["console script", "python -m"])
+def test_sigint_while_importing(tmp_path, module, how):
+    entry = console_script() if how == "console script" else "nvfp4_mla"
+    env = {**os.environ, "PYTHONPATH": SRC, **cache_env(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_SIGINT_SCRIPT, module, entry],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (done.returncode, done.stderr, done.stdout) == (128 + signal.SIGINT, INTERRUPTED + "\n", "")

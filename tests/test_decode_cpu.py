@@ -231,10 +231,9 @@ def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_pa
 def test_the_mma_sync_kernel_walks_the_list_too(monkeypatch, capability, num_heads, rows, head_tile):
     """On every GPU the mma.sync kernel walks a work list in tiles of 32 entries, with lengths in as
     many parts as its blocks fit the GPU at once over its head tiles (here 3 blocks an SM)."""
+    forced: dict[str, Any] = {}
     if capability == 90 and ((num_heads > 8 and rows >= 2) or rows >= 6):
-        forced = {"decode_backend": "mma_sync"}  # the rule picks a Hopper build there
-    else:
-        forced = {}
+        forced["decode_backend"] = "mma_sync"  # the rule picks a Hopper build there
     if capability == 120 and head_tile == 64:
         forced["decode_head_tile"] = 32  # 64 heads a block do not fit sm_120's shared memory
         head_tile = 32

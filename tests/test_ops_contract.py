@@ -95,7 +95,7 @@ def test_new_outputs_are_plain_contiguous_tensors_that_follow_inference_mode(dev
         for out in outputs:
             assert out.is_inference() == inference and not out.requires_grad
             assert out.is_contiguous() and out.device == q.device
-    assert launch._fast_empty is launch._output_allocator(), "an entry turned the fast allocation off"
+    assert launch.fast_empty is launch.output_allocator(), "an entry turned the fast allocation off"
 
 
 @pytest.mark.parametrize("shape", [(), (5,), (3, 512), (2, 3, 512), (0, 512), (2, 0, 3), (4, 1, 0)])
@@ -109,17 +109,17 @@ def test_new_output_turns_a_raising_fast_allocation_off_but_reraises_out_of_memo
     def out_of_memory(shape, strides, dtype):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(launch, "_fast_empty", out_of_memory)
+    monkeypatch.setattr(launch, "fast_empty", out_of_memory)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         launch.new_output(like, (3, 4), (4, 1), torch.uint8, -1)
-    assert launch._fast_empty is out_of_memory
+    assert launch.fast_empty is out_of_memory
 
     def changed(shape, strides, dtype):
         raise TypeError("_empty_strided_cuda(): incompatible function arguments")
 
-    monkeypatch.setattr(launch, "_fast_empty", changed)
+    monkeypatch.setattr(launch, "fast_empty", changed)
     out = launch.new_output(like, (3, 4), (4, 1), torch.uint8, -1)
-    assert out.shape == (3, 4) and out.dtype == torch.uint8 and launch._fast_empty is None
+    assert out.shape == (3, 4) and out.dtype == torch.uint8 and launch.fast_empty is None
     assert "incompatible function arguments" in caplog.text
 
 
@@ -127,10 +127,10 @@ def test_new_output_takes_new_empty_when_the_fast_allocation_is_elsewhere_or_mis
     """launch.new_output keeps torch's fast allocation only on the device asked for."""
     like = torch.zeros(2, dtype=torch.bfloat16)
     fast = torch.empty(3, 4, dtype=torch.uint8)  # stands in for the fast allocation: a CPU tensor, device -1
-    monkeypatch.setattr(launch, "_fast_empty", lambda shape, strides, dtype: fast)
+    monkeypatch.setattr(launch, "fast_empty", lambda shape, strides, dtype: fast)
     assert launch.new_output(like, (3, 4), (4, 1), torch.uint8, -1) is fast
     for allocator in (lambda shape, strides, dtype: fast, None):  # on another device; no fast allocation
-        monkeypatch.setattr(launch, "_fast_empty", allocator)
+        monkeypatch.setattr(launch, "fast_empty", allocator)
         out = launch.new_output(like, (3, 4), (4, 1), torch.uint8, 0)
         assert out is not fast and out.shape == (3, 4) and out.dtype == torch.uint8 and out.device == like.device
 

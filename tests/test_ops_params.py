@@ -46,7 +46,7 @@ def test_the_packer_lays_fields_out_as_c_does(layout):
     """Each member at the next multiple of its alignment, the size a multiple of the largest one;
     the header declares every member and checks each offset and the size."""
     offset = 0
-    for f, at in zip(layout.fields, layout._offsets):
+    for f, at in zip(layout.fields, layout.member_offsets):
         assert at == offset + -offset % f.align
         offset = at + f.size
     assert layout.size == offset + -offset % layout.align == layout.struct.size

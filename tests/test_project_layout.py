@@ -1,10 +1,16 @@
 """The project's layout: the package's import graph has no circles (every ``import`` and ``from
 ... import`` in ``src/nvfp4_mla``, at module level or inside a function or a ``TYPE_CHECKING``
-block, is an edge, and no module reaches itself along them); the suite fails a hung test."""
+block, is an edge, and no module reaches itself along them); ``import nvfp4_mla`` loads no torch
+and its public names are those of their modules; the suite fails a hung test."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,6 +93,58 @@ def test_the_check_sees_a_circle():
     graph = import_graph()
     assert "nvfp4_mla.ops.decode_launch" in graph["nvfp4_mla.ops.decode"]  # relative imports resolved
     assert "nvfp4_mla.help_text" in graph["nvfp4_mla.cli"]
+
+
+def type_checking_imports() -> dict[str, str]:
+    """The names the package's ``if TYPE_CHECKING:`` block imports, each with its module."""
+    tree = ast.parse((SRC / "nvfp4_mla" / "__init__.py").read_text())
+    (block,) = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    found = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.level == 1
+        for alias in node.names:
+            found[alias.asname or alias.name] = f"nvfp4_mla.{node.module}" if node.module else f"nvfp4_mla.{alias.name}"
+    return found
+
+
+IMPORT_SCRIPT = """
+import logging, sys
+import nvfp4_mla
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy", "cupy")))
+import nvfp4_mla.__main__
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy", "cupy", "nvfp4_mla")))
+import nvfp4_mla.config
+print([type(h).__name__ for h in logging.getLogger("nvfp4_mla").handlers])
+from nvfp4_mla import Geometry, reference
+print(Geometry is sys.modules["nvfp4_mla.geometry"].Geometry, reference is sys.modules["nvfp4_mla.reference"])
+"""
+
+
+def test_import_loads_no_torch():
+    """``import nvfp4_mla`` and the console script's module load neither torch nor the ops (a
+    Ctrl-C while they load then ends as one line: test_cli_errors); the logger gets its
+    NullHandler where the library logs from; ``from nvfp4_mla import`` loads a name's module."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run([sys.executable, "-c", IMPORT_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    lines = ["[]", "['nvfp4_mla', 'nvfp4_mla.__main__']", "['NullHandler']", "True True"]
+    assert (done.returncode, done.stdout.splitlines()) == (0, lines), done.stderr
+
+
+def test_public_names_load_from_their_modules():
+    """Each name of ``__all__`` but the version is imported for type checkers and, at run time,
+    is that module's object (the module itself for a submodule); dir() lists them; another name
+    is an AttributeError."""
+    import nvfp4_mla
+
+    homes = type_checking_imports()
+    assert sorted(homes) == sorted(set(nvfp4_mla.__all__) - {"__version__"})
+    for name, module_name in homes.items():
+        module = importlib.import_module(module_name)
+        expected = module if module_name == f"nvfp4_mla.{name}" else getattr(module, name)
+        assert getattr(nvfp4_mla, name) is expected, name
+    assert set(nvfp4_mla.__all__) <= set(dir(nvfp4_mla))
+    assert nvfp4_mla.config.log is logging.getLogger("nvfp4_mla")  # a submodule, as an attribute
+    assert not hasattr(nvfp4_mla, "no_such_name")
 
 
 def test_a_hung_test_fails(pytestconfig):

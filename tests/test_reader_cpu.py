@@ -113,7 +113,7 @@ def test_kernel_path_refuses_cpu_tensors():
     (the public entry sends them to the reference instead)."""
     cache = make_cache(2, 16)
     with pytest.raises(ValueError, match="cache must be a CUDA tensor"):
-        reader._dequantize(nvfp4_mla.ops.DEFAULT, cache, torch.arange(3), torch.float32, math.nan, None)
+        reader.dequantize(nvfp4_mla.ops.DEFAULT, cache, torch.arange(3), torch.float32, math.nan, None)
 
 
 BAD_CALLS = [  # (keyword arguments on top of a good call, a phrase of the message)
@@ -147,7 +147,7 @@ def test_invalid_beyond_the_float_range(invalid):
     with pytest.raises(ValueError, match=r"invalid must be a Python float .* beyond the float range"):
         read(cache, slots, invalid=invalid)
     with pytest.raises(ValueError, match="invalid must be a Python float"):
-        reader._dequantize(nvfp4_mla.ops.DEFAULT, cache, slots, torch.float32, invalid, None)
+        reader.dequantize(nvfp4_mla.ops.DEFAULT, cache, slots, torch.float32, invalid, None)
     finite = 2**1023 if invalid > 0 else -(2**1023)
     assert read(cache, slots, invalid=finite)[0, 0] == math.copysign(math.inf, finite)  # fp32 overflow, like 1e300
 

@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 
 log = logging.getLogger("nvfp4_mla")
+log.addHandler(logging.NullHandler())  # the library logs; the application decides where
 
 CACHE_DIR_ENV = "NVFP4_MLA_CACHE_DIR"
 TRUST_GROUP_ENV = "NVFP4_MLA_CACHE_TRUST_GROUP"

@@ -139,10 +139,10 @@ def _set_mode(directory: Path, mode: int) -> str | None:
     return None
 
 
-def read_kernel(dir_fd: int, dir_st: os.stat_result, name: str, key: str, arch: str) -> kernel_file.KernelFile | None:
-    """The kernel file ``name`` of an opened directory, None when there is none; :class:`Refused`
-    when a file is there but must not run (opened without following links or blocking, its size
-    capped before it is read, then :func:`nvfp4_mla.kernel_file.read`)."""
+def _file_bytes(dir_fd: int, dir_st: os.stat_result, name: str) -> bytes | None:
+    """The bytes of the file ``name`` of an opened directory, None when there is none;
+    :class:`Refused` when it must not be read (opened without following links or blocking, a
+    regular file of a trusted owner, its size capped before it is read)."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -159,13 +159,40 @@ def read_kernel(dir_fd: int, dir_st: os.stat_result, name: str, key: str, arch: 
         while left > 0 and (chunk := os.read(fd, left)):
             chunks.append(chunk)
             left -= len(chunk)
-        return kernel_file.read(b"".join(chunks), key, arch)
-    except kernel_file.KernelFileError as exc:
-        raise Refused(str(exc)) from None
+        return b"".join(chunks)
     except OSError as exc:
         raise Refused(exc.strerror or str(exc)) from None
     finally:
         os.close(fd)
+
+
+def read_kernel(dir_fd: int, dir_st: os.stat_result, name: str, key: str, arch: str) -> kernel_file.KernelFile | None:
+    """The kernel file ``name`` of an opened directory, None when there is none; :class:`Refused`
+    when a file is there but must not run (opened without following links or blocking, its size
+    capped before it is read, then :func:`nvfp4_mla.kernel_file.read`)."""
+    data = _file_bytes(dir_fd, dir_st, name)
+    if data is None:
+        return None
+    try:
+        return kernel_file.read(data, key, arch)
+    except kernel_file.KernelFileError as exc:
+        raise Refused(str(exc)) from None
+
+
+def read_recorded_kernel(dir_fd: int, dir_st: os.stat_result, name: str) -> kernel_file.KernelFile | None:
+    """:func:`read_kernel` for the key and arch the file records (``nvfp4-mla info`` knows only
+    the name): the same checks, and :class:`Refused` also when ``name`` is not that kernel's, since
+    a lookup of the kernel its name stands for refuses it."""
+    data = _file_bytes(dir_fd, dir_st, name)
+    if data is None:
+        return None
+    try:
+        key, arch = kernel_file.packed_for(data)
+        if KernelCache.file_name(key, arch) != name:
+            raise Refused(f"packed for {arch[:16]}, key {key[:16]}..., not the kernel its name stands for")
+        return kernel_file.read(data, key, arch)
+    except kernel_file.KernelFileError as exc:
+        raise Refused(str(exc)) from None
 
 
 class LockTimeout(Exception):

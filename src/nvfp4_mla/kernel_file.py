@@ -189,6 +189,23 @@ def read(data: bytes, key: str, arch: str) -> KernelFile:
         With the reason: size, a cut or extended file, format version, digest, another key or
         arch, or any failure of :func:`check_cubin`.
     """
+    start, nvrtc_at = _checked_trailer(data)
+    fields = data[start + _HEAD.size : nvrtc_at]
+    if fields != _fields(key, arch):
+        (k,) = _FIELD.unpack_from(fields)
+        stored_key = fields[2 : 2 + k].decode(errors="replace")
+        stored_arch = fields[4 + k :].decode(errors="replace")
+        if stored_key != key:
+            raise KernelFileError(f"packed for key {stored_key[:16]}..., not {key[:16]}...")
+        raise KernelFileError(f"packed for {stored_arch}, not {arch}")
+    cubin = data[:start]
+    check_cubin(cubin, key, arch)
+    return KernelFile(cubin, Compiler(*_NVRTC.unpack_from(data, nvrtc_at)))
+
+
+def _checked_trailer(data: bytes) -> tuple[int, int]:
+    """Where the cubin ends and where the NVRTC fields start, once the size, the markers, the
+    lengths, the format version and the digest pass; else :class:`KernelFileError`."""
     size = len(data)
     reason = check_size(size)
     if reason is None and (size < _TAIL.size or data[-len(_END) :] != _END):
@@ -209,18 +226,29 @@ def read(data: bytes, key: str, arch: str) -> KernelFile:
     fields_end = size - _TAIL.size - _DIGEST
     if hashlib.sha256(memoryview(data)[:fields_end]).digest() != data[fields_end : size - _TAIL.size]:
         raise KernelFileError("digest mismatch")
-    nvrtc_at = fields_end - _NVRTC.size
+    return start, fields_end - _NVRTC.size
+
+
+def packed_for(data: bytes) -> tuple[str, str]:
+    """The key and arch a kernel file records, once its trailer passes :func:`read`'s checks up
+    to the digest: what to pass to :func:`read` when only the file is at hand (``nvfp4-mla info``).
+
+    Raises
+    ------
+    KernelFileError
+        With the reason, as :func:`read` gives it, or "malformed key and arch fields".
+    """
+    start, nvrtc_at = _checked_trailer(data)
     fields = data[start + _HEAD.size : nvrtc_at]
-    if fields != _fields(key, arch):
-        (k,) = _FIELD.unpack_from(fields)
-        stored_key = fields[2 : 2 + k].decode(errors="replace")
-        stored_arch = fields[4 + k :].decode(errors="replace")
-        if stored_key != key:
-            raise KernelFileError(f"packed for key {stored_key[:16]}..., not {key[:16]}...")
-        raise KernelFileError(f"packed for {stored_arch}, not {arch}")
-    cubin = data[:start]
-    check_cubin(cubin, key, arch)
-    return KernelFile(cubin, Compiler(*_NVRTC.unpack_from(data, nvrtc_at)))
+    (k,) = _FIELD.unpack_from(fields)  # the trailer's length check leaves room for both lengths
+    if 2 * _FIELD.size + k <= len(fields):
+        (a,) = _FIELD.unpack_from(fields, _FIELD.size + k)
+        if 2 * _FIELD.size + k + a == len(fields):
+            try:
+                return fields[_FIELD.size : _FIELD.size + k].decode(), fields[2 * _FIELD.size + k :].decode()
+            except UnicodeDecodeError:
+                pass
+    raise KernelFileError("malformed key and arch fields")
 
 
 def check_cubin(cubin: bytes, key: str, arch: str) -> None:

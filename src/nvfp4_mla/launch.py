@@ -42,17 +42,20 @@ def _stream_getter() -> Callable[[int], int]:
 current_raw_stream = _stream_getter()
 
 
-def _output_allocator() -> Callable[[tuple, tuple, Any], Any] | None:
+def output_allocator() -> Callable[[tuple, tuple, Any], Any] | None:
+    """torch's allocation of a CUDA tensor without the dispatcher, ``(shape, strides, dtype)`` on
+    the current device and stream (what inductor's generated code calls), or None where this
+    torch has none. It is private to torch, hence the fallbacks of :func:`new_output`."""
     import torch
 
-    # torch's own allocation without the dispatcher (what inductor's generated code calls): on the
-    # current device and stream, about half of new_empty's host time (docs/performance.md#host-path).
-    # Private, hence the fallbacks of new_output.
+    # About half of new_empty's host time (docs/performance.md#host-path).
     guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
     return getattr(guards, "_empty_strided_cuda", None)
 
 
-_fast_empty = _output_allocator()
+# What new_output allocates with: output_allocator() at import; None once it raised anything but
+# running out of memory (new_empty from then on).
+fast_empty = output_allocator()
 
 
 def _stop_fast_empty(exc: Exception) -> None:
@@ -60,10 +63,10 @@ def _stop_fast_empty(exc: Exception) -> None:
     (a torch that changed it must not break the entries) and says so once."""
     import torch
 
-    global _fast_empty
+    global fast_empty
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         raise exc
-    _fast_empty = None
+    fast_empty = None
     config.log.warning(
         "torch's _empty_strided_cuda raised (%s): nvfp4_mla's outputs come from new_empty from now on", exc
     )
@@ -84,9 +87,9 @@ def new_output(like: Any, shape: tuple, strides: tuple, dtype: Any, device_index
     stream: what ``like.new_empty`` gives, faster. ``shape`` and ``strides`` are plain tuples of
     ints: the fast allocation raises on anything else, a ``torch.Size`` included, and turns itself
     off (the GPU tests check that no entry does that)."""
-    if _fast_empty is not None:
+    if fast_empty is not None:
         try:
-            out = _fast_empty(shape, strides, dtype)
+            out = fast_empty(shape, strides, dtype)
         except (TypeError, RuntimeError) as exc:
             _stop_fast_empty(exc)
         else:

@@ -68,14 +68,15 @@ class ParamsLayout:
         self.c_name = c_name
         self.fields = tuple(fields)
         self.align = max(f.align for f in self.fields)
-        code, offset, self._offsets = [], 0, []
+        code, offset, offsets = [], 0, []
         for f in self.fields:
             pad = -offset % f.align
             code += [f"{pad}x"] if pad else []
             offset += pad
-            self._offsets.append(offset)
+            offsets.append(offset)
             code.append(f.code)
             offset += f.size
+        self.member_offsets = tuple(offsets)  # the byte offset of each of fields (a nested block: its first byte)
         tail = -offset % self.align
         self.code = "".join(code) + (f"{tail}x" if tail else "")
         self.struct = struct.Struct("<" + self.code)
@@ -90,7 +91,7 @@ class ParamsLayout:
     def offsets(self) -> dict[str, int]:
         """Byte offset of every leaf member, nested ones as ``"pool.field"``, in order."""
         found: dict[str, int] = {}
-        for f, offset in zip(self.fields, self._offsets):
+        for f, offset in zip(self.fields, self.member_offsets):
             if f.nested is None:
                 found[f.name] = offset
             else:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import stat
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from ..device import device_info, gpu_unavailable_reason
 from ..ops import decode, registry
 
 UNBOUNDED = 10**6  # a decode backend's max_capability when it has no upper end
+REFUSED_SHOWN = 5  # refused kernel files named per layer, with their reasons
 
 
 def gpu_name() -> str | None:
@@ -57,9 +60,51 @@ def kernels_phrase(n: int) -> str:
     return f"{n} kernel" + ("s" if n != 1 else "")
 
 
+def _printable(text: str) -> str:
+    """``text`` on one line: a file's name and the reason it is refused come from the file system
+    and the file."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def compiler_lines(directory: Path, names: list[str]) -> list[str]:
+    """Lines giving the NVRTC that each kernel file ``names`` of ``directory`` records, newest
+    first, then the files a lookup refuses, each with its reason. Each file is read as a lookup
+    of the kernel it records reads it (``kernel_cache.read_recorded_kernel``): a hostile file is
+    one refused."""
+    built: Counter[kernel_file.Compiler] = Counter()
+    refused: list[str] = []
+    try:
+        dir_fd, dir_st = kernel_cache.open_dir(directory)
+    except (kernel_cache.Refused, OSError) as exc:  # changed since its status was taken
+        return [f"    its kernels cannot be read now: {_printable(str(exc))}"]
+    try:
+        for name in names:
+            try:
+                found = kernel_cache.read_recorded_kernel(dir_fd, dir_st, name)
+            except kernel_cache.Refused as exc:
+                refused.append(f"{_printable(name)}: {_printable(str(exc))}")
+            else:
+                if found is not None:  # None: removed since it was listed
+                    built[found.compiler] += 1
+    finally:
+        os.close(dir_fd)
+    newest_first = sorted(built.items(), key=lambda item: (-item[0].major, -item[0].minor, item[0].library))
+    lines = [
+        f"    built by {'' if c == kernel_file.UNRECORDED else 'NVRTC '}{c.describe()}: {kernels_phrase(n)}"
+        for c, n in newest_first
+    ]
+    if refused:
+        lines.append(f"    {kernels_phrase(len(refused))} refused when read (compiled afresh at first use):")
+        lines += [f"      {entry}" for entry in refused[:REFUSED_SHOWN]]
+        if len(refused) > REFUSED_SHOWN:
+            lines.append(f"      and {len(refused) - REFUSED_SHOWN} more")
+    return lines
+
+
 def cache_summary(directory: Path, status: str) -> list[str]:
     """Lines describing a kernel cache layer: whether it is used (``status``, from
-    ``KernelCache.layer_status``) and, when trusted, its kernels by architecture.
+    ``KernelCache.layer_status``) and, when trusted, its kernels by architecture and by the NVRTC
+    that built them.
 
     Parameters
     ----------
@@ -72,7 +117,8 @@ def cache_summary(directory: Path, status: str) -> list[str]:
     -------
     list of str
         Lines indented by 4: the status, ``*.cubin`` entries skipped (not regular files, e.g. a
-        dangling symbolic link), the total, then one line per architecture.
+        dangling symbolic link), the total, one line per architecture, then
+        :func:`compiler_lines`.
     """
     if status != "trusted":
         return [f"    {status}" + (": not used" if status.startswith("refused") else "")]
@@ -106,7 +152,7 @@ def cache_summary(directory: Path, status: str) -> list[str]:
     lines += [
         f"    {arch}: {kernels_phrase(len(sizes))}, {_size(sum(sizes))}" for arch, sizes in sorted(by_arch.items())
     ]
-    return lines
+    return lines + compiler_lines(directory, [f.name for f in files])
 
 
 def arch_range(low: int, high: int) -> str:

@@ -16,11 +16,12 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
-from .. import abi, reference, validation
+from .. import abi, validation
 from ..jit import Template, included_headers
 from ..launch import Launcher, contiguous_strides, current_raw_stream, new_output
 from ..params import ParamsLayout, int64, pointer
-from .library import DEFAULT, KernelLibrary, check_traceable
+from .entry import Entry, Op, Request, make
+from .library import KernelLibrary, check_traceable
 
 TEAM_THREADS = 16  # threads that read one row together (the kernel's TEAM)
 BLOCK_THREADS = 256
@@ -140,7 +141,7 @@ def launch(
 _NAN_FILLS = {torch.float32: _F32_NAN, torch.bfloat16: _BF16_NAN * 0x10001}
 
 
-def _dequantize(
+def dequantize(
     lib: KernelLibrary,
     cache: torch.Tensor,
     slots: torch.Tensor | None,
@@ -148,6 +149,8 @@ def _dequantize(
     invalid: float,
     out: torch.Tensor | None,
 ) -> torch.Tensor:
+    """The kernel path of :func:`nvfp4_dequantize_sparse_mla_cache` on ``lib``'s kernels: the
+    entry's checks with CUDA tensors required (ValueError otherwise), then one launch."""
     # Lean on purpose: this is the whole host cost of a decode step's read (see the benchmark).
     layout = validation.check_dequantize(cache, slots, dtype, invalid, out, need_cuda=True)
     given = out is not None
@@ -176,35 +179,51 @@ def _dequantize(
     return out
 
 
-# ---------------------------------------------------------------- torch custom ops
-# So torch.compile traces the reader without a graph break; eager calls skip the dispatcher. At run
-# time the ops call the public entry (not compiling then), which sends CPU tensors to the reference.
-
-_Tensor = torch.Tensor
+# ---------------------------------------------------------------- the entry's description
+# Custom ops so torch.compile traces the reader without a graph break; eager calls skip the
+# dispatcher. A CPU cache goes to the reference, whatever the other tensors are.
 
 
-@torch.library.custom_op("nvfp4_mla::dequantize", mutates_args=())
-def _dequantize_op(cache: _Tensor, slots: _Tensor | None, dtype: torch.dtype, invalid: float) -> _Tensor:
-    return nvfp4_dequantize_sparse_mla_cache(cache, slots, dtype=dtype, invalid=invalid)
+def _kernels(page_size: int, slot_dtype: torch.dtype | None, dtype: torch.dtype, **_: object) -> tuple[ReaderSpec]:
+    """The kernel of a precompile request, its fields checked like the entry's arguments."""
+    validation.check_page_size(page_size)
+    if slot_dtype is not None:
+        validation.check_slot_dtype(slot_dtype)
+    validation.check_read_dtype(dtype)
+    return (ReaderSpec.of(page_size, slot_dtype, dtype),)
 
 
-@_dequantize_op.register_fake
-def _(cache: _Tensor, slots: _Tensor | None, dtype: torch.dtype, invalid: float) -> _Tensor:
+def catalogue(arch: str) -> list[ReaderSpec]:
+    """The builds CI compiles: page sizes 1-256, both slot dtypes and slots=None, both output dtypes."""
+    return [
+        ReaderSpec.of(page_size, slot_dtype, dtype)
+        for page_size in (1, 3, 16, 64, 256)
+        for slot_dtype in (torch.int32, torch.int64, None)
+        for dtype in validation.READ_DTYPES
+    ]
+
+
+def _rows(cache: torch.Tensor, slots: torch.Tensor | None, dtype: torch.dtype, **_: object) -> torch.Tensor:
     if slots is None:
         layout = validation.check_cache(cache)
         return cache.new_empty((layout.num_pages * layout.page_size, abi.HEAD_DIM), dtype=dtype)
     return cache.new_empty((*slots.shape, abi.HEAD_DIM), dtype=dtype)
 
 
-@torch.library.custom_op("nvfp4_mla::dequantize_out", mutates_args=("out",))
-def _dequantize_out_op(cache: _Tensor, slots: _Tensor | None, dtype: torch.dtype, invalid: float, out: _Tensor) -> None:
-    nvfp4_dequantize_sparse_mla_cache(cache, slots, dtype=dtype, invalid=invalid, out=out)
+READ = Entry(
+    "nvfp4_dequantize_sparse_mla_cache",
+    args="Tensor cache, Tensor? slots, ScalarType dtype, float invalid",
+    ops=(
+        Op("dequantize", "Tensor", fixed=(None,), fake=_rows),
+        Op("dequantize_out", extra="Tensor out", mutates=("out",)),
+    ),
+    kernel=dequantize,
+    request=Request("read", _kernels, catalogue),
+    routes_on=("cache",),
+)
+ENTRIES = (READ,)
 
-
-@_dequantize_out_op.register_fake
-def _(cache: _Tensor, slots: _Tensor | None, dtype: torch.dtype, invalid: float, out: _Tensor) -> None:
-    return None
-
+_read, (_dequantize_op, _dequantize_out_op) = make(READ)
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -260,9 +279,7 @@ def nvfp4_dequantize_sparse_mla_cache(
     if _is_compiling():  # traced with fake tensors: the op checks its arguments when it runs
         check_traceable(library)
         if out is None:
-            return torch.ops.nvfp4_mla.dequantize(cache, slots, dtype, invalid)
-        torch.ops.nvfp4_mla.dequantize_out(cache, slots, dtype, invalid, out)
+            return _dequantize_op(cache, slots, dtype, invalid)
+        _dequantize_out_op(cache, slots, dtype, invalid, out)
         return out
-    if isinstance(cache, torch.Tensor) and cache.is_cuda:
-        return _dequantize(DEFAULT if library is None else library, cache, slots, dtype, invalid, out)
-    return reference.nvfp4_dequantize_sparse_mla_cache(cache, slots, dtype=dtype, invalid=invalid, out=out)
+    return _read(library, cache, slots, dtype, invalid, out)

@@ -2,7 +2,8 @@
 on an architecture, and the catalogue of builds that CI compiles for every architecture.
 
 ``precompile``, ``Geometry``, the CLI's presets, the compile tests and ``nvfp4-mla info`` all read
-:data:`OPS`; an op (or a backend of one) adds its kernels here and nowhere else.
+:data:`OPS`. The writers' and the reader's ops are made from their entries' descriptions
+(:class:`~nvfp4_mla.ops.entry.Request`); the decode's is listed here.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from typing import NamedTuple
 
 import torch
 
-from .. import abi, jit, validation
+from .. import jit
 from ..jit import KernelSpec
-from . import decode
-from .reader import ReaderSpec
-from .writer_spec import WriterSpec
+from . import decode, reader, writers
+from .entry import Entry
 
 
 class Geometry(NamedTuple):
@@ -73,75 +73,16 @@ class Op(NamedTuple):
     catalogue: Callable[[str], Iterable[KernelSpec]]  # the builds CI compiles for this arch
 
 
-def _writer_spec(g: Geometry) -> WriterSpec:
-    """The writer kernel of a writer request (its fields validated like the entry's arguments)."""
-    validation.check_page_size(g.page_size)
-    if g.entry == "pack":
-        return WriterSpec.pack(g.page_size)
-    validation.check_slot_dtype(g.slot_dtype)
-    assert g.slot_dtype is not None
-    if g.entry == "main":
-        if type(g.num_heads) is not int or g.num_heads < 1:
-            raise ValueError(f"num_heads must be a positive int for the main entry, got {g.num_heads!r}")
-        validation.check_flag(g.apply_q_rope, "apply_q_rope")
-        validation.check_flag(g.q_inplace, "q_inplace")
-        validation.check_q_options(g.num_heads, g.q_head_padded, g.q_inplace)
-        return WriterSpec.main(g.page_size, g.slot_dtype, g.num_heads, g.q_head_padded, g.apply_q_rope, g.q_inplace)
-    if g.entry == "kv":
-        validation.check_compress_ratio(g.compress_ratio)
-        return WriterSpec.kv(g.page_size, g.slot_dtype, g.compress_ratio)
-    return WriterSpec.append(g.page_size, g.slot_dtype)
-
-
-def _reader_spec(g: Geometry) -> ReaderSpec:
-    validation.check_page_size(g.page_size)
-    if g.slot_dtype is not None:
-        validation.check_slot_dtype(g.slot_dtype)
-    validation.check_read_dtype(g.dtype)
-    return ReaderSpec.of(g.page_size, g.slot_dtype, g.dtype)
-
-
-def _writer_catalogue(arch: str) -> list[WriterSpec]:
-    """Every (heads, padded heads, rope, in-place) combination at page 64, every entry on the
-    page sizes of the GPU tests, both slot dtypes, both compress ratios."""
-    specs = []
-    for heads in (1, 5, 8, 16, 64, 128):
-        for padded in (0, *abi.Q_HEAD_PADDINGS):
-            if padded == 0 or padded >= heads:
-                specs += [WriterSpec.main(64, torch.int64, heads, padded, rope, False) for rope in (True, False)]
-        if heads in abi.Q_HEAD_PADDINGS:
-            specs += [WriterSpec.main(64, torch.int64, heads, heads, rope, True) for rope in (True, False)]
-    for page_size in (1, 3, 16, 32, 128, 256):
-        for slot_dtype in (torch.int32, torch.int64):
-            specs.append(WriterSpec.main(page_size, slot_dtype, 8, 16, True, False))
-            specs.append(WriterSpec.append(page_size, slot_dtype))
-            specs += [WriterSpec.kv(page_size, slot_dtype, ratio) for ratio in abi.COMPRESS_RATIOS]
-        specs.append(WriterSpec.pack(page_size))
-    return specs
-
-
-def _reader_catalogue(arch: str) -> list[ReaderSpec]:
-    """Page sizes 1-256, both slot dtypes and slots=None, both output dtypes."""
-    return [
-        ReaderSpec.of(page_size, slot_dtype, dtype)
-        for page_size in (1, 3, 16, 64, 256)
-        for slot_dtype in (torch.int32, torch.int64, None)
-        for dtype in validation.READ_DTYPES
-    ]
-
-
-def _writer_op(name: str, summary: str) -> Op:
-    return Op(name, summary, lambda g, arch: (_writer_spec(g),), _writer_catalogue)
+def _op(entry: Entry) -> Op:
+    """An entry's op, from its description (a request's fields are passed by name)."""
+    request = entry.request
+    return Op(request.name, entry.summary, lambda g, arch: request.kernels(arch=arch, **g._asdict()), request.catalogue)
 
 
 OPS: dict[str, Op] = {
     op.name: op
     for op in (
-        _writer_op("main", "cake_dsv4_nvfp4_rope_quantize_insert (the fused writer)"),
-        _writer_op("kv", "cake_dsv4_nvfp4_kv_rope_quantize_insert"),
-        _writer_op("append", "nvfp4_quantize_append_sparse_mla_cache"),
-        _writer_op("pack", "nvfp4_quantize_pack_sparse_mla_cache"),
-        Op("read", "nvfp4_dequantize_sparse_mla_cache", lambda g, arch: (_reader_spec(g),), _reader_catalogue),
+        *(_op(entry) for entry in (*writers.ENTRIES, *reader.ENTRIES)),
         Op("decode", "sparse_mla_decode (every backend for the GPU)", lambda g, arch: decode.specs(arch), decode.specs),
     )
 }

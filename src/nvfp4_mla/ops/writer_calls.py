@@ -60,16 +60,6 @@ def make_plan(
     return plan if signature is None else lib.remember(signature, plan)
 
 
-def on_cuda(tensors: tuple) -> bool:
-    """Whether a call takes the kernel path: any of its tensors is a CUDA tensor. Only calls with
-    none go to the reference, so a call that mixes CUDA and CPU tensors is refused by the kernel
-    path's checks (``must be a CUDA tensor``), as it always was."""
-    for t in tensors:  # noqa: SIM110  # a loop, not any(): no generator on every GPU call
-        if isinstance(t, torch.Tensor) and t.is_cuda:
-            return True
-    return False
-
-
 # ---------------------------------------------------------------- the entries on a library
 
 

@@ -1,5 +1,5 @@
 """The build spec of the writer kernel, ``kernels/nvfp4_mla_write.cu``: one vocabulary, one named
-constructor per entry, and the launch grid it plans.
+constructor per entry, the launch grid it plans, and the builds CI compiles (:func:`catalogue`).
 
 A :class:`WriterSpec` is everything that specializes the kernel (its ``-D`` constants). Field
 names are the entries' argument names. The constructors are memoized, so a plan miss gets the
@@ -203,6 +203,26 @@ class WriterSpec(NamedTuple):
 
 def _blocks(units: int) -> int:
     return -(-units // UNITS_PER_BLOCK)
+
+
+def catalogue(arch: str) -> list[WriterSpec]:
+    """The writer builds CI compiles (every writer entry's): every (heads, padded heads, rope,
+    in-place) combination at page 64, every entry on the page sizes of the GPU tests, both slot
+    dtypes, both compress ratios."""
+    specs = []
+    for heads in (1, 5, 8, 16, 64, 128):
+        for padded in (0, *abi.Q_HEAD_PADDINGS):
+            if padded == 0 or padded >= heads:
+                specs += [WriterSpec.main(64, torch.int64, heads, padded, rope, False) for rope in (True, False)]
+        if heads in abi.Q_HEAD_PADDINGS:
+            specs += [WriterSpec.main(64, torch.int64, heads, heads, rope, True) for rope in (True, False)]
+    for page_size in (1, 3, 16, 32, 128, 256):
+        for slot_dtype in (torch.int32, torch.int64):
+            specs.append(WriterSpec.main(page_size, slot_dtype, 8, 16, True, False))
+            specs.append(WriterSpec.append(page_size, slot_dtype))
+            specs += [WriterSpec.kv(page_size, slot_dtype, ratio) for ratio in abi.COMPRESS_RATIOS]
+        specs.append(WriterSpec.pack(page_size))
+    return specs
 
 
 assert abi.HEAD_DIM * 2 // 16 == UNIT_THREADS  # one thread per 16-byte chunk of a BF16 row

@@ -6,6 +6,13 @@ checks of :mod:`nvfp4_mla.validation`, at most one output allocation, one plan l
 :class:`~nvfp4_mla.ops.library.KernelLibrary` (``library=``, default the process's) and one
 launch with raw pointers on torch's current stream, no host synchronisation); a call with none
 (CPU tensors) runs the same entry of :mod:`nvfp4_mla.reference`, which writes the same bytes.
+
+Each entry is described once (:class:`~nvfp4_mla.ops.entry.Entry`, in :data:`ENTRIES`): its custom
+ops and their fakes, that dispatch and its registry entry are made from the description. A new
+writer entry touches its description and public function here, its kernel path
+(:mod:`.writer_calls`), its build (:mod:`.writer_spec`: a named constructor, its catalogue), the
+kernel (``kernels/nvfp4_mla_write.cu``), its reference and checks (:mod:`nvfp4_mla.reference`,
+:mod:`nvfp4_mla.validation`), and the lists that export its name.
 """
 
 from __future__ import annotations
@@ -13,121 +20,110 @@ from __future__ import annotations
 import torch
 
 from .. import abi, reference, validation
-from .library import DEFAULT, KernelLibrary, check_traceable
-from .writer_calls import append, kv_rope_quantize_insert, on_cuda, pack, rope_quantize_insert
+from . import writer_calls, writer_spec
+from .entry import Entry, Op, Request, make
+from .library import KernelLibrary, check_traceable
+from .writer_spec import WriterSpec
 
-# ---------------------------------------------------------------- torch custom ops
-# Registered so torch.compile traces the entries without a graph break (the fake
-# implementations give output shapes). Eager calls skip the dispatcher: it would cost more host
-# time than the whole launch path. At run time the ops call the public entries (not compiling
-# then), which send CUDA tensors to the kernels and CPU tensors to the reference.
-
-_Tensor = torch.Tensor
+# ---------------------------------------------------------------- the entries' descriptions
+# Registered as custom ops so torch.compile traces the entries without a graph break. Eager calls
+# skip the dispatcher: it would cost more host time than the whole launch path.
 
 
-@torch.library.custom_op("nvfp4_mla::rope_quantize_insert", mutates_args=("cache",))
-def _rope_quantize_insert_op(
-    q: _Tensor,
-    kv: _Tensor,
-    cache: _Tensor,
-    slot_mapping: _Tensor,
-    positions: _Tensor,
-    cos_sin_cache: _Tensor,
+def _checked_slots(page_size: int, slot_dtype: torch.dtype | None) -> torch.dtype:
+    """A writer request's page size and slot dtype, checked like the entries' arguments."""
+    validation.check_page_size(page_size)
+    validation.check_slot_dtype(slot_dtype)
+    assert slot_dtype is not None
+    return slot_dtype
+
+
+def _main_kernels(
+    page_size: int,
+    slot_dtype: torch.dtype | None,
+    num_heads: int,
     q_head_padded: int,
     apply_q_rope: bool,
-) -> _Tensor:
-    return cake_dsv4_nvfp4_rope_quantize_insert(
-        q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded=q_head_padded, apply_q_rope=apply_q_rope
-    )
+    q_inplace: bool,
+    **_: object,
+) -> tuple[WriterSpec]:
+    slots = _checked_slots(page_size, slot_dtype)
+    if type(num_heads) is not int or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int for the main entry, got {num_heads!r}")
+    validation.check_flag(apply_q_rope, "apply_q_rope")
+    validation.check_flag(q_inplace, "q_inplace")
+    validation.check_q_options(num_heads, q_head_padded, q_inplace)
+    return (WriterSpec.main(page_size, slots, num_heads, q_head_padded, apply_q_rope, q_inplace),)
 
 
-@_rope_quantize_insert_op.register_fake
-def _(
-    q: _Tensor,
-    kv: _Tensor,
-    cache: _Tensor,
-    slot_mapping: _Tensor,
-    positions: _Tensor,
-    cos_sin_cache: _Tensor,
-    q_head_padded: int,
-    apply_q_rope: bool,
-) -> _Tensor:
-    return q.new_empty((q.shape[0], q_head_padded, abi.HEAD_DIM))
+def _kv_kernels(page_size: int, slot_dtype: torch.dtype | None, compress_ratio: int, **_: object) -> tuple[WriterSpec]:
+    slots = _checked_slots(page_size, slot_dtype)
+    validation.check_compress_ratio(compress_ratio)
+    return (WriterSpec.kv(page_size, slots, compress_ratio),)
 
 
-@torch.library.custom_op("nvfp4_mla::rope_quantize_insert_inplace", mutates_args=("q", "cache"))
-def _rope_quantize_insert_inplace_op(
-    q: _Tensor,
-    kv: _Tensor,
-    cache: _Tensor,
-    slot_mapping: _Tensor,
-    positions: _Tensor,
-    cos_sin_cache: _Tensor,
-    q_head_padded: int,
-    apply_q_rope: bool,
-) -> None:
-    cake_dsv4_nvfp4_rope_quantize_insert(
-        q,
-        kv,
-        cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        q_head_padded=q_head_padded,
-        apply_q_rope=apply_q_rope,
-        q_inplace=True,
-    )
+def _append_kernels(page_size: int, slot_dtype: torch.dtype | None, **_: object) -> tuple[WriterSpec]:
+    return (WriterSpec.append(page_size, _checked_slots(page_size, slot_dtype)),)
 
 
-@_rope_quantize_insert_inplace_op.register_fake
-def _(
-    q: _Tensor,
-    kv: _Tensor,
-    cache: _Tensor,
-    slot_mapping: _Tensor,
-    positions: _Tensor,
-    cos_sin_cache: _Tensor,
-    q_head_padded: int,
-    apply_q_rope: bool,
-) -> None:
-    return None
+def _pack_kernels(page_size: int, **_: object) -> tuple[WriterSpec]:
+    validation.check_page_size(page_size)
+    return (WriterSpec.pack(page_size),)
 
 
-@torch.library.custom_op("nvfp4_mla::kv_rope_quantize_insert", mutates_args=("cache",))
-def _kv_rope_quantize_insert_op(
-    kv: _Tensor, cache: _Tensor, slot_mapping: _Tensor, positions: _Tensor, cos_sin_cache: _Tensor, compress_ratio: int
-) -> None:
-    cake_dsv4_nvfp4_kv_rope_quantize_insert(
-        kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio=compress_ratio
-    )
+_ROPED = "Tensor kv, Tensor cache, Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache"
 
+MAIN = Entry(
+    "cake_dsv4_nvfp4_rope_quantize_insert",
+    args=f"Tensor q, {_ROPED}, SymInt q_head_padded, bool apply_q_rope",
+    ops=(
+        Op(
+            "rope_quantize_insert",
+            "Tensor",
+            mutates=("cache",),
+            fixed=(False,),
+            fake=lambda q, q_head_padded, **_: q.new_empty((q.shape[0], q_head_padded, abi.HEAD_DIM)),
+        ),
+        Op("rope_quantize_insert_inplace", mutates=("q", "cache"), fixed=(True,)),
+    ),
+    kernel=writer_calls.rope_quantize_insert,
+    request=Request("main", _main_kernels, writer_spec.catalogue, note="the fused writer"),
+)
+KV = Entry(
+    "cake_dsv4_nvfp4_kv_rope_quantize_insert",
+    args=f"{_ROPED}, SymInt compress_ratio",
+    ops=(Op("kv_rope_quantize_insert", mutates=("cache",)),),
+    kernel=writer_calls.kv_rope_quantize_insert,
+    request=Request("kv", _kv_kernels, writer_spec.catalogue),
+)
+APPEND = Entry(
+    "nvfp4_quantize_append_sparse_mla_cache",
+    args="Tensor latent_kv, Tensor slot_mapping, Tensor cache",
+    ops=(Op("quantize_append", mutates=("cache",)),),
+    kernel=writer_calls.append,
+    request=Request("append", _append_kernels, writer_spec.catalogue),
+)
+PACK = Entry(
+    "nvfp4_quantize_pack_sparse_mla_cache",
+    args="Tensor latent_kv, str kv_layout",
+    ops=(
+        Op(
+            "quantize_pack",
+            "Tensor",
+            fake=lambda latent_kv, kv_layout, **_: reference.new_cache(
+                latent_kv.shape[0], latent_kv.shape[1], kv_layout, latent_kv.device
+            ),
+        ),
+    ),
+    kernel=writer_calls.pack,
+    request=Request("pack", _pack_kernels, writer_spec.catalogue),
+)
+ENTRIES = (MAIN, KV, APPEND, PACK)  # in the registry's order
 
-@_kv_rope_quantize_insert_op.register_fake
-def _(
-    kv: _Tensor, cache: _Tensor, slot_mapping: _Tensor, positions: _Tensor, cos_sin_cache: _Tensor, compress_ratio: int
-) -> None:
-    return None
-
-
-@torch.library.custom_op("nvfp4_mla::quantize_append", mutates_args=("cache",))
-def _append_op(latent_kv: _Tensor, slot_mapping: _Tensor, cache: _Tensor) -> None:
-    nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache)
-
-
-@_append_op.register_fake
-def _(latent_kv: _Tensor, slot_mapping: _Tensor, cache: _Tensor) -> None:
-    return None
-
-
-@torch.library.custom_op("nvfp4_mla::quantize_pack", mutates_args=())
-def _pack_op(latent_kv: _Tensor, kv_layout: str) -> _Tensor:
-    return nvfp4_quantize_pack_sparse_mla_cache(latent_kv, kv_layout=kv_layout)
-
-
-@_pack_op.register_fake
-def _(latent_kv: _Tensor, kv_layout: str) -> _Tensor:
-    return reference.new_cache(latent_kv.shape[0], latent_kv.shape[1], kv_layout, latent_kv.device)
-
+_main, (_main_op, _main_inplace_op) = make(MAIN)
+_kv, (_kv_op,) = make(KV)
+_append, (_append_op,) = make(APPEND)
+_pack, (_pack_op,) = make(PACK)
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -208,37 +204,10 @@ def cake_dsv4_nvfp4_rope_quantize_insert(
         if q_inplace:
             if q.requires_grad:  # (is_inference() cannot be traced: the op checks it when it runs)
                 validation.check_mutable(q, "q")
-            torch.ops.nvfp4_mla.rope_quantize_insert_inplace(
-                q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope
-            )
+            _main_inplace_op(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope)
             return q
-        return torch.ops.nvfp4_mla.rope_quantize_insert(
-            q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope
-        )
-    if on_cuda((q, kv, cache, slot_mapping, positions, cos_sin_cache)):
-        return rope_quantize_insert(
-            DEFAULT if library is None else library,
-            q,
-            kv,
-            cache,
-            slot_mapping,
-            positions,
-            cos_sin_cache,
-            q_head_padded,
-            apply_q_rope,
-            q_inplace,
-        )
-    return reference.cake_dsv4_nvfp4_rope_quantize_insert(
-        q,
-        kv,
-        cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        q_head_padded=q_head_padded,
-        apply_q_rope=apply_q_rope,
-        q_inplace=q_inplace,
-    )
+        return _main_op(q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope)
+    return _main(library, q, kv, cache, slot_mapping, positions, cos_sin_cache, q_head_padded, apply_q_rope, q_inplace)
 
 
 def cake_dsv4_nvfp4_kv_rope_quantize_insert(
@@ -276,15 +245,8 @@ def cake_dsv4_nvfp4_kv_rope_quantize_insert(
     if _is_compiling():
         check_traceable(library)
         validation.check_compress_ratio(compress_ratio)
-        return torch.ops.nvfp4_mla.kv_rope_quantize_insert(
-            kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio
-        )
-    if on_cuda((kv, cache, slot_mapping, positions, cos_sin_cache)):
-        lib = DEFAULT if library is None else library
-        return kv_rope_quantize_insert(lib, kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
-    return reference.cake_dsv4_nvfp4_kv_rope_quantize_insert(
-        kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio=compress_ratio
-    )
+        return _kv_op(kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
+    return _kv(library, kv, cache, slot_mapping, positions, cos_sin_cache, compress_ratio)
 
 
 def nvfp4_quantize_append_sparse_mla_cache(
@@ -311,10 +273,8 @@ def nvfp4_quantize_append_sparse_mla_cache(
     """
     if _is_compiling():
         check_traceable(library)
-        return torch.ops.nvfp4_mla.quantize_append(latent_kv, slot_mapping, cache)
-    if on_cuda((latent_kv, slot_mapping, cache)):
-        return append(DEFAULT if library is None else library, latent_kv, slot_mapping, cache)
-    return reference.nvfp4_quantize_append_sparse_mla_cache(latent_kv, slot_mapping, cache)
+        return _append_op(latent_kv, slot_mapping, cache)
+    return _append(library, latent_kv, slot_mapping, cache)
 
 
 def nvfp4_quantize_pack_sparse_mla_cache(
@@ -339,7 +299,5 @@ def nvfp4_quantize_pack_sparse_mla_cache(
     """
     if _is_compiling():
         check_traceable(library)
-        return torch.ops.nvfp4_mla.quantize_pack(latent_kv, kv_layout)
-    if on_cuda((latent_kv,)):
-        return pack(DEFAULT if library is None else library, latent_kv, kv_layout)
-    return reference.nvfp4_quantize_pack_sparse_mla_cache(latent_kv, kv_layout=kv_layout)
+        return _pack_op(latent_kv, kv_layout)
+    return _pack(library, latent_kv, kv_layout)
