@@ -136,17 +136,26 @@ class Inputs:
         self.sinks = torch.randn(heads, generator=g).to(device)
 
 
-def fused(pools: Pools, x: Inputs, library: nvfp4_mla.KernelLibrary | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """This kernel on the NVFP4 caches (on ``library``: default the process's)."""
+def fused(
+    pools: Pools,
+    x: Inputs,
+    library: nvfp4_mla.KernelLibrary | None = None,
+    extra_lens: torch.Tensor | None = None,
+    plan: nvfp4_mla.SparseMlaDecodePlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This kernel on the NVFP4 caches (on ``library``: default the process's), with the extra
+    pool's live counts ``extra_lens`` and a step's ``plan`` where given."""
     return nvfp4_mla.sparse_mla_decode(
         x.q,
         pools.caches[0],
         x.slots[0],
         extra_cache=pools.caches[1],
         extra_slots=x.slots[1],
+        extra_lens=extra_lens,
         sm_scale=SM_SCALE,
         sinks=x.sinks,
         library=library,
+        plan=plan,
     )
 
 
@@ -407,17 +416,7 @@ def measure_ragged(
 
     def one(item: tuple[Inputs, torch.Tensor, Any], planned: bool) -> object:
         x, lens, plan = item
-        return nvfp4_mla.sparse_mla_decode(
-            x.q,
-            pools.caches[0],
-            x.slots[0],
-            extra_cache=pools.caches[1],
-            extra_slots=x.slots[1],
-            extra_lens=lens,
-            sm_scale=SM_SCALE,
-            sinks=x.sinks,
-            plan=plan if planned else None,
-        )
+        return fused(pools, x, extra_lens=lens, plan=plan if planned else None)
 
     row: dict[str, Any] = {"batch": batch, "heads": heads, "lens": dist}
     live = sum(int(lens.sum()) for _, lens, _ in calls) / len(calls)
