@@ -3,6 +3,7 @@ shared-memory and split plans, the CPU path (= the reference), validation of ``o
 custom op's fake implementation and tracing. Its kernels compile in tests/test_ops_compile.py."""
 
 import ctypes
+import fractions
 import random
 from typing import Any, NamedTuple
 
@@ -557,6 +558,126 @@ def test_sm_scale_takes_numpy_floats(seed):
     for scale in (np.float32(0.25), np.float64(0.25), 1 / 4):
         got = nvfp4_mla.sparse_mla_decode(q, swa_cache, swa_slots, **{**args, "sm_scale": scale})
         assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+
+
+def _misaligned(t):
+    """``t``'s values 2 bytes past where a fresh tensor starts (16-byte aligned): not aligned."""
+    flat = torch.empty(t.numel() * t.element_size() + 2, dtype=torch.uint8)[2:]
+    moved = flat.view(t.dtype).view(t.shape)
+    return moved.copy_(t)
+
+
+def _strided(t, step=2):
+    """``t``'s values in a tensor whose last dim has stride ``step``: not contiguous."""
+    wide = torch.zeros(*t.shape[:-1], t.shape[-1] * step, dtype=t.dtype)
+    wide[..., ::step] = t
+    return wide[..., ::step]
+
+
+# name -> (the arguments of inputs() changed, whether it is the usual call: one that the one-pass
+# acceptance must take, else the host-time saving is silently lost)
+CALLS: dict[str, tuple[Any, bool]] = {
+    "two pools, lengths, sinks": (lambda a: a, True),
+    "one pool": (lambda a: {**a, "extra_cache": None, "extra_slots": None}, True),
+    "no lengths, no sinks": (lambda a: {**a, "swa_lens": None, "sinks": None}, True),
+    "extra lengths too": (lambda a: {**a, "extra_lens": a["swa_lens"].long()}, True),
+    "sinks a Parameter": (lambda a: {**a, "sinks": torch.nn.Parameter(a["sinks"])}, True),
+    "an NHD cache": (lambda a: {**a, "swa_cache": make_cache(4, 16, "NHD")}, True),
+    "a one-page cache": (lambda a: {**a, "swa_cache": make_cache(1, 16, "3D", 32)}, True),
+    "a Fraction for sm_scale": (lambda a: {**a, "sm_scale": fractions.Fraction(1, 4)}, False),
+    "int sm_scale": (lambda a: {**a, "sm_scale": 1}, False),
+    "fp32 q": (lambda a: {**a, "q": a["q"].float()}, False),
+    "3-D q": (lambda a: {**a, "q": a["q"][0]}, False),
+    "256-wide q": (lambda a: {**a, "q": a["q"][..., :256].contiguous()}, False),
+    "strided q": (lambda a: {**a, "q": _strided(a["q"])}, False),
+    "no heads": (lambda a: {**a, "q": a["q"][:, :, :0], "sinks": None}, False),
+    "misaligned q": (lambda a: {**a, "q": _misaligned(a["q"])}, False),
+    "sparse q": (lambda a: {**a, "q": a["q"].to_sparse()}, False),
+    "q a list": (lambda a: {**a, "q": a["q"].tolist()}, False),
+    "int8 cache": (lambda a: {**a, "swa_cache": a["swa_cache"].view(torch.int8)}, False),
+    "383-byte records": (lambda a: {**a, "swa_cache": a["swa_cache"][..., :383]}, False),
+    "page stride of 8 bytes more": (lambda a: {**a, "swa_cache": make_cache(4, 16, "3D", 8)}, False),
+    "misaligned cache": (lambda a: {**a, "extra_cache": _misaligned(a["extra_cache"])}, False),
+    "a 2-D cache": (lambda a: {**a, "swa_cache": a["swa_cache"][0]}, False),
+    "float slots": (lambda a: {**a, "swa_slots": a["swa_slots"].float()}, False),
+    "int16 slots": (lambda a: {**a, "extra_slots": a["extra_slots"].short()}, False),
+    "slots of another batch": (lambda a: {**a, "swa_slots": a["swa_slots"][:1]}, False),
+    "slots of another q_len": (lambda a: {**a, "extra_slots": a["extra_slots"][:, :1].contiguous()}, False),
+    "2-D slots": (lambda a: {**a, "swa_slots": a["swa_slots"][:, 0]}, False),
+    "no slot a row": (lambda a: {**a, "swa_slots": a["swa_slots"][..., :0]}, False),
+    "strided slots": (lambda a: {**a, "swa_slots": _strided(a["swa_slots"])}, False),
+    "int16 lengths": (lambda a: {**a, "swa_lens": a["swa_lens"].short()}, False),
+    "lengths of another shape": (lambda a: {**a, "swa_lens": a["swa_lens"][:, :1].contiguous()}, False),
+    "strided lengths": (lambda a: {**a, "swa_lens": _strided(a["swa_lens"])}, False),
+    "lengths a list": (lambda a: {**a, "swa_lens": a["swa_lens"].tolist()}, False),
+    "extra cache alone": (lambda a: {**a, "extra_slots": None}, False),
+    "extra slots alone": (lambda a: {**a, "extra_cache": None}, False),
+    "extra lengths alone": (
+        lambda a: {**a, "extra_cache": None, "extra_slots": None, "extra_lens": a["swa_lens"]},
+        False,
+    ),
+    "nan sm_scale": (lambda a: {**a, "sm_scale": float("nan")}, False),
+    "inf sm_scale": (lambda a: {**a, "sm_scale": float("inf")}, False),
+    "bool sm_scale": (lambda a: {**a, "sm_scale": True}, False),
+    "str sm_scale": (lambda a: {**a, "sm_scale": "0.04"}, False),
+    "fp64 sinks": (lambda a: {**a, "sinks": a["sinks"].double()}, False),
+    "sinks of another head count": (lambda a: {**a, "sinks": torch.zeros(5)}, False),
+    "strided sinks": (lambda a: {**a, "sinks": _strided(a["sinks"])}, False),
+}
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_the_one_pass_acceptance_takes_no_call_the_checks_refuse(seed, monkeypatch, name):
+    """check_decode accepts the usual call of CUDA tensors in one pass (validation.decode's
+    _usual_call) and leaves every other call to the checks one by one, which name what is off:
+    here every tensor says it is on device 0, so the one pass runs on CPU tensors. Whatever it
+    accepts, the checks accept with the same layouts; it takes the usual calls; and check_decode
+    says what the checks say."""
+    from nvfp4_mla.validation import decode as checks
+
+    change, usual = CALLS[name]
+    args = change(inputs(torch.Generator().manual_seed(seed)))
+    args.setdefault("extra_lens", None)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    try:
+        want = checks._check_inputs(**args, need_cuda=False)
+    except ValueError as exc:
+        want, message = None, str(exc)
+    got = checks._usual_call(**args)
+    assert got == want if usual else got is None or got == want
+    assert want is not None or not usual
+    if want is None:
+        with pytest.raises(ValueError) as raised:
+            checks.check_decode(**args, need_cuda=False)
+        assert str(raised.value) == message
+    else:
+        assert checks.check_decode(**args, need_cuda=False) == want
+
+
+def test_out_is_validated_after_the_one_pass(seed, monkeypatch):
+    """With ``out``, a call the one pass accepts gets the checks of ``out``, with their messages."""
+    from nvfp4_mla.validation import decode as checks
+
+    args = inputs(torch.Generator().manual_seed(seed))
+    args["extra_lens"] = None
+    q = args["q"]
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    assert checks._usual_call(**args) is not None
+    checks.check_decode(**args, need_cuda=False, out=torch.empty_like(q))
+    sinks_inside = torch.zeros(q.numel() + 64, dtype=BF16)  # out, then sinks over its last 16 bytes
+    sinks = sinks_inside[q.numel() - 8 :].view(torch.float32)[: q.shape[2]]
+    for out, change, match in [
+        (torch.empty(q.shape, dtype=torch.float32), {}, "out must have dtype torch.bfloat16"),
+        (torch.empty((*q.shape[:-1], 256), dtype=BF16), {}, "out must have q's shape"),
+        (_strided(torch.empty(q.shape, dtype=BF16)), {}, "out must be contiguous"),
+        (torch.empty(q.shape, dtype=BF16, requires_grad=True), {}, "requires grad"),
+        (_misaligned(torch.empty(q.shape, dtype=BF16)), {}, "out must be 16-byte aligned"),
+        (q, {}, "q overlaps out"),
+        (args["swa_cache"].view(-1)[: q.numel() * 2].view(BF16).view(q.shape), {}, "swa_cache overlaps out"),
+        (sinks_inside[: q.numel()].view(q.shape), {"sinks": sinks}, "sinks overlaps out"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            checks.check_decode(**{**args, **change}, need_cuda=False, out=out)
 
 
 # ---------------------------------------------------------------- custom op

@@ -21,10 +21,12 @@ captured in a CUDA graph, and its work follows lengths that change between repla
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.graph import increment_version
 
-from .. import reference, validation
+from .. import abi, reference, validation
 from ..launch import contiguous_strides, new_output
 from .decode_launch import launch
 from .decode_planner import BACKENDS, MAX_LIST_PARTS, SEGMENT_COST, DecodePlan, plan, select_backend, specs
@@ -50,6 +52,14 @@ __all__ = [
 ]
 
 
+@functools.lru_cache(maxsize=256)  # a serving loop's few batch shapes; a hit costs a hash
+def _output_layouts(batch: int, q_len: int, num_heads: int) -> tuple[tuple, tuple, tuple, tuple]:
+    """The shapes and contiguous strides of a call's ``out`` and ``lse``, as plain tuples (what
+    new_output takes)."""
+    out_shape, lse_shape = (batch, q_len, num_heads, abi.HEAD_DIM), (batch, q_len, num_heads)
+    return out_shape, contiguous_strides(out_shape), lse_shape, contiguous_strides(lse_shape)
+
+
 def _decode_cuda(
     lib: KernelLibrary,
     q: torch.Tensor,
@@ -70,14 +80,13 @@ def _decode_cuda(
     if planned is not None:
         planned.check(q, swa_slots, swa_lens, extra_slots, extra_lens)
     device = q.get_device()
-    batch, q_len, num_heads = q.shape[0], q.shape[1], q.shape[2]
+    batch, q_len, num_heads, _ = q.shape
+    out_shape, out_strides, lse_shape, lse_strides = _output_layouts(batch, q_len, num_heads)
     if out is not None:
         increment_version(out)  # written in place: autograd and views must see a new version
     else:  # the kernels write every element of out and lse
-        out_shape = tuple(q.shape)
-        out = new_output(q, out_shape, contiguous_strides(out_shape), torch.bfloat16, device)
-    lse_shape = (batch, q_len, num_heads)
-    lse = new_output(q, lse_shape, contiguous_strides(lse_shape), torch.float32, device)
+        out = new_output(q, out_shape, out_strides, torch.bfloat16, device)
+    lse = new_output(q, lse_shape, lse_strides, torch.float32, device)
     rows = batch * q_len
     if rows == 0:
         return out, lse

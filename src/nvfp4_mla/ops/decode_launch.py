@@ -28,14 +28,14 @@ if TYPE_CHECKING:
 _LOG2E = 1.0 / math.log(2.0)
 
 
-def _pool_params(
-    cache: torch.Tensor | None,
-    slots: torch.Tensor | None,
-    lens: torch.Tensor | None,
-    layout: tuple[int, int, int] | None,
-) -> tuple[int, ...]:
-    if cache is None or slots is None or layout is None:  # no second pool: k = 0, never read
-        return (0, 0, 0, 0, 1, 0, 0, 0, 0)
+_NO_POOL = (0, 0, 0, 0, 1, 0, 0, 0, 0)  # the fields of a missing second pool: k = 0, never read
+_INT64 = torch.int64
+
+
+def _pool_params(pool: Pool) -> tuple[int, ...]:
+    cache, slots, lens, layout = pool
+    if cache is None or slots is None or layout is None:
+        return _NO_POOL
     num_pages, page_size, page_stride = layout
     return (
         cache.data_ptr(),
@@ -45,8 +45,8 @@ def _pool_params(
         page_size,
         num_pages * page_size,
         slots.shape[2],
-        int(slots.dtype is torch.int64),
-        int(lens is not None and lens.dtype is torch.int64),
+        int(slots.dtype is _INT64),
+        int(lens is not None and lens.dtype is _INT64),
     )
 
 
@@ -66,8 +66,10 @@ def launch(
     list (0: a call with lengths writes its own at the start of its workspace). The workspace
     comes from torch's caching allocator on the current stream: the list, then the partials of
     the segments of the rows cut between parts, at their slots."""
-    num_heads, device, q_ptr = q.shape[2], q.get_device(), q.data_ptr()
-    rows = q.shape[0] * q.shape[1]  # batch * q_len
+    # Each value read once: a decode step makes this call once per layer.
+    batch, q_len, num_heads, _ = q.shape
+    rows, device, q_ptr = batch * q_len, q.get_device(), q.data_ptr()
+    out_ptr, lse_ptr = out.data_ptr(), lse.data_ptr()
     stream = current_raw_stream(device)
     sinks_ptr = 0 if sinks is None else sinks.data_ptr()
     partial_o = partial_ml = 0
@@ -90,13 +92,13 @@ def launch(
         plan.attend.shared_bytes,
         stream,
         q_ptr,
-        out.data_ptr(),
-        lse.data_ptr(),
+        out_ptr,
+        lse_ptr,
         partial_o,
         partial_ml,
         sinks_ptr,
-        *_pool_params(*swa_pool),
-        *_pool_params(*extra_pool),
+        *_pool_params(swa_pool),
+        *_pool_params(extra_pool),
         rows,
         num_heads,
         plan.num_splits,
@@ -115,8 +117,8 @@ def launch(
             partial_o,
             partial_ml,
             sinks_ptr,
-            out.data_ptr(),
-            lse.data_ptr(),
+            out_ptr,
+            lse_ptr,
             num_heads,
             work + decode_scheduler.PART_INTS * 4 * plan.parts,  # the split rows
             static,

@@ -28,6 +28,7 @@ class SparseMlaDecodePlan:
     and call :meth:`update` when the lengths' values change."""
 
     __slots__ = (
+        "_call",
         "batch",
         "device",
         "extra_lens",
@@ -62,6 +63,8 @@ class SparseMlaDecodePlan:
         self.launches: DecodePlan | None = launches  # None: no CUDA launch (CPU tensors, no rows)
         self.work: torch.Tensor | None = work  # the work list the scheduler writes, or the host's
         self.work_address = 0 if work is None or launches is None or launches.work is not None else work.data_ptr()
+        # What check compares a call's q and tables with, in one tuple (it runs on every call).
+        self._call = (self.device, self.batch, self.q_len, num_heads, self.k_swa, self.k_extra)
 
     @property
     def parts(self) -> int:
@@ -104,10 +107,11 @@ class SparseMlaDecodePlan:
         extra_slots: torch.Tensor | None,
         extra_lens: torch.Tensor | None,
     ) -> None:
-        """ValueError unless a call of these arguments is one this plan was made for."""
+        """ValueError unless a call of these arguments (checked ones: q is 4-D, the tables 3-D) is
+        one this plan was made for."""
+        batch, q_len, num_heads, _ = q.shape
         k_extra = 0 if extra_slots is None else extra_slots.shape[2]
-        got = (q.get_device(), tuple(q.shape[:3]), swa_slots.shape[2], k_extra)
-        if got != (self.device, (self.batch, self.q_len, self.num_heads), self.k_swa, self.k_extra):
+        if (q.get_device(), batch, q_len, num_heads, swa_slots.shape[2], k_extra) != self._call:
             raise ValueError(
                 f"plan= was made for another call: {self!r}; this call has q {list(q.shape)} on {q.device}, "
                 f"k_swa={swa_slots.shape[2]}, k_extra={k_extra}"

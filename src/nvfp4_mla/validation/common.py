@@ -92,11 +92,14 @@ def _fail_overlap(name: str, written_name: str) -> None:
 
 
 def check_disjoint(written: tuple[int, int], written_name: str, tensors: tuple, names: tuple) -> None:
-    """No input shares a byte with a tensor the call writes (on the GPU that would be a race)."""
+    """No input shares a byte with a tensor the call writes (on the GPU that would be a race);
+    None stands for an input not given."""
     lo, hi = written
     if lo == hi:
         return
     for t, name in zip(tensors, names):  # (inlined extent: this runs on every call)
+        if t is None:
+            continue
         t_lo = t.data_ptr()
         if t_lo < hi and lo < t_lo + t.nbytes:
             _fail_overlap(name, written_name)
@@ -152,9 +155,9 @@ def check_pointers(tensors: tuple, checks: PointerChecks) -> list[int]:
 
 
 def check_out_disjoint(out: torch.Tensor, inputs: tuple, names: tuple, caches: tuple) -> None:
-    """The ``out`` a call writes shares no byte with an input tensor (``inputs``, named ``names``)
-    or with a cache's pages (``caches``: ``(cache, layout, name)`` triples): on the GPU that would
-    be a race, on the CPU a corrupted input."""
+    """The ``out`` a call writes shares no byte with an input tensor (``inputs``, named ``names``;
+    None for one not given) or with a cache's pages (``caches``: ``(cache, layout, name)``
+    triples): on the GPU that would be a race, on the CPU a corrupted input."""
     written = extent(out)
     check_disjoint(written, "out", inputs, names)
     for cache, layout, name in caches:

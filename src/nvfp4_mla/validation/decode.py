@@ -8,6 +8,7 @@ import numbers
 
 import torch
 
+from .. import abi
 from .common import (
     BF16,
     SLOT_DTYPES,
@@ -19,12 +20,17 @@ from .common import (
     check_mutable,
     check_out_disjoint,
     check_tensors,
+    dense,
     fail,
 )
 
 # Entries a slot table may hold per query row: the attention kernel counts its tiles of 32 in an int.
 MAX_TABLE_WIDTH = 1 << 24
 _PLAN_NAMES = ("swa_slots", "swa_lens", "extra_slots", "extra_lens")
+_OUT_INPUTS = ("q", *_PLAN_NAMES, "sinks")  # the inputs out may not overlap, the caches aside (their pages)
+_FP32, _UINT8 = torch.float32, torch.uint8
+_LAYOUTS: dict[tuple, CacheLayout] = {}  # (shape, strides) -> layout: the caches of _known_layout
+_MAX_LAYOUTS = 1024
 
 
 def _check_pool(
@@ -106,6 +112,30 @@ def check_decode(
 ) -> tuple[CacheLayout, CacheLayout | None]:
     """``sparse_mla_decode`` (with its optional ``out``): returns the layout of the sliding-window
     pool and of the extra pool (None without one)."""
+    layouts = _usual_call(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks)
+    if layouts is None:  # another call, a bad one included: the checks one by one say what is off
+        pools = (swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens)
+        layouts = _check_inputs(q, *pools, sm_scale, sinks, need_cuda)
+    if out is not None:
+        swa, extra = layouts
+        caches = ((swa_cache, swa, "swa_cache"),) + (() if extra is None else ((extra_cache, extra, "extra_cache"),))
+        _check_out(out, q, (q, swa_slots, swa_lens, extra_slots, extra_lens, sinks), caches)
+    return layouts
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa_slots: torch.Tensor,
+    swa_lens: torch.Tensor | None,
+    extra_cache: torch.Tensor | None,
+    extra_slots: torch.Tensor | None,
+    extra_lens: torch.Tensor | None,
+    sm_scale: object,
+    sinks: torch.Tensor | None,
+    need_cuda: bool,
+) -> tuple[CacheLayout, CacheLayout | None]:
+    """:func:`check_decode` but ``out``, one check at a time."""
     check_tensors((q,), ("q",))
     check_bf16_rows(q, "q", "batch, q_len, num_heads, 512", 4)
     batch, q_len, num_heads = q.shape[0], q.shape[1], q.shape[2]
@@ -142,10 +172,100 @@ def check_decode(
     check_device(tuple(tensors), tuple(names), need_cuda)
     caches = (q, swa_cache) if extra_cache is None else (q, swa_cache, extra_cache)
     check_aligned(caches, ("q", "swa_cache", "extra_cache"))
-    if out is not None:
-        pools = ((swa_cache, swa, "swa_cache"),) + (() if extra is None else ((extra_cache, extra, "extra_cache"),))
-        _check_out(out, q, tensors, names, pools)
     return swa, extra
+
+
+def _usual_call(
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa_slots: torch.Tensor,
+    swa_lens: torch.Tensor | None,
+    extra_cache: torch.Tensor | None,
+    extra_slots: torch.Tensor | None,
+    extra_lens: torch.Tensor | None,
+    sm_scale: object,
+    sinks: torch.Tensor | None,
+) -> tuple[CacheLayout, CacheLayout | None] | None:
+    """:func:`_check_inputs`'s acceptance of the usual call (CUDA tensors, a float ``sm_scale``)
+    in one pass over the arguments, each attribute read once: a decode step makes this call once
+    per layer, and the checks one by one cost several times more. Returns what they return, or
+    None for any other call, a bad one included: they then run and name what is off. It accepts
+    no call they refuse (tests/test_decode_cpu.py)."""
+    if type(sm_scale) is not float or not math.isfinite(sm_scale):
+        return None
+    if not (dense(q) and q.dtype is BF16 and q.is_contiguous()):
+        return None
+    shape = q.shape
+    if len(shape) != 4 or shape[3] != abi.HEAD_DIM or shape[2] < 1:
+        return None
+    batch, q_len, num_heads, _ = shape
+    device = q.get_device()  # -1 off CUDA (the reference): the checks one by one
+    if device < 0:
+        return None
+    swa = _usual_pool(swa_cache, swa_slots, swa_lens, batch, q_len, device)
+    if swa is None:
+        return None
+    extra = None
+    if extra_cache is not None or extra_slots is not None or extra_lens is not None:
+        if extra_cache is None or extra_slots is None:
+            return None
+        extra = _usual_pool(extra_cache, extra_slots, extra_lens, batch, q_len, device)
+        if extra is None:
+            return None
+    if sinks is not None and not (
+        dense(sinks)
+        and sinks.dtype is _FP32
+        and sinks.shape == (num_heads,)
+        and sinks.is_contiguous()
+        and sinks.get_device() == device
+    ):
+        return None
+    # The pointers last, as the checks one by one read them (a tensor without storage has none).
+    addresses = q.data_ptr() | swa_cache.data_ptr() | (0 if extra_cache is None else extra_cache.data_ptr())
+    if addresses % abi.PAGE_ALIGN:
+        return None
+    return swa, extra
+
+
+def _usual_pool(
+    cache: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor | None, batch: int, q_len: int, device: int
+) -> CacheLayout | None:
+    """A pool of :func:`_usual_call`: its cache's layout, or None."""
+    if not (dense(cache) and cache.dtype is _UINT8 and cache.get_device() == device):
+        return None
+    if not (dense(slots) and slots.dtype in SLOT_DTYPES and slots.is_contiguous() and slots.get_device() == device):
+        return None
+    shape = slots.shape
+    if len(shape) != 3 or shape[0] != batch or shape[1] != q_len or not 1 <= shape[2] <= MAX_TABLE_WIDTH:
+        return None
+    if lens is not None and not (
+        dense(lens)
+        and lens.dtype in SLOT_DTYPES
+        and lens.shape == (batch, q_len)
+        and lens.is_contiguous()
+        and lens.get_device() == device
+    ):
+        return None
+    return _known_layout(cache)
+
+
+def _known_layout(cache: torch.Tensor) -> CacheLayout | None:
+    """:func:`check_cache`'s layout of ``cache`` (a dense uint8 tensor), kept by shape and strides:
+    a model's caches come back with theirs every call; None where check_cache refuses it."""
+    key = (cache.shape, cache.stride())
+    try:
+        layout = _LAYOUTS.get(key)
+    except TypeError:  # symbolic sizes (a trace) do not hash: the checks one by one
+        return None
+    if layout is None:
+        try:
+            layout = check_cache(cache)
+        except ValueError:
+            return None
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:  # (views of ever new shapes: start again)
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = layout
+    return layout
 
 
 def _finite_real(x: object) -> bool:
@@ -160,9 +280,11 @@ def _finite_real(x: object) -> bool:
         return False
 
 
-def _check_out(out: torch.Tensor, q: torch.Tensor, inputs: list, names: list, caches: tuple) -> None:
+def _check_out(out: torch.Tensor, q: torch.Tensor, inputs: tuple, caches: tuple) -> None:
     """The optional ``out``: BF16 with q's shape, contiguous, on q's device, 16-byte aligned,
-    writable, sharing no memory with any input (q, a cache's pages, a slot table, lengths, sinks)."""
+    writable, sharing no memory with any input (q, a cache's pages, a slot table, lengths, sinks).
+    ``inputs``: q and the call's tables, lengths and sinks (None where not given), named by
+    _OUT_INPUTS; ``caches``: ``(cache, layout, name)`` triples."""
     check_tensors((out,), ("out",))
     if out.dtype is not BF16:
         fail(f"out must have dtype torch.bfloat16, got {out.dtype}")
@@ -173,5 +295,4 @@ def _check_out(out: torch.Tensor, q: torch.Tensor, inputs: list, names: list, ca
     check_mutable(out, "out")
     check_device((q, out), ("q", "out"), need_cuda=False)  # q's device was checked with the rest
     check_aligned((out,), ("out",))
-    uncached = [(t, n) for t, n in zip(inputs, names) if not n.endswith("_cache")]
-    check_out_disjoint(out, tuple(t for t, _ in uncached), tuple(n for _, n in uncached), caches)
+    check_out_disjoint(out, inputs, _OUT_INPUTS, caches)
