@@ -23,7 +23,7 @@ SOURCE_ROOT = str(Path(nvfp4_mla.__file__).resolve().parents[1])
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Each test starts with no setting warned about (config warns once per process)."""
-    monkeypatch.setattr(config, "_warned", set())
+    monkeypatch.setattr(config, "warned_messages", set())
 
 
 def caught(call):

@@ -629,7 +629,7 @@ CALLS: dict[str, tuple[Any, bool]] = {
 @pytest.mark.parametrize("name", CALLS)
 def test_the_one_pass_acceptance_takes_no_call_the_checks_refuse(seed, monkeypatch, name):
     """check_decode accepts the usual call of CUDA tensors in one pass (validation.decode's
-    _usual_call) and leaves every other call to the checks one by one, which name what is off:
+    usual_decode_call) and leaves every other call to the checks one by one, which name what is off:
     here every tensor says it is on device 0, so the one pass runs on CPU tensors. Whatever it
     accepts, the checks accept with the same layouts; it takes the usual calls; and check_decode
     says what the checks say."""
@@ -640,10 +640,10 @@ def test_the_one_pass_acceptance_takes_no_call_the_checks_refuse(seed, monkeypat
     args.setdefault("extra_lens", None)
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
     try:
-        want = checks._check_inputs(**args, need_cuda=False)
+        want = checks.check_decode_inputs(**args, need_cuda=False)
     except ValueError as exc:
         want, message = None, str(exc)
-    got = checks._usual_call(**args)
+    got = checks.usual_decode_call(**args)
     assert got == want if usual else got is None or got == want
     assert want is not None or not usual
     if want is None:
@@ -662,7 +662,7 @@ def test_out_is_validated_after_the_one_pass(seed, monkeypatch):
     args["extra_lens"] = None
     q = args["q"]
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
-    assert checks._usual_call(**args) is not None
+    assert checks.usual_decode_call(**args) is not None
     checks.check_decode(**args, need_cuda=False, out=torch.empty_like(q))
     sinks_inside = torch.zeros(q.numel() + 64, dtype=BF16)  # out, then sinks over its last 16 bytes
     sinks = sinks_inside[q.numel() - 8 :].view(torch.float32)[: q.shape[2]]

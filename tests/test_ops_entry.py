@@ -26,7 +26,7 @@ class OnCuda(torch.Tensor):
 def dispatch_of(description: entry.Entry, kernel):
     """The description's dispatch, with ``kernel`` for its kernel path."""
     names = list(inspect.signature(description.kernel).parameters)[1:]
-    return entry._dispatch(dataclasses.replace(description, kernel=kernel), names)
+    return entry.eager_dispatch(dataclasses.replace(description, kernel=kernel), names)
 
 
 def test_a_cuda_tensor_among_the_routed_arguments_takes_the_kernel_path(monkeypatch):

@@ -37,15 +37,15 @@ DEFAULT_LOCK_TIMEOUT = 600.0
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
-_warned: set[str] = set()
+warned_messages: set[str] = set()  # what warn_once has warned about in this process
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
     """Logs ``message`` and warns with it as the kernel cache does (a ``RuntimeWarning`` starting
     with ``nvfp4_mla:``), the first time in this process only: a setting is read again at each
     check, and one warning is enough."""
-    if message not in _warned:
-        _warned.add(message)
+    if message not in warned_messages:
+        warned_messages.add(message)
         log.warning(message)
         warnings.warn(f"nvfp4_mla: {message}", RuntimeWarning, stacklevel=3)
 
@@ -58,7 +58,7 @@ def env_flag(name: str, default: bool = False) -> bool:
     if value in _FALSE:
         return False
     if value:  # "false" once meant on (anything but "" or "0"): a value not understood is not guessed
-        _warn_once(
+        warn_once(
             f"{name}={os.environ[name]!r} is not a boolean (1/0, true/false, yes/no, on/off): "
             f"{name} stays {'on' if default else 'off'}"
         )
@@ -87,7 +87,7 @@ def lock_timeout() -> float:
     except ValueError:
         seconds = math.nan
     if not seconds >= 0:  # NaN too
-        _warn_once(f"{LOCK_TIMEOUT_ENV}={raw!r} is not a number of seconds >= 0: {DEFAULT_LOCK_TIMEOUT:g} s is used")
+        warn_once(f"{LOCK_TIMEOUT_ENV}={raw!r} is not a number of seconds >= 0: {DEFAULT_LOCK_TIMEOUT:g} s is used")
         return DEFAULT_LOCK_TIMEOUT
     return seconds
 
@@ -108,10 +108,10 @@ def default_cache_dir() -> Path | None:
     if os.path.isabs(xdg):
         return Path(xdg) / "nvfp4_mla"
     if xdg:
-        _warn_once(f"XDG_CACHE_HOME={xdg!r} is not an absolute path: ignored, as the XDG specification says")
+        warn_once(f"XDG_CACHE_HOME={xdg!r} is not an absolute path: ignored, as the XDG specification says")
     home = _home()
     if home is None:
-        _warn_once(
+        warn_once(
             f"no home directory (HOME unset with no passwd entry for uid {os.getuid()}, or not an absolute "
             "path) and no XDG_CACHE_HOME: the per-user kernel cache is skipped"
         )
@@ -127,7 +127,7 @@ def cache_dirs() -> list[Path]:
     for entry in os.environ.get(CACHE_DIR_ENV, "").split(os.pathsep):
         expanded = os.path.expanduser(entry)
         if expanded.startswith("~"):
-            _warn_once(f"{CACHE_DIR_ENV} entry {entry!r} skipped: its ~ cannot be expanded (no such home)")
+            warn_once(f"{CACHE_DIR_ENV} entry {entry!r} skipped: its ~ cannot be expanded (no such home)")
         elif expanded:
             listed.append(Path(expanded))
     default = default_cache_dir()

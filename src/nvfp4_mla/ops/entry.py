@@ -81,7 +81,7 @@ def make(entry: Entry[R]) -> tuple[Callable[..., R], tuple[OpOverload, ...]]:
     """Registers the entry's custom ops and their fakes; returns the eager dispatch, called as
     ``dispatch(library, *the entry's arguments)``, and the ops, in the order of ``entry.ops``."""
     names = list(inspect.signature(entry.kernel).parameters)[1:]
-    dispatch = _dispatch(entry, names)
+    dispatch = eager_dispatch(entry, names)
     shared = _arguments(entry.args)
     ops = []
     for op in entry.ops:
@@ -121,7 +121,7 @@ def _annotated(kind: str, name: str, index: int, written: bool) -> str:
     return f"{kind} {name}"
 
 
-def _dispatch(entry: Entry[R], names: list[str]) -> Callable[..., R]:
+def eager_dispatch(entry: Entry[R], names: list[str]) -> Callable[..., R]:
     """The eager dispatch of the entry's arguments ``names``, compiled with them as its own
     parameters: forwarding ``*args`` would cost more host time than the device test itself."""
     parameters = inspect.signature(getattr(reference, entry.name)).parameters

@@ -112,10 +112,10 @@ def check_decode(
 ) -> tuple[CacheLayout, CacheLayout | None]:
     """``sparse_mla_decode`` (with its optional ``out``): returns the layout of the sliding-window
     pool and of the extra pool (None without one)."""
-    layouts = _usual_call(q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks)
+    pools = (swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens)
+    layouts = usual_decode_call(q, *pools, sm_scale, sinks)
     if layouts is None:  # another call, a bad one included: the checks one by one say what is off
-        pools = (swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens)
-        layouts = _check_inputs(q, *pools, sm_scale, sinks, need_cuda)
+        layouts = check_decode_inputs(q, *pools, sm_scale, sinks, need_cuda)
     if out is not None:
         swa, extra = layouts
         caches = ((swa_cache, swa, "swa_cache"),) + (() if extra is None else ((extra_cache, extra, "extra_cache"),))
@@ -123,7 +123,7 @@ def check_decode(
     return layouts
 
 
-def _check_inputs(
+def check_decode_inputs(
     q: torch.Tensor,
     swa_cache: torch.Tensor,
     swa_slots: torch.Tensor,
@@ -175,7 +175,7 @@ def _check_inputs(
     return swa, extra
 
 
-def _usual_call(
+def usual_decode_call(
     q: torch.Tensor,
     swa_cache: torch.Tensor,
     swa_slots: torch.Tensor,
@@ -186,7 +186,7 @@ def _usual_call(
     sm_scale: object,
     sinks: torch.Tensor | None,
 ) -> tuple[CacheLayout, CacheLayout | None] | None:
-    """:func:`_check_inputs`'s acceptance of the usual call (CUDA tensors, a float ``sm_scale``)
+    """:func:`check_decode_inputs`'s acceptance of the usual call (CUDA tensors, a float ``sm_scale``)
     in one pass over the arguments, each attribute read once: a decode step makes this call once
     per layer, and the checks one by one cost several times more. Returns what they return, or
     None for any other call, a bad one included: they then run and name what is off. It accepts
@@ -230,7 +230,7 @@ def _usual_call(
 def _usual_pool(
     cache: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor | None, batch: int, q_len: int, device: int
 ) -> CacheLayout | None:
-    """A pool of :func:`_usual_call`: its cache's layout, or None."""
+    """A pool of :func:`usual_decode_call`: its cache's layout, or None."""
     if not (dense(cache) and cache.dtype is _UINT8 and cache.get_device() == device):
         return None
     if not (dense(slots) and slots.dtype in SLOT_DTYPES and slots.is_contiguous() and slots.get_device() == device):
