@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_decode_gpu import SM_SCALE, Pool, bits_equal, check, exact, lengths, queries
+from test_decode_gpu import Pool, bits_equal, check, exact, lengths, queries
+from test_decode_plan import call
 from test_writers_gpu_execution import gpu_sleep
 
 import nvfp4_mla
@@ -78,20 +79,7 @@ class Call:
         return nvfp4_mla.plan_sparse_mla_decode(self.q.shape[2], swa_slots, **tables, library=library)
 
     def decode(self, plan=None, library=None) -> tuple[torch.Tensor, torch.Tensor]:
-        (swa, swa_slots, swa_lens), (extra, extra_slots, extra_lens) = self.pools
-        return nvfp4_mla.sparse_mla_decode(
-            self.q,
-            swa.cache,
-            swa_slots,
-            swa_lens=swa_lens,
-            extra_cache=extra.cache,
-            extra_slots=extra_slots,
-            extra_lens=extra_lens,
-            sm_scale=SM_SCALE,
-            sinks=self.sinks,
-            plan=plan,
-            library=library,
-        )
+        return call(self.q, self.pools, self.sinks, plan=plan, library=library)
 
     def exact(self):
         """The float64 answer (on the CPU, whichever GPU the call's tensors are on)."""
