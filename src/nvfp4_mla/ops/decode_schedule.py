@@ -1,7 +1,9 @@
-"""How ``sparse_mla_decode`` divides a call's work into items: the split of the selected tokens
-across blocks and the parts of a row's output dims. Pure functions of the shapes and the device's
-block counts (never of the data), so equal inputs give equal bits on every run; ``ops.decode.plan``
-applies them. The constants of the cost model were measured on the H200
+"""The width split of ``sparse_mla_decode``: how a call's rows, all at the tables' widths, are cut
+into (row, split) items, and the parts of a row's output dims. The planner
+(:mod:`.decode_planner`) takes the dim parts from it for every call, and for a call without
+length tensors deals its items into the work list's parts (``decode_scheduler.split_schedule``).
+Pure functions of the shapes and the device's block counts (never of the data), so equal inputs
+give equal bits on every run. The constants of the cost model were measured on the H200
 (docs/performance.md#split-cost-model)."""
 
 from __future__ import annotations
