@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from nvfp4_mla import ops
-from nvfp4_mla.bench import decode
+from nvfp4_mla.bench import decode_arms
 from nvfp4_mla.bench.arms import fused_call
 from nvfp4_mla.bench.grid import MAX_POSITION, Row
 from nvfp4_mla.bench.inputs import make_inputs
@@ -48,10 +48,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.cuda.set_device(0)
     if args.kind == "decode":
-        pools = decode.Pools("cuda")
-        x = decode.Inputs(args.batch, args.q_len, args.heads, args.extra_k, torch.Generator().manual_seed(0), pools)
+        pools = decode_arms.Pools("cuda")
+        g = torch.Generator().manual_seed(0)
+        x = decode_arms.Inputs(args.batch, args.q_len, args.heads, args.extra_k, g, pools)
         for _ in range(args.calls):
-            decode.fused(pools, x)
+            decode_arms.fused(pools, x)
     else:
         row = writer_row(args.entry, args.tokens, args.heads, args.padded)
         call = fused_call(row, ops, rope_table(MAX_POSITION, "cuda"))

@@ -17,7 +17,7 @@ import torch
 import nvfp4_mla.bench.decode as bench_decode
 import nvfp4_mla.bench.reader as bench_reader
 from nvfp4_mla import cli, gpu_unavailable_reason, reference
-from nvfp4_mla.bench import arms, ceilings, grid, inputs, probes, report, run, targets
+from nvfp4_mla.bench import arms, ceilings, decode_arms, decode_ragged, grid, inputs, probes, report, run, targets
 from nvfp4_mla.bench.grid import Row
 from nvfp4_mla.bench.plot import write_plot
 from nvfp4_mla.bench.results import Ceilings, FirstUse, RowResult
@@ -835,14 +835,14 @@ def test_decode_writer_reproduces_the_published_report(tmp_path):
 
 
 def test_decode_torch_arms_do_the_same_work_as_the_reference(seed):
-    pools = bench_decode.Pools("cpu", (256, 512), reference)
+    pools = decode_arms.Pools("cpu", (256, 512), reference)
     # Not the global seed: q would repeat the tables' first rows.
-    x = bench_decode.Inputs(2, 2, 16, 64, torch.Generator().manual_seed(seed + 1), pools)
+    x = decode_arms.Inputs(2, 2, 16, 64, torch.Generator().manual_seed(seed + 1), pools)
     # Invalid slots, enough that scoring them as zero rows would move lse by about 0.3.
     x.slots[0][0, 0, :64] = -1
     x.slots[1][1, 1, -32:] = 512
-    fused_out, fused_lse = bench_decode.fused(pools, x)  # the reference on the CPU
-    reader_out, reader_lse = bench_decode.torch_reader(pools, x)
+    fused_out, fused_lse = decode_arms.fused(pools, x)  # the reference on the CPU
+    reader_out, reader_lse = decode_arms.torch_reader(pools, x)
     assert fused_out.shape == reader_out.shape == x.q.shape and fused_lse.shape == reader_lse.shape == x.q.shape[:3]
     torch.testing.assert_close(reader_out.float(), fused_out.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(reader_lse, fused_lse, atol=1e-2, rtol=1e-2)  # BF16 scores in the torch arm
@@ -850,26 +850,26 @@ def test_decode_torch_arms_do_the_same_work_as_the_reference(seed):
     pools.tables = [
         reference.nvfp4_dequantize_sparse_mla_cache(c, dtype=torch.bfloat16).view(-1, 512) for c in pools.caches
     ]
-    bf16_out, bf16_lse = bench_decode.torch_bf16(pools, x)
+    bf16_out, bf16_lse = decode_arms.torch_bf16(pools, x)
     assert torch.equal(bf16_out, reader_out) and torch.equal(bf16_lse, reader_lse)
 
 
 def test_ragged_lengths_follow_their_distributions():
     g = torch.Generator().manual_seed(0)
-    k = bench_decode.RAGGED_EXTRA_K
-    full, tail, uniform, short = (bench_decode.ragged_lengths(d, 64, k, g) for d in bench_decode.RAGGED_DISTRIBUTIONS)
+    k = decode_ragged.RAGGED_EXTRA_K
+    full, tail, uniform, short = (decode_ragged.ragged_lengths(d, 64, k, g) for d in decode_ragged.RAGGED_DISTRIBUTIONS)
     assert full.shape == (64, 1) and full.dtype == torch.int32 and bool((full == k).all())
     assert tail.view(-1).tolist() == [k if r % 8 == 0 else 128 for r in range(64)]
     assert int(uniform.min()) >= 1 and int(uniform.max()) <= k and int(short.min()) >= 1 and int(short.max()) <= 256
     with pytest.raises(ValueError, match="no length distribution 'long'"):
-        bench_decode.ragged_lengths("long", 4, k, g)
+        decode_ragged.ragged_lengths("long", 4, k, g)
 
 
 def test_a_ragged_row_times_both_forms_on_the_same_lengths(seed):
     """Both arms run (here the reference on the CPU, through a plan made on CPU tensors) and the
     row says how much of the full batch is live."""
-    pools = bench_decode.Pools("cpu", (256, 512), reference)
-    row = bench_decode.measure_ragged(pools, 4, 16, "tail1of8", torch.Generator().manual_seed(seed), StandInTimer())
+    pools = decode_arms.Pools("cpu", (256, 512), reference)
+    row = decode_ragged.measure_ragged(pools, 4, 16, "tail1of8", torch.Generator().manual_seed(seed), StandInTimer())
     assert row["live_full"] == (2048 + 3 * 128) / (4 * 2048)  # row 0 full, rows 1-3 128 live
     assert (row["one_call_us"], row["plan_us"], row["plan_speedup"]) == (GRAPH_S * 1e6, GRAPH_S * 1e6, 1.0)
 
@@ -881,11 +881,11 @@ def test_the_ragged_report_divides_by_the_full_batch(monkeypatch, tmp_path):
         return {"batch": batch, "heads": heads, "lens": dist, "live_full": 0.5, "one_call_us": times[dist],
                 "plan_us": times[dist] / 2, "plan_speedup": 2.0}  # fmt: skip
 
-    monkeypatch.setattr(bench_decode, "measure_ragged", measured)
+    monkeypatch.setattr(decode_ragged, "measure_ragged", measured)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    rows = bench_decode.ragged(None, None, None, tmp_path, "a GPU")  # type: ignore[arg-type]
-    assert len(rows) == 2 * 2 * len(bench_decode.RAGGED_DISTRIBUTIONS)
+    rows = decode_ragged.ragged(None, None, None, tmp_path, "a GPU")  # type: ignore[arg-type]
+    assert len(rows) == 2 * 2 * len(decode_ragged.RAGGED_DISTRIBUTIONS)
     assert [r["time_full"] for r in rows[:4]] == [1.0, 0.5, 0.6, 0.25]
     csv_text = (tmp_path / "decode_ragged.csv").read_text()
-    assert csv_text.splitlines()[0] == ",".join(bench_decode.RAGGED_COLUMNS)
+    assert csv_text.splitlines()[0] == ",".join(decode_ragged.RAGGED_COLUMNS)
     assert "# Fused sparse decode on a GPU: ragged batches" in (tmp_path / "decode_ragged.md").read_text()

@@ -1,7 +1,7 @@
 """Benchmark of the fused sparse decode, ``nvfp4_mla.sparse_mla_decode`` on CUDA tensors, against the
 paths a user writes without it and the same run's ceilings:
 ``nvfp4-mla bench decode [--out DIR] [--quick] [--head-tiles] [--backends] [--ragged]`` (also
-``python -m nvfp4_mla.bench decode``).
+``python -m nvfp4_mla.bench decode``); ``--ragged`` adds :mod:`.decode_ragged`'s suite.
 
 It prints a table and writes ``decode_bench.csv`` and ``decode_bench.md`` into DIR (default
 ``bench-results/<GPU name>/``).
@@ -15,16 +15,10 @@ tokens, the compressed pool 2^20 (96 and 384 MiB of records; 0.25 and 1 GiB as B
 written from the same random BF16 rows by the pack entry, page size 64. Calls rotate over up to
 8 slot sets, so small calls do not find their records in L2 from the previous call.
 
-**Arms**, each timed graph-replayed (``triton.testing.do_bench_cudagraph`` over graphs of about
-20 ms, median) and eager (back-to-back calls, median of 5 batches; both
-:class:`~nvfp4_mla.bench.timing.DeviceTimer`):
-
-- ``fused``: this kernel on the NVFP4 caches;
-- ``torch_bf16``: what a user writes on a BF16 cache: ``index_select`` the rows of both pools,
-  ``cat``, ``matmul`` (BF16), fp32 scores with the invalid-slot mask, ``logsumexp``, weights to
-  BF16, ``matmul``, sink factor;
-- ``torch_reader``: the same on this cache through the reader
-  (``nvfp4_dequantize_sparse_mla_cache(..., dtype=bfloat16, invalid=0.0)`` per pool).
+**Arms** (:mod:`.decode_arms`), each timed graph-replayed (``triton.testing.do_bench_cudagraph`` over
+graphs of about 20 ms, median) and eager (back-to-back calls, median of 5 batches; both
+:class:`~nvfp4_mla.bench.timing.DeviceTimer`): ``fused`` (this kernel), ``torch_bf16`` and
+``torch_reader`` (what a user writes without it).
 
 **Rooflines** of each shape, from the same run: bytes (q, out, lse, 384 per selected token,
 the int32 slots) over the copy ceiling (eager ``copy_`` of 1 GiB, read + write:
@@ -44,25 +38,13 @@ absolute targets (lines labelled "Hopper target:") on the rows the selection rul
 "rule"; "forced" rows run a backend or head tile the ``--head-tiles`` and ``--backends`` options
 force). The Hopper kernel's targets against FlashMLA are not measured here.
 
-**Ragged batches** (``--ragged``, also written to ``decode_ragged.csv`` and ``.md``): 32 and 128
-rows of 64 and 128 heads over 128 window + 2,048 compressed selections whose live counts
-(``extra_lens``) follow a distribution: ``full`` (all 2,048), ``tail1of8`` (one row in eight
-2,048, the rest 128), ``uniform`` (1-2,048), ``short`` (1-256). Two arms, graph-replayed: the
-one-call form (``sparse_mla_decode`` with the lengths: the scheduler runs in each call) and a
-reused plan (``plan_sparse_mla_decode`` once, ``plan=`` in each call). ``live_full`` is the
-batch's live selections over its full batch's, ``time_full`` the one-call time over the full
-batch's: a decode whose time follows its work keeps the two close.
-
 The predictions written before its first measurement are in docs/performance_history.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -74,17 +56,14 @@ from ..device import device_info
 from ..ops import decode as decode_op
 from ..ops import decode_mma
 from .ceilings import copy_bandwidth, empty_kernel_launcher, matmul_flops
+from .decode_arms import ARMS, SWA_K, Inputs, Pools, fused, torch_reader
+from .decode_ragged import ragged
 from .report import markdown_grid, write_suite
 from .run import require_gpu, results_dir, suite_parser
 from .timing import SUITE_GRAPH_S, SUITE_REPS, DeviceTimer, Timer
 
-PAGE_SIZE = 64
-SWA_K = 128
-SWA_TOKENS, EXTRA_TOKENS = 1 << 18, 1 << 20
-SM_SCALE = (abi.HEAD_DIM + abi.ROPE_DIM) ** -0.5
 MAX_SETS = 8
 DEFAULT_L2_BYTES = 50 << 20  # when torch does not report the device's L2 size
-BF16 = torch.bfloat16
 OUTPUT_STEM = "decode_bench"  # decode_bench.csv, decode_bench.md
 TARGETS = {  # against the torch arms and the rooflines
     "speedup_small_heads": 4.0,  # vs torch_bf16, heads <= 32
@@ -100,99 +79,6 @@ HOPPER_TARGETS = {  # the Hopper kernel's absolute targets (H200)
 }
 PREFILL_ROWS = (4096, 16384)  # query rows of the prefill shapes: 128 heads, 128 + 512 tokens, q_len 1
 Shape = tuple[int, int, int, int]  # batch, q_len, heads, extra_k
-
-
-# ---------------------------------------------------------------- inputs and arms
-
-
-class Pools:
-    """The two pools, as BF16 tables and as NVFP4 caches holding the same rows, written by
-    ``library``'s pack entry (the CPU tests give small pools and ``nvfp4_mla.reference``)."""
-
-    def __init__(
-        self,
-        device: torch.device | str = "cuda",
-        tokens: tuple[int, int] = (SWA_TOKENS, EXTRA_TOKENS),
-        library: ModuleType = nvfp4_mla,
-    ):
-        self.tables: list[torch.Tensor] = []
-        self.caches: list[torch.Tensor] = []
-        for count in tokens:
-            table = torch.randn(count // PAGE_SIZE, PAGE_SIZE, abi.HEAD_DIM, device=device, dtype=BF16)
-            self.caches.append(library.nvfp4_quantize_pack_sparse_mla_cache(table))
-            self.tables.append(table.view(count, abi.HEAD_DIM))
-
-
-class Inputs:
-    """One call's arguments, slots drawn over the pools' tokens."""
-
-    def __init__(self, batch: int, q_len: int, heads: int, extra_k: int, g: torch.Generator, pools: Pools) -> None:
-        device = pools.tables[0].device
-        self.q = torch.randn(batch, q_len, heads, abi.HEAD_DIM, generator=g).to(device, BF16)
-        self.slots = [
-            torch.randint(0, len(table), (batch, q_len, k), generator=g, dtype=torch.int32).to(device)
-            for table, k in zip(pools.tables, (SWA_K, extra_k))
-        ]
-        self.sinks = torch.randn(heads, generator=g).to(device)
-
-
-def fused(
-    pools: Pools,
-    x: Inputs,
-    library: nvfp4_mla.KernelLibrary | None = None,
-    extra_lens: torch.Tensor | None = None,
-    plan: nvfp4_mla.SparseMlaDecodePlan | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This kernel on the NVFP4 caches (on ``library``: default the process's), with the extra
-    pool's live counts ``extra_lens`` and a step's ``plan`` where given."""
-    return nvfp4_mla.sparse_mla_decode(
-        x.q,
-        pools.caches[0],
-        x.slots[0],
-        extra_cache=pools.caches[1],
-        extra_slots=x.slots[1],
-        extra_lens=extra_lens,
-        sm_scale=SM_SCALE,
-        sinks=x.sinks,
-        library=library,
-        plan=plan,
-    )
-
-
-def attend(
-    q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch attention a user writes on gathered BF16 rows ``[batch, q_len, k, 512]``."""
-    scores = torch.matmul(q, rows.transpose(-1, -2)).float() * SM_SCALE
-    scores = scores.masked_fill(~valid[:, :, None, :], -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse[..., None]).to(BF16)
-    out = torch.matmul(weights, rows) * (1.0 / (1.0 + torch.exp(sinks - lse)))[..., None]
-    return out.to(BF16), lse
-
-
-def torch_bf16(pools: Pools, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``index_select`` of the BF16 tables, then :func:`attend`."""
-    parts, valid = [], []
-    for table, slots in zip(pools.tables, x.slots):
-        ok = (slots >= 0) & (slots < table.shape[0])
-        index = torch.where(ok, slots, 0).view(-1)
-        parts.append(torch.index_select(table, 0, index).view(*slots.shape, abi.HEAD_DIM))
-        valid.append(ok)
-    return attend(x.q, torch.cat(parts, dim=2), torch.cat(valid, dim=2), x.sinks)
-
-
-def torch_reader(pools: Pools, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reader on each NVFP4 cache, then :func:`attend`."""
-    parts, valid = [], []
-    for cache, slots, table in zip(pools.caches, x.slots, pools.tables):
-        parts.append(nvfp4_mla.nvfp4_dequantize_sparse_mla_cache(cache, slots, dtype=BF16, invalid=0.0))
-        valid.append((slots >= 0) & (slots < table.shape[0]))
-    return attend(x.q, torch.cat(parts, dim=2), torch.cat(valid, dim=2), x.sinks)
-
-
-Arm = Callable[[Pools, Inputs], tuple[torch.Tensor, torch.Tensor]]
-ARMS: dict[str, Arm] = {"fused": fused, "torch_bf16": torch_bf16, "torch_reader": torch_reader}
 
 
 # ---------------------------------------------------------------- models, measurement, verdicts
@@ -376,85 +262,6 @@ def write(
 ) -> None:
     """``decode_bench.csv`` and ``decode_bench.md`` in ``out`` (created when missing)."""
     write_suite(out, OUTPUT_STEM, rows, COLUMNS, markdown(rows, ceilings, lines, device_name))
-
-
-# ---------------------------------------------------------------- ragged batches
-
-RAGGED_STEM = "decode_ragged"
-RAGGED_EXTRA_K = 2048
-RAGGED_DISTRIBUTIONS = ("full", "tail1of8", "uniform", "short")
-RAGGED_COLUMNS = ["batch", "heads", "lens", "live_full", "one_call_us", "plan_us", "plan_speedup", "time_full"]
-
-
-def ragged_lengths(dist: str, batch: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """int32 ``[batch, 1]`` live counts of the extra pool's ``k`` selections (see the module's
-    "Ragged batches")."""
-    if dist == "full":
-        n = torch.full((batch,), k)
-    elif dist == "tail1of8":
-        n = torch.where(torch.arange(batch) % 8 == 0, k, 128)
-    elif dist == "uniform":
-        n = torch.randint(1, k + 1, (batch,), generator=g)
-    elif dist == "short":
-        n = torch.randint(1, 257, (batch,), generator=g)
-    else:
-        raise ValueError(f"no length distribution {dist!r}: one of {RAGGED_DISTRIBUTIONS}")
-    return n.to(torch.int32).view(batch, 1)
-
-
-def measure_ragged(
-    pools: Pools, batch: int, heads: int, dist: str, g: torch.Generator, timer: Timer, sets: int = 2
-) -> dict[str, Any]:
-    """One ragged batch's row (``time_full`` is filled by the caller from the full batch's)."""
-    device = pools.tables[0].device
-    calls = []
-    for _ in range(sets):
-        x = Inputs(batch, 1, heads, RAGGED_EXTRA_K, g, pools)
-        lens = ragged_lengths(dist, batch, RAGGED_EXTRA_K, g).to(device)
-        plan = nvfp4_mla.plan_sparse_mla_decode(heads, x.slots[0], extra_slots=x.slots[1], extra_lens=lens)
-        calls.append((x, lens, plan))
-
-    def one(item: tuple[Inputs, torch.Tensor, Any], planned: bool) -> object:
-        x, lens, plan = item
-        return fused(pools, x, extra_lens=lens, plan=plan if planned else None)
-
-    row: dict[str, Any] = {"batch": batch, "heads": heads, "lens": dist}
-    live = sum(int(lens.sum()) for _, lens, _ in calls) / len(calls)
-    row["live_full"] = live / (batch * RAGGED_EXTRA_K)
-    row["one_call_us"] = timer.graph(lambda item: one(item, False), calls) * 1e6
-    row["plan_us"] = timer.graph(lambda item: one(item, True), calls) * 1e6
-    row["plan_speedup"] = row["one_call_us"] / row["plan_us"]
-    return row
-
-
-def ragged(pools: Pools, g: torch.Generator, timer: Timer, out: Path, device_name: str) -> list[dict[str, Any]]:
-    """The ragged batches' rows, printed and written to ``decode_ragged.csv`` and ``.md``."""
-    rows = []
-    print(f"{'batch':>5} {'heads':>5} {'lens':>9} {'live/full':>9} {'one call':>9} {'plan':>8} {'time/full':>9}")
-    for heads in (64, 128):
-        for batch in (32, 128):
-            full_us = 0.0
-            for dist in RAGGED_DISTRIBUTIONS:
-                r = measure_ragged(pools, batch, heads, dist, g, timer)
-                full_us = full_us or r["one_call_us"]  # "full" comes first
-                r["time_full"] = r["one_call_us"] / full_us
-                rows.append(r)
-                torch.cuda.empty_cache()
-                print(
-                    f"{batch:5d} {heads:5d} {dist:>9} {r['live_full']:9.2f} {r['one_call_us']:9.1f} "
-                    f"{r['plan_us']:8.1f} {r['time_full']:9.2f}"
-                )
-
-    def cell(value: object) -> str:
-        return f"{value:.3g}" if isinstance(value, float) else str(value)
-
-    md = [
-        f"# Fused sparse decode on {device_name}: ragged batches",
-        "",
-        *markdown_grid(RAGGED_COLUMNS, [[cell(r[c]) for c in RAGGED_COLUMNS] for r in rows]),
-    ]
-    write_suite(out, RAGGED_STEM, rows, RAGGED_COLUMNS, "\n".join(md) + "\n")
-    return rows
 
 
 # ---------------------------------------------------------------- command line
