@@ -14,7 +14,7 @@ allocator's pool and memcheck cannot see them.
 import torch
 
 from nvfp4_mla import jit, launch
-from nvfp4_mla.ops.writer_spec import WriterSpec
+from nvfp4_mla.ops import writers
 from nvfp4_mla.testing import MemoryKernels, random_rows
 
 BOUND = "static_cast<u64>(r.slot[j]) >= static_cast<u64>(p.capacity)"
@@ -31,7 +31,7 @@ class MutatedKernels(MemoryKernels):
 
 
 def main() -> None:
-    spec = WriterSpec.append(16, torch.int64)
+    spec = writers.append_spec(16, torch.int64)
     launcher = MutatedKernels().launcher(0, spec)
     num_pages, page_size = 2, 16
     cache = torch.zeros(num_pages, page_size, 384, dtype=torch.uint8, device="cuda")

@@ -18,19 +18,19 @@ from nvfp4_mla.bench.arms import Entries
 from nvfp4_mla.bench.grid import Row
 from nvfp4_mla.device import Device
 from nvfp4_mla.ops import library as library_module
-from nvfp4_mla.ops import writer_calls
+from nvfp4_mla.ops import writers
 from nvfp4_mla.ops.writer_spec import WriterSpec
 from nvfp4_mla.testing import Case, check_case, one_kv_block, record_offsets, rope_table
 
 HEADER = stub.shipped_header()
 # One writer variant of each entry the benchmark measures.
 VARIANTS = [
-    WriterSpec.main(256, torch.int64, 8, 16, True, False),
-    WriterSpec.main(256, torch.int64, 16, 16, True, True),
-    WriterSpec.kv(128, torch.int64, 1),
-    WriterSpec.kv(128, torch.int64, 2),
-    WriterSpec.append(128, torch.int64),
-    WriterSpec.pack(128),
+    writers.main_spec(256, torch.int64, 8, 16, True, False),
+    writers.main_spec(256, torch.int64, 16, 16, True, True),
+    writers.kv_spec(128, torch.int64, 1),
+    writers.kv_spec(128, torch.int64, 2),
+    writers.append_spec(128, torch.int64),
+    writers.pack_spec(128),
 ]
 
 
@@ -168,9 +168,9 @@ def test_a_library_plans_with_its_cache_and_tune_in_its_own_table(kv_rows_per_wa
     cache = _RecordingCache()
     tune = None if kv_rows_per_warp is None else (lambda s: s._replace(kv_rows_per_warp=kv_rows_per_warp))
     library = nvfp4_mla.KernelLibrary(cache, tune=tune)  # type: ignore[arg-type]  # a stand-in cache
-    spec = WriterSpec.kv(128, torch.int64, 2)
+    spec = writers.kv_spec(128, torch.int64, 2)
     shipped = dict(ops.DEFAULT.plans)
-    plan = writer_calls.make_plan(library, ("signature",), 5, spec, None, LAYOUT, 0, 0, 10)  # type: ignore[arg-type]  # no checks: never run
+    plan = writers.make_plan(library, ("signature",), 5, spec, None, LAYOUT, 0, 0, 10)  # type: ignore[arg-type]  # no checks: never run
     assert library.plans == {("signature",): plan} and ops.DEFAULT.plans == shipped
     expected = spec if kv_rows_per_warp is None else spec._replace(kv_rows_per_warp=kv_rows_per_warp)
     assert plan.launch is not None
@@ -181,7 +181,7 @@ def test_a_library_plans_with_its_cache_and_tune_in_its_own_table(kv_rows_per_wa
 def test_a_library_plans_with_its_writer_grid():
     """The tests' and the sanitizer run's forced layouts: a plan uses the library's grid (here
     one_kv_block's single KV block), the shipped grid elsewhere."""
-    spec = WriterSpec.kv(128, torch.int64, 1)
+    spec = writers.kv_spec(128, torch.int64, 1)
     many = STAND_IN._replace(resident_blocks=528, device=Device(5, 90, 132, 232_448))
     forced = nvfp4_mla.KernelLibrary(writer_grid=one_kv_block)
     assert forced.grid(spec, 0, 10_000, many) == (1, 1)  # type: ignore[arg-type]  # a stand-in launcher; 5000 units, one block
@@ -192,9 +192,9 @@ def test_a_plan_with_nothing_to_launch_has_no_launch():
     """Even when the kernel is already loaded: a grid of 0 blocks is a launch error."""
     cache = _RecordingCache()
     library = nvfp4_mla.KernelLibrary(cache)  # type: ignore[arg-type]  # a stand-in cache
-    spec = WriterSpec.kv(128, torch.int64, 2)
-    work = writer_calls.make_plan(library, ("some",), 5, spec, None, LAYOUT, 0, 0, 10)  # type: ignore[arg-type]  # no checks
-    empty = writer_calls.make_plan(library, ("none",), 5, spec, None, LAYOUT, 0, 0, 0)  # type: ignore[arg-type]  # no checks
+    spec = writers.kv_spec(128, torch.int64, 2)
+    work = writers.make_plan(library, ("some",), 5, spec, None, LAYOUT, 0, 0, 10)  # type: ignore[arg-type]  # no checks
+    empty = writers.make_plan(library, ("none",), 5, spec, None, LAYOUT, 0, 0, 0)  # type: ignore[arg-type]  # no checks
     assert work.launch is not None
     assert work.launch.func == STAND_IN.launch and empty.launch is None and len(cache.bound) == 1
 
@@ -226,7 +226,7 @@ def test_kernel_library_binds_each_entry_to_its_library(kv_rows_per_warp, stubbe
     assert len(libraries) == 1
     (library,) = libraries
     assert library.cache == ("stub cache" if stubbed else kernel_cache.default())
-    spec = WriterSpec.main(16, torch.int64, 8, 16, True, False)
+    spec = writers.main_spec(16, torch.int64, 8, 16, True, False)
     assert library.spec(spec) == spec._replace(kv_rows_per_warp=kv_rows_per_warp)
     kv = torch.zeros(4, 512, dtype=torch.bfloat16)
     cache = reference.new_cache(2, 16, "HND", "cpu")

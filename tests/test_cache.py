@@ -30,13 +30,12 @@ import torch
 import nvfp4_mla
 from nvfp4_mla import Geometry, jit, kernel_cache, kernel_file, launch, precompile
 from nvfp4_mla.device import Device, device_info
-from nvfp4_mla.ops import decode
-from nvfp4_mla.ops.writer_spec import WriterSpec
+from nvfp4_mla.ops import decode, writers
 
 pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install -e '.[cu12]')")
 
-SPEC = WriterSpec.main(16, torch.int32, 8, 16, True, False)
-OTHER = WriterSpec.main(64, torch.int32, 8, 16, True, False)  # another page size
+SPEC = writers.main_spec(16, torch.int32, 8, 16, True, False)
+OTHER = writers.main_spec(64, torch.int32, 8, 16, True, False)  # another page size
 ARCH = "sm_90"
 NOBODY = 65534
 
@@ -893,7 +892,7 @@ def test_damaged_files_on_the_load_path(tmp_path, monkeypatch, kind):
     from nvfp4_mla.testing import make_cache, random_rows, random_slots
 
     arch = device_info(torch.cuda.current_device()).arch
-    spec, other = WriterSpec.append(16, torch.int32), WriterSpec.append(32, torch.int32)
+    spec, other = writers.append_spec(16, torch.int32), writers.append_spec(32, torch.int32)
     kdir = tmp_path / "kernels"
     kdir.mkdir(mode=0o700)
     path = kdir / kernel_cache.KernelCache.file_name(jit.kernel_key(spec, arch), arch)

@@ -27,11 +27,11 @@ from nvfp4_mla import Geometry, jit, kernel_cache, kernel_file, launch, precompi
 from nvfp4_mla.cli import main
 from nvfp4_mla.device import Device, device_info
 from nvfp4_mla.geometry import ARCH_LIST_ENV, parse_arch_list
-from nvfp4_mla.ops.writer_spec import WriterSpec
+from nvfp4_mla.ops import writers
 
 pytest.importorskip("cupy", reason="CuPy is needed for NVRTC (pip install -e '.[cu12]')")
 
-SPEC = WriterSpec.main(16, torch.int32, 8, 16, True, False)
+SPEC = writers.main_spec(16, torch.int32, 8, 16, True, False)
 ARCH = "sm_90"
 SRC = str(Path(nvfp4_mla.__file__).resolve().parents[1])  # so a subprocess imports this checkout
 ANOTHER_NVRTC = kernel_file.Compiler(11, 8, bytes(range(32)))
@@ -195,9 +195,9 @@ def test_a_process_without_cupy_finds_a_precompiled_kernel(image):
             sys.modules[name] = None  # importing it now fails
         import torch
         from nvfp4_mla import jit, kernel_cache
-        from nvfp4_mla.ops.writer_spec import WriterSpec
+        from nvfp4_mla.ops import writers
 
-        spec = WriterSpec.main(16, torch.int32, 8, 16, True, False)
+        spec = writers.main_spec(16, torch.int32, 8, 16, True, False)
         data, path = kernel_cache.KernelCache([Path(sys.argv[1])]).build(spec, "sm_90")
         with open("/proc/self/maps") as maps:
             mapped = "libnvrtc" in maps.read()

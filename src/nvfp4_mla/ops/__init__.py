@@ -1,8 +1,8 @@
 """The ops on the GPU: one module per op, each its validation, planning, launch and torch custom
 ops, on a :class:`~nvfp4_mla.ops.library.KernelLibrary` (the process's by default).
 
-- :mod:`.writers` (the four writer entries; their kernel path in :mod:`.writer_calls`, their
-  kernel's build spec in :mod:`.writer_spec`);
+- :mod:`.writers` (the four writer entries, each with its build and kernel path; their kernel's
+  build spec in :mod:`.writer_spec`);
 - :mod:`.reader` (``nvfp4_dequantize_sparse_mla_cache``);
 - :mod:`.entry`: what the writers and the reader are made from, one description an entry (their
   custom ops and fakes, the dispatch to the kernel path or the reference, their registry entry);

@@ -1,18 +1,15 @@
-"""The build spec of the writer kernel, ``kernels/nvfp4_mla_write.cu``: one vocabulary, one named
-constructor per entry, the launch grid it plans, and the builds CI compiles (:func:`catalogue`).
+"""The build spec of the writer kernel, ``kernels/nvfp4_mla_write.cu``: one vocabulary for every
+writer entry, and the launch grid it plans.
 
 A :class:`WriterSpec` is everything that specializes the kernel (its ``-D`` constants). Field
-names are the entries' argument names. The constructors are memoized, so a plan miss gets the
-same spec object back for the same arguments.
+names are the entries' argument names. Each entry's build (its spec from its arguments) and the
+builds CI compiles are in :mod:`.writers`, beside the entries' descriptions.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 from typing import NamedTuple
-
-import torch
 
 from .. import abi
 from ..jit import Template, included_headers
@@ -77,57 +74,6 @@ class WriterSpec(NamedTuple):
     @property
     def template(self) -> Template:
         return WRITE_TEMPLATE
-
-    # ------------------------------------------------------------ named constructors
-
-    @staticmethod
-    @functools.cache
-    def main(
-        page_size: int,
-        slot_dtype: torch.dtype,
-        num_heads: int,
-        q_head_padded: int,
-        apply_q_rope: bool,
-        q_inplace: bool,
-    ) -> WriterSpec:
-        """``cake_dsv4_nvfp4_rope_quantize_insert`` (arguments already validated)."""
-        if q_inplace and apply_q_rope:
-            return WriterSpec(
-                page_size,
-                slot_dtype is torch.int64,
-                q_mode=QMode.IN_PLACE,
-                num_heads=num_heads,
-                q_head_padded=num_heads,
-                apply_q_rope=True,
-            )
-        if q_inplace or not q_head_padded:  # cache only: the KV entry with ratio 1
-            return WriterSpec.kv(page_size, slot_dtype, 1)
-        return WriterSpec(
-            page_size,
-            slot_dtype is torch.int64,
-            q_mode=QMode.PADDED,
-            num_heads=num_heads,
-            q_head_padded=q_head_padded,
-            apply_q_rope=bool(apply_q_rope),
-        )
-
-    @staticmethod
-    @functools.cache
-    def kv(page_size: int, slot_dtype: torch.dtype, compress_ratio: int) -> WriterSpec:
-        """``cake_dsv4_nvfp4_kv_rope_quantize_insert``."""
-        return WriterSpec(page_size, slot_dtype is torch.int64, compress_ratio=compress_ratio)
-
-    @staticmethod
-    @functools.cache
-    def append(page_size: int, slot_dtype: torch.dtype) -> WriterSpec:
-        """``nvfp4_quantize_append_sparse_mla_cache``."""
-        return WriterSpec(page_size, slot_dtype is torch.int64, kv_rope=False)
-
-    @staticmethod
-    @functools.cache
-    def pack(page_size: int) -> WriterSpec:
-        """``nvfp4_quantize_pack_sparse_mla_cache``: row i goes to slot i."""
-        return WriterSpec(page_size, False, identity_slots=True, kv_rope=False)
 
     # ------------------------------------------------------------ what the kernel needs
 
@@ -203,26 +149,6 @@ class WriterSpec(NamedTuple):
 
 def _blocks(units: int) -> int:
     return -(-units // UNITS_PER_BLOCK)
-
-
-def catalogue(arch: str) -> list[WriterSpec]:
-    """The writer builds CI compiles (every writer entry's): every (heads, padded heads, rope,
-    in-place) combination at page 64, every entry on the page sizes of the GPU tests, both slot
-    dtypes, both compress ratios."""
-    specs = []
-    for heads in (1, 5, 8, 16, 64, 128):
-        for padded in (0, *abi.Q_HEAD_PADDINGS):
-            if padded == 0 or padded >= heads:
-                specs += [WriterSpec.main(64, torch.int64, heads, padded, rope, False) for rope in (True, False)]
-        if heads in abi.Q_HEAD_PADDINGS:
-            specs += [WriterSpec.main(64, torch.int64, heads, heads, rope, True) for rope in (True, False)]
-    for page_size in (1, 3, 16, 32, 128, 256):
-        for slot_dtype in (torch.int32, torch.int64):
-            specs.append(WriterSpec.main(page_size, slot_dtype, 8, 16, True, False))
-            specs.append(WriterSpec.append(page_size, slot_dtype))
-            specs += [WriterSpec.kv(page_size, slot_dtype, ratio) for ratio in abi.COMPRESS_RATIOS]
-        specs.append(WriterSpec.pack(page_size))
-    return specs
 
 
 assert abi.HEAD_DIM * 2 // 16 == UNIT_THREADS  # one thread per 16-byte chunk of a BF16 row
