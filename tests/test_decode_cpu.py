@@ -340,7 +340,7 @@ def test_paired_halves_where_the_cost_model_prefers_them(rows, heads, num_tiles,
         assert decode_schedule.choose_split_and_parts((1, 2), rows, num_tiles, 132, 132, rows * heads)[2] == 1
 
 
-def test_the_q_tensor_map_is_encoded_once_then_moved(monkeypatch):
+def test_the_q_tensor_map_is_encoded_once_then_moved():
     """The Hopper kernel's map of q: q's [rows, heads, 512] as dims (512, heads, rows), boxes of
     64 dims x 64 heads x 1 row, 128-byte swizzle, zeros outside; encoded (here by a fake driver
     that writes the address into the map) for the first address, for another one a copy of that
@@ -361,8 +361,7 @@ def test_the_q_tensor_map_is_encoded_once_then_moved(monkeypatch):
         ctypes.memmove(at, pattern(address), launch.TENSOR_MAP_BYTES)
         return 0 if address else 1  # the driver refuses address 0 here
 
-    monkeypatch.setattr(launch, "_tensor_map_calls", lambda: (encode, replace))
-    q_map = decode_sm90.q_tensor_map(100, 7)
+    q_map = decode_sm90.q_tensor_map(100, 7, driver=(encode, replace))
     first, moved = 0x7F0000000010, 0x7F0000100000
     mapped = q_map(first)
     assert mapped == pattern(first) and q_map(first) is mapped

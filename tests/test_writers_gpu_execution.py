@@ -322,7 +322,7 @@ def test_output_shapes_of_empty_batch(padded):
 def test_concurrent_first_calls_compile_once(seed, tmp_path, monkeypatch):
     """16 threads make the first call of one new geometry at the same moment: the kernel is
     compiled once and every thread's call writes the reference's bytes."""
-    monkeypatch.setattr(kernel_cache, "_default", kernel_cache.KernelCache([tmp_path / "kernels"]))  # a fresh process
+    library = nvfp4_mla.KernelLibrary(kernel_cache.KernelCache([tmp_path / "kernels"]))  # nothing loaded or cached yet
     compiles, real_compile = [], jit.compile_kernel
 
     def counting_compile(spec, arch, key=None):
@@ -338,7 +338,7 @@ def test_concurrent_first_calls_compile_once(seed, tmp_path, monkeypatch):
     def worker(i):
         try:
             barrier.wait()
-            results[i] = call(case, gpu_args[i])
+            results[i] = getattr(nvfp4_mla, ENTRIES[case.entry])(*gpu_args[i], **case.kwargs(), library=library)
             torch.cuda.current_stream().synchronize()
         except Exception as exc:  # reported below, with the thread's number
             errors.append((i, exc))

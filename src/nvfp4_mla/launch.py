@@ -111,8 +111,9 @@ def _driver_library() -> ctypes.CDLL:
 
 
 @functools.cache
-def _tensor_map_calls() -> tuple[Any, Any]:
-    """The driver's cuTensorMapEncodeTiled and cuTensorMapReplaceAddress (CUDA 12.0 on)."""
+def tensor_map_driver() -> tuple[Any, Any]:
+    """The driver's cuTensorMapEncodeTiled and cuTensorMapReplaceAddress (CUDA 12.0 on): the
+    default ``driver`` of :class:`Bf16TensorMap`."""
     library = _driver_library()
     encode, replace = library.cuTensorMapEncodeTiled, library.cuTensorMapReplaceAddress
     u32s, u64s = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
@@ -142,11 +143,18 @@ class Bf16TensorMap:
     outside ``dims``), for the tensor at any address. The first address encodes the map; another
     one puts its address into a copy of that map (the cheaper driver call:
     docs/performance.md#host-path), and the map of the last address is kept: a decode step's q
-    usually comes back at the same address."""
+    usually comes back at the same address. ``driver``: the (encode, replace) calls, the CUDA
+    driver's (:func:`tensor_map_driver`) when None."""
 
-    __slots__ = ("_arguments", "_first", "_last")
+    __slots__ = ("_arguments", "_driver", "_first", "_last")
 
-    def __init__(self, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...]):
+    def __init__(
+        self,
+        dims: tuple[int, ...],
+        strides: tuple[int, ...],
+        box: tuple[int, ...],
+        driver: tuple[Any, Any] | None = None,
+    ):
         rank = len(dims)
         self._arguments = (
             rank,
@@ -155,6 +163,7 @@ class Bf16TensorMap:
             (ctypes.c_uint32 * rank)(*box),
             (ctypes.c_uint32 * rank)(*([1] * rank)),  # every element of a box
         )
+        self._driver = driver
         self._first: bytes | None = None  # the map of the first address
         self._last: tuple[int, bytes] = (-1, b"")  # one reference: threads see a consistent pair
 
@@ -166,7 +175,7 @@ class Bf16TensorMap:
         return last[1]
 
     def _map_at(self, address: int) -> bytes:
-        encode, replace = _tensor_map_calls()
+        encode, replace = tensor_map_driver() if self._driver is None else self._driver
         at, first = _map_scratch.at, self._first
         if first is None:
             rank, dims, strides, box, steps = self._arguments

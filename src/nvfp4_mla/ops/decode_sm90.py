@@ -21,7 +21,7 @@ preferred was measured on the H200 (docs/performance.md#decode-backend-rule).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import abi
 from ..device import Device
@@ -150,13 +150,15 @@ def cluster_of(num_heads: int, dim_parts: int = 1) -> int:
     return 2 if head_tiles % 2 == 0 or (head_tiles == 1 and dim_parts == 2) else 1
 
 
-def q_tensor_map(num_heads: int, rows: int, head_tile: int = HEAD_TILE) -> Bf16TensorMap:
+def q_tensor_map(
+    num_heads: int, rows: int, head_tile: int = HEAD_TILE, driver: tuple[Any, Any] | None = None
+) -> Bf16TensorMap:
     """The map of q (BF16 [rows, num_heads, 512], contiguous) that the kernel loads an item's Q
     through: dims (512, num_heads, rows), boxes of 64 dims x ``head_tile`` heads x 1 row (heads
-    past num_heads load as zeros)."""
+    past num_heads load as zeros); ``driver`` as :class:`~nvfp4_mla.launch.Bf16TensorMap`'s."""
     row_bytes = abi.HEAD_DIM * 2
     dims, strides = (abi.HEAD_DIM, num_heads, rows), (row_bytes, num_heads * row_bytes)
-    return Bf16TensorMap(dims, strides, (Q_SLAB_DIMS, head_tile, 1))
+    return Bf16TensorMap(dims, strides, (Q_SLAB_DIMS, head_tile, 1), driver)
 
 
 def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int) -> Attention:
