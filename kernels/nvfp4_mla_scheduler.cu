@@ -1,6 +1,6 @@
 // The decode scheduler: one block reads the rows' live lengths on the GPU and writes the work list
 // of a call (nvfp4_mla_work.cuh): the rows' tiles dealt into `parts` parts of equal cost, and the
-// rows split between parts with their partial slots. ops/decode_scheduler.py holds its CPU model
+// rows split between parts with their partial slots (or, with whole_rows, whole rows a part). ops/decode_scheduler.py holds its CPU model
 // (the same integer results); docs/kernels/scheduler.md describes the steps.
 #include "nvfp4_mla_params.cuh"  // Params: decode_scheduler.SCHEDULER_PARAMS
 #include "nvfp4_mla_ptx.cuh"
@@ -119,14 +119,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_scheduler
     __syncthreads();
 
     // A boundary's row is the latest mark at or before it; its tile is counted after the row's
-    // segment cost.
+    // segment cost (whole rows: the boundary moves back to its row's start, so no row is cut).
     int row = static_cast<int>(p.rows), tile = 0, latest_mark;
     const int marked =
         block_inclusive_scan(tid <= parts && mark_row[tid] >= 0 ? tid : -1, mark_totals, Max(), latest_mark);
     const i64 at = tid * payload;
     if (tid <= parts && at < total) {
         row = mark_row[marked];
-        tile = static_cast<int>(max(at - mark_start[marked] - p.segment_cost, i64(0)));
+        if (!p.whole_rows) tile = static_cast<int>(max(at - mark_start[marked] - p.segment_cost, i64(0)));
     }
     bound_row[tid] = row;
     bound_tile[tid] = tile;

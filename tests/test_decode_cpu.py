@@ -246,6 +246,30 @@ def test_the_mma_sync_kernel_walks_the_list_too(monkeypatch, capability, num_hea
     _check_list_plan(plan, num_heads, rows, parts, 1)
 
 
+@pytest.mark.parametrize("capability", [80, 90, 120])
+@pytest.mark.parametrize("num_heads", [1, 8, 16, 40, 64, 128])
+def test_a_batch_invariant_plan_cuts_no_row(monkeypatch, capability, num_heads):
+    """batch_invariant: at every row count the same backend and head tile (what a row's bits
+    depend on), no combine and no partial slot; the scheduler's list of any lengths holds each
+    row in one segment. (Without lengths the host's list deals whole rows: GPU tests.)"""
+    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[capability])
+    library = nvfp4_mla.KernelLibrary(_StandInKernels())  # type: ignore[arg-type]  # a stand-in cache
+    kernels = set()
+    for rows in (1, 2, 5, 6, 31, 132, 1000, 16384):
+        plan = decode.plan(library, 0, num_heads, rows, 128, 512, batch_invariant=True)
+        kernels.add((plan.backend, plan.head_tile))
+        assert plan.whole_rows and plan.combine is None and plan.slots == 0 and plan.num_splits == 1
+        assert plan.parts <= rows and plan.blocks == plan.parts * -(-num_heads // plan.head_tile) * plan.dim_parts
+        assert plan.workspace == -(-decode_scheduler.work_ints(plan.parts) // 4) * 4  # the list alone
+        tiles = [random.Random(rows).randint(1, 20) for _ in range(rows)]
+        listed = decode_scheduler.schedule(tiles, plan.parts, decode.SEGMENT_COST, plan.whole_rows)
+        assert all(row < 0 for row, _ in listed.split_rows)
+    assert len(kernels) == 1, kernels
+    if capability == 90:  # the backend a large batch takes
+        want = decode.select_backend(FAKE_GPUS[90], num_heads, decode_planner.INVARIANT_ROWS, 640).name
+        assert kernels == {(want, 16 if want == "wgmma_sm90_narrow" else 64)}
+
+
 def test_a_list_plan_has_at_most_max_list_parts(monkeypatch):
     """Where the GPU holds more blocks than that, the combine's most partials of a row (one row
     may be cut at every boundary) cap the parts."""
@@ -693,9 +717,11 @@ def test_fake_implementations_give_the_output_shapes():
     assert lse.shape == (3, 2, 16) and lse.dtype == torch.float32
 
 
+@pytest.mark.parametrize("batch_invariant", [None, True])
 @pytest.mark.parametrize("with_out", [False, True])
-def test_compile_traces_without_graph_break(seed, with_out):
-    """fullgraph=True fails on any graph break; the traced op then runs the CPU path."""
+def test_compile_traces_without_graph_break(seed, with_out, batch_invariant):
+    """fullgraph=True fails on any graph break (batch_invariant too); the traced op then runs the
+    CPU path."""
     torch._dynamo.reset()
     args = inputs(torch.Generator().manual_seed(seed))
     q, swa_cache, swa_slots = args.pop("q"), args.pop("swa_cache"), args.pop("swa_slots")
@@ -712,6 +738,7 @@ def test_compile_traces_without_graph_break(seed, with_out):
             sm_scale=SM_SCALE,
             sinks=sinks,
             out=out,
+            batch_invariant=batch_invariant,
         )
         return o * 2, lse
 

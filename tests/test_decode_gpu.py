@@ -530,6 +530,87 @@ def test_a_row_does_not_depend_on_the_other_rows(backend, seed, heads):
     check(moved, exact(q, pools, sinks=sinks), f"heads {heads}, and their lengths")
 
 
+def invariant_call(q, pools, sinks, library, planned):
+    """``sparse_mla_decode`` with ``batch_invariant=True``: the one-call form, or through a plan
+    (``planned``) made for the call."""
+    (swa, swa_slots, swa_lens), (extra, extra_slots, extra_lens) = pools
+    tables = {"swa_lens": swa_lens, "extra_slots": extra_slots, "extra_lens": extra_lens}
+    plan = None
+    if planned:
+        plan = nvfp4_mla.plan_sparse_mla_decode(q.shape[2], swa_slots, **tables, library=library, batch_invariant=True)
+        library = None
+    return nvfp4_mla.sparse_mla_decode(
+        q,
+        swa.cache,
+        swa_slots,
+        extra_cache=extra.cache,
+        sm_scale=SM_SCALE,
+        sinks=sinks,
+        library=library,
+        plan=plan,
+        batch_invariant=None if planned else True,
+        **tables,
+    )
+
+
+def other_lengths(kind: int, rows: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """``[rows, 1]`` lengths of one kind: nothing live (0), every entry live (1), random (2)."""
+    if kind == 2:
+        return torch.randint(0, k + 1, (rows, 1), generator=g).to(DEVICE)
+    return torch.full((rows, 1), k * kind, device=DEVICE)
+
+
+@pytest.mark.parametrize("heads", [1, 8, 16, 64, 100, 128])
+@pytest.mark.parametrize("with_lengths", [True, False])
+def test_batch_invariant_rows_keep_their_bits_in_any_batch(backend, seed, heads, with_lengths):
+    """batch_invariant=True: a row's out and lse bits alone are its bits at any place of batches
+    of 2 to 16,384 rows whose other rows have other queries, slots and lengths (nothing live,
+    every entry live, random), in the one-call form and through a plan, with length tensors and
+    without. Without batch_invariant the same row alone is split between blocks at 128 heads, and
+    its bits differ from the whole row's (so this comparison can fail)."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(16, 64, g), Pool(32, 64, g)
+    swa_k, extra_k = 128, 640
+    on_gpu = torch.Generator(DEVICE).manual_seed(seed)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    q0 = queries(1, 1, heads, g)
+    tables0 = [
+        swa.slots((1, 1, swa_k), g, invalid=0.05),
+        extra.slots((1, 1, extra_k), g, torch.int32, invalid=0.05),
+        torch.tensor([[swa_k - 3]], device=DEVICE),
+        torch.tensor([[extra_k // 2 + 5]], device=DEVICE),
+    ]
+
+    def pools_of(tables):
+        swa_slots, extra_slots, swa_lens, extra_lens = tables if with_lengths else (*tables[:2], None, None)
+        return [(swa, swa_slots, swa_lens), (extra, extra_slots, extra_lens)]
+
+    alone = invariant_call(q0, pools_of(tables0), sinks, backend, False)
+    check(alone, exact(q0, pools_of(tables0), sinks=sinks), f"heads {heads}, one row, batch-invariant")
+    for i, rows in enumerate((2, 7, 133, 1031, 16384) if heads <= 16 else (2, 7, 133, 1031)):
+        at = rows * 5 // 7
+        q = torch.randn(rows, 1, heads, abi.HEAD_DIM, device=DEVICE, dtype=BF16, generator=on_gpu)
+        tables = [
+            swa.slots((rows, 1, swa_k), g, invalid=0.05),
+            extra.slots((rows, 1, extra_k), g, torch.int32),
+            other_lengths(i % 3, rows, swa_k, g),
+            other_lengths(i % 3, rows, extra_k, g),
+        ]
+        q[at] = q0[0]
+        for table, row in zip(tables, tables0):
+            table[at] = row[0]
+        for planned in (False, True):
+            out, lse = invariant_call(q, pools_of(tables), sinks, backend, planned)
+            what = f"heads {heads}, row {at} of {rows}, plan {planned}"
+            assert bits_equal(out[at], alone[0][0]) and bits_equal(lse[at], alone[1][0]), what
+    if heads == 128 and with_lengths:  # the default plan splits the row alone
+        split = run(q0, pools_of(tables0), sinks=sinks, library=backend)
+        assert plan_of(q0, pools_of(tables0), backend).combine is not None
+        assert not (bits_equal(split[0], alone[0]) and bits_equal(split[1], alone[1])), (
+            "the split row alone gave the whole row's bits: the comparison above could not fail"
+        )
+
+
 def test_split_runs_are_bitwise_reproducible(backend, seed):
     g = torch.Generator().manual_seed(seed)
     swa, extra = Pool(16, 64, g), Pool(64, 64, g)
@@ -1046,7 +1127,8 @@ def test_two_streams_at_once_and_two_graphs_in_turn(backend, seed, heads):
         same(got, want[i], f"graph {i}")
 
 
-def test_torch_compile_matches_eager(seed):
+@pytest.mark.parametrize("batch_invariant", [None, True])
+def test_torch_compile_matches_eager(seed, batch_invariant):
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(seed)
     pool = Pool(8, 64, g)
@@ -1054,7 +1136,7 @@ def test_torch_compile_matches_eager(seed):
     slots = pool.slots((2, 1, 90), g, invalid=0.1)
 
     def step(q, cache, slots):
-        out, lse = nvfp4_mla.sparse_mla_decode(q, cache, slots, sm_scale=SM_SCALE)
+        out, lse = nvfp4_mla.sparse_mla_decode(q, cache, slots, sm_scale=SM_SCALE, batch_invariant=batch_invariant)
         return out * 2, lse
 
     compiled = torch.compile(step, fullgraph=True)

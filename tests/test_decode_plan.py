@@ -59,6 +59,30 @@ def test_a_call_must_be_the_plans(seed):
         call(q, cache, slots, swa_lens=lens, sm_scale=SM_SCALE, plan=plan, library=nvfp4_mla.KernelLibrary())
 
 
+def test_batch_invariant_is_the_plans(seed):
+    """A plan made with batch_invariant keeps it (the calls through it need not repeat it); a call
+    that asks for the other one, or a value that is not a bool, is refused. On CPU tensors the
+    reference runs (it depends on no batch)."""
+    g = torch.Generator().manual_seed(seed)
+    cache, q, slots, lens = cpu_case(g)
+    call = nvfp4_mla.sparse_mla_decode
+    want = nvfp4_mla.reference.sparse_mla_decode(q, cache, slots, swa_lens=lens, sm_scale=SM_SCALE)
+    for invariant in (False, True):
+        plan = nvfp4_mla.plan_sparse_mla_decode(4, slots, swa_lens=lens, batch_invariant=invariant)
+        assert plan.batch_invariant is invariant and f"batch_invariant={invariant}" in repr(plan)
+        for asked in (None, invariant):
+            got = call(q, cache, slots, swa_lens=lens, sm_scale=SM_SCALE, plan=plan, batch_invariant=asked)
+            assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+        with pytest.raises(ValueError, match=f"batch_invariant={not invariant} but plan= was made with"):
+            call(q, cache, slots, swa_lens=lens, sm_scale=SM_SCALE, plan=plan, batch_invariant=not invariant)
+    got = call(q, cache, slots, swa_lens=lens, sm_scale=SM_SCALE, batch_invariant=True)
+    assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="batch_invariant must be a bool or None, got 1"):
+        call(q, cache, slots, swa_lens=lens, sm_scale=SM_SCALE, batch_invariant=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="batch_invariant must be a bool, got None"):
+        nvfp4_mla.plan_sparse_mla_decode(4, slots, swa_lens=lens, batch_invariant=None)  # type: ignore[arg-type]
+
+
 ARGUMENT_CASES = {
     "no heads": (lambda slots, lens: (0, {}), "num_heads must be a positive int"),
     "a bool for heads": (lambda slots, lens: (True, {}), "num_heads must be a positive int"),

@@ -14,19 +14,25 @@ from nvfp4_mla.ops import decode_scheduler as ds
 TILE = 64
 
 
-def check(tiles, parts, segment_cost, found, exact=True):
+def check(tiles, parts, segment_cost, found, exact=True, whole_rows=False):
     """Every tile of every row in exactly one segment, in order; a row in one segment writes out,
     a split row's segments take its slots in tile order; no part's cost past the mean by more
-    than one tile and one segment's cost (``exact``: the scheduler's payload rule)."""
+    than one tile and one segment's cost (``exact``: the scheduler's payload rule), or with
+    ``whole_rows`` by more than one row's cost, and no row cut."""
     assert len(found.parts) == parts and len(found.split_rows) == parts
     walked: dict[int, list[ds.Segment]] = {}
+    mean = sum(tiles) / parts + segment_cost * len(tiles) / parts
     for part in found.parts:
         share = 0
         for seg in ds.segments(part, tiles):
             walked.setdefault(seg.row, []).append(seg)
             share += seg.tile_end - seg.tile_begin + segment_cost
-        if exact:
-            assert share <= sum(tiles) / parts + segment_cost * len(tiles) / parts + segment_cost + 1
+        if whole_rows:
+            assert share <= mean + max(tiles) + segment_cost + 1
+        elif exact:
+            assert share <= mean + segment_cost + 1
+    if whole_rows:
+        assert all(len(segs) == 1 for segs in walked.values())
     assert sorted(walked) == list(range(len(tiles)))
     split = [(row, segs[0].slot) for row, segs in sorted(walked.items()) if len(segs) > 1]
     slots = 0
@@ -62,9 +68,10 @@ def test_model_partitions_and_balances(rows, seed):
         for segment_cost in (0, 1, 4):
             for name, lens in distributions(rng, rows, 2048):
                 tiles = [ds.live_tiles(n, 0, TILE) for n in lens]
-                found = ds.schedule(tiles, parts, segment_cost)
-                check(tiles, parts, segment_cost, found)
-                assert ds.schedule(tiles, parts, segment_cost) == found, name
+                for whole_rows in (False, True):
+                    found = ds.schedule(tiles, parts, segment_cost, whole_rows)
+                    check(tiles, parts, segment_cost, found, whole_rows=whole_rows)
+                    assert ds.schedule(tiles, parts, segment_cost, whole_rows) == found, name
 
 
 def test_model_by_hand():
@@ -84,6 +91,14 @@ def test_model_by_hand():
         ds.WorkPart(1, 3, 2, 0, 2, -1),
     )
     assert found.split_rows == ((1, 0), (-1, 3), (-1, 3))
+    # The same with whole rows: the boundaries inside row 1 move back to its start.
+    found = ds.schedule([1, 5], 3, 0, whole_rows=True)
+    assert found.parts == (
+        ds.WorkPart(0, 0, 1, 0, -1, -1),
+        ds.WorkPart(1, 0, 1, 0, -1, -1),
+        ds.WorkPart(1, 0, 2, 0, -1, -1),
+    )
+    assert found.split_rows == ((-1, 0), (-1, 0), (-1, 0))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 64, 130])
@@ -126,11 +141,12 @@ def _lens(rng, rows, k, dtype):
     return torch.tensor(n, dtype=dtype, device="cuda")
 
 
-def _run(lib, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost, canary=-7):
+def _run(lib, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost, whole_rows, canary=-7):
     work = torch.full((ds.work_ints(parts) + 64,), canary, dtype=torch.int32, device="cuda")
     launcher = lib.launcher(torch.cuda.current_device(), lib.spec(ds.SchedulerSpec()))
     stream = current_raw_stream(torch.cuda.current_device())
-    ds.launch(launcher, stream, work.data_ptr(), parts, rows, swa_k, swa_lens, extra_k, extra_lens, tile, cost)
+    args = (parts, rows, swa_k, swa_lens, extra_k, extra_lens, tile, cost, whole_rows)
+    ds.launch(launcher, stream, work.data_ptr(), *args)
     return work
 
 
@@ -140,16 +156,16 @@ def test_device_list_is_the_model(rows, seed):
     rng = random.Random(seed)
     lib = KernelLibrary()
     for parts in (1, 2, 66, 132, ds.MAX_PARTS):
-        for tile, cost in ((64, 0), (64, 4), (32, 3)):
+        for tile, cost, whole_rows in ((64, 0, False), (64, 4, False), (32, 3, False), (32, 1, True)):
             swa_k = rng.choice([1, 128, 640])
             extra_k = rng.choice([0, 512, 2048])
             swa_lens = _lens(rng, rows, swa_k, rng.choice([torch.int32, torch.int64]))
             extra_lens = _lens(rng, rows, extra_k, rng.choice([torch.int32, torch.int64]))
-            work = _run(lib, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost)
+            work = _run(lib, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost, whole_rows)
             tiles = ds.row_tiles(rows, swa_k, swa_lens, extra_k, extra_lens, tile)
-            want = ds.schedule(tiles, parts, cost).ints()
+            want = ds.schedule(tiles, parts, cost, whole_rows).ints()
             got = work.tolist()
-            assert got[: len(want)] == want, (parts, tile, cost)
+            assert got[: len(want)] == want, (parts, tile, cost, whole_rows)
             assert got[len(want) :] == [-7] * 64  # nothing written past the list
 
 
@@ -168,7 +184,7 @@ def test_graph_replays_follow_changed_lengths(seed):
     with torch.cuda.graph(graph):
         lens.copy_(source)
         stream = current_raw_stream(torch.cuda.current_device())
-        ds.launch(launcher, stream, work.data_ptr(), parts, rows, 128, None, k, lens, 64, 4)
+        ds.launch(launcher, stream, work.data_ptr(), parts, rows, 128, None, k, lens, 64, 4, False)
     for _ in range(4):
         values = [rng.choice([0, 1, 100, k, rng.randrange(k + 1)]) for _ in range(rows)]
         source.copy_(torch.tensor(values, dtype=torch.int32))

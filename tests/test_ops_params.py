@@ -141,6 +141,7 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
         (lambda address: address.to_bytes(8, "little") * 16) if hopper else None,
         parts=parts,
         scheduler=Recorder("scheduler") if lengths else None,  # type: ignore[arg-type]
+        whole_rows=False,
         combine_blocks=split_rows * heads,
         workspace=list_values + slots * heads * 514,
         slots=slots,
@@ -194,5 +195,5 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
         )
         shift = tile_tokens.bit_length() - 1
         assert (scheduled["rows"], scheduled["parts"], scheduled["tile_shift"]) == (2, parts, shift)
-        assert scheduled["segment_cost"] == decode.SEGMENT_COST
+        assert (scheduled["segment_cost"], scheduled["whole_rows"]) == (decode.SEGMENT_COST, 0)
         assert scheduled["parts_out"] == at and scheduled["split_rows"] == combined["split_rows"]

@@ -72,6 +72,7 @@ def _decode_cuda(
     sm_scale: float,
     sinks: torch.Tensor | None,
     out: torch.Tensor | None,
+    batch_invariant: bool,
     planned: SparseMlaDecodePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     swa, extra = validation.check_decode(
@@ -93,9 +94,10 @@ def _decode_cuda(
     if planned is None:
         k_swa, k_extra = swa_slots.shape[2], 0 if extra_slots is None else extra_slots.shape[2]
         lengths = swa_lens is not None or extra_lens is not None
-        found = lib.plans.get(("decode", device, num_heads, rows, k_swa, k_extra, lengths))  # plan()'s key, inline
+        key = ("decode", device, num_heads, rows, k_swa, k_extra, lengths, batch_invariant)  # plan()'s, inline
+        found = lib.plans.get(key)
         if found is None:
-            found = plan(lib, device, num_heads, rows, k_swa, k_extra, lengths)
+            found = plan(lib, device, num_heads, rows, k_swa, k_extra, lengths, batch_invariant)
         work = 0
     else:
         found, work = planned.launches, planned.work_address
@@ -117,12 +119,12 @@ def _decode(
     sm_scale: float,
     sinks: torch.Tensor | None,
     out: torch.Tensor | None,
+    batch_invariant: bool = False,
     planned: SparseMlaDecodePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(q, torch.Tensor) and q.is_cuda:
-        return _decode_cuda(
-            lib, q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks, out, planned
-        )
+        pools = (swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens)
+        return _decode_cuda(lib, q, *pools, sm_scale, sinks, out, batch_invariant, planned)
     found = reference.sparse_mla_decode(
         q,
         swa_cache,
@@ -158,9 +160,10 @@ def _decode_op(
     extra_lens: _OptTensor,
     sm_scale: float,
     sinks: _OptTensor,
+    batch_invariant: bool = False,
 ) -> tuple[_Tensor, _Tensor]:
     args = (q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks)
-    out, lse = _decode(DEFAULT, *args, None)
+    out, lse = _decode(DEFAULT, *args, None, batch_invariant)
     return out, lse
 
 
@@ -175,6 +178,7 @@ def _(
     extra_lens: _OptTensor,
     sm_scale: float,
     sinks: _OptTensor,
+    batch_invariant: bool = False,
 ) -> tuple[_Tensor, _Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
@@ -191,9 +195,10 @@ def _decode_out_op(
     sm_scale: float,
     sinks: _OptTensor,
     out: _Tensor,
+    batch_invariant: bool = False,
 ) -> _Tensor:
     args = (q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, sm_scale, sinks)
-    _, lse = _decode(DEFAULT, *args, out)
+    _, lse = _decode(DEFAULT, *args, out, batch_invariant)
     return lse
 
 
@@ -209,6 +214,7 @@ def _(
     sm_scale: float,
     sinks: _OptTensor,
     out: _Tensor,
+    batch_invariant: bool = False,
 ) -> _Tensor:
     return q.new_empty(q.shape[:3], dtype=torch.float32)
 
@@ -230,6 +236,7 @@ def sparse_mla_decode(
     out: torch.Tensor | None = None,
     library: KernelLibrary | None = None,
     plan: SparseMlaDecodePlan | None = None,
+    batch_invariant: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode attention read straight from one or two NVFP4 caches.
 
@@ -280,6 +287,11 @@ def sparse_mla_decode(
         A plan from :func:`plan_sparse_mla_decode` for this call's shapes, device and length
         tensors: the step's work list, so the call launches no scheduler (docs/format.md,
         "Plans"). Eager calls only.
+    batch_invariant
+        True: each row's ``out`` and ``lse`` bits are the same whatever else the batch holds
+        (at the same heads and table widths): no row is split between blocks, at a cost where
+        few rows leave the GPU idle (docs/format.md, "Plans"). None: the plan's, else False. With
+        ``plan=`` a value other than the plan's is refused.
 
     Returns
     -------
@@ -291,21 +303,30 @@ def sparse_mla_decode(
     ValueError
         On any argument outside the contract, before anything is launched.
     """
+    if batch_invariant is not None and type(batch_invariant) is not bool:
+        raise ValueError(f"batch_invariant must be a bool or None, got {batch_invariant!r}")
     if _is_compiling():  # traced with fake tensors: the op checks its arguments when it runs
         check_traceable(library)
         if plan is not None:
             raise ValueError("plan= is for eager calls: under torch.compile each call plans its own work")
         args = (q, swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens, float(sm_scale), sinks)
+        invariant = bool(batch_invariant)
         if out is None:
-            return torch.ops.nvfp4_mla.sparse_mla_decode(*args)
-        return out, torch.ops.nvfp4_mla.sparse_mla_decode_out(*args, out)
+            return torch.ops.nvfp4_mla.sparse_mla_decode(*args, invariant)
+        return out, torch.ops.nvfp4_mla.sparse_mla_decode_out(*args, out, invariant)
     if plan is None:
         lib = DEFAULT if library is None else library
+        invariant = bool(batch_invariant)
     elif not isinstance(plan, SparseMlaDecodePlan):
         raise ValueError(f"plan must come from nvfp4_mla.plan_sparse_mla_decode, got {type(plan).__name__}")
     elif library is not None and library is not plan.library:
         raise ValueError("plan= carries the library it was made with: pass library= to plan_sparse_mla_decode")
+    elif batch_invariant is not None and batch_invariant is not plan.batch_invariant:
+        raise ValueError(
+            f"batch_invariant={batch_invariant} but plan= was made with batch_invariant={plan.batch_invariant}: "
+            "pass it to plan_sparse_mla_decode"
+        )
     else:
-        lib = plan.library
+        lib, invariant = plan.library, plan.batch_invariant
     pools = (swa_cache, swa_slots, swa_lens, extra_cache, extra_slots, extra_lens)
-    return _decode(lib, q, *pools, sm_scale, sinks, out, plan)
+    return _decode(lib, q, *pools, sm_scale, sinks, out, invariant, plan)

@@ -150,4 +150,5 @@ def launch_scheduler(
         extra_lens,
         plan.tile_tokens,
         SEGMENT_COST,
+        plan.whole_rows,
     )

@@ -24,7 +24,7 @@ from ..device import Device, device_info
 from ..launch import Launcher
 from . import decode_combine, decode_mma, decode_scheduler, decode_sm90
 from .decode_backend import OVERRIDES, DecodeBackend, arch_capability
-from .decode_schedule import choose_split_and_parts
+from .decode_schedule import choose_dim_parts, choose_split_and_parts
 from .library import KernelLibrary
 
 # A segment's cost besides its tiles, in tiles (its query load and output rows): the scheduler
@@ -36,6 +36,9 @@ MAX_LIST_PARTS = min(decode_combine.MAX_PARTIALS, decode_scheduler.MAX_PARTS)
 
 # Every backend, in order of preference.
 BACKENDS: dict[str, DecodeBackend] = {b.name: b for b in (*decode_sm90.BACKENDS, decode_mma.BACKEND)}
+# The row count a batch-invariant plan selects its backend for, whatever the call's: the backend's
+# kernel, hence a row's bits, then depend on the heads and the tables' widths alone.
+INVARIANT_ROWS = 1 << 24
 
 
 def select_backend(gpu: Device, num_heads: int, rows: int, tokens: int) -> DecodeBackend:
@@ -90,6 +93,7 @@ class DecodePlan(NamedTuple):
     q_map: Callable[[int], bytes] | None  # q's address -> the tensor map that ends the attention Params
     parts: int  # of the work list
     scheduler: Launcher | None  # writes the work list of a call with lengths; None: the host's list
+    whole_rows: bool  # no row cut between parts (batch-invariant rows)
     combine_blocks: int  # of the combine launch
     # fp32 values of a call's workspace: the work list (a list the scheduler writes), then the
     # partial outputs of `slots` slots of num_heads rows, then their (m, l)
@@ -106,6 +110,7 @@ def plan(
     k_swa: int,
     k_extra: int,
     lengths: bool = True,
+    batch_invariant: bool = False,
 ) -> DecodePlan:
     """The plan of a call on ``device_index`` (compiling or loading its kernels on a miss):
     ``rows`` query rows (batch * q_len) of ``num_heads`` heads over tables of ``k_swa`` and
@@ -117,8 +122,13 @@ def plan(
     call: its parts fill the GPU at once (or ``lib.decode_parts``). Without, every row has the
     tables' entries: the list is made here once and kept on the device, the width split's
     (row, split) items dealt into parts, or with ``lib.decode_parts`` as the scheduler deals
-    them."""
-    key = ("decode", device_index, num_heads, rows, k_swa, k_extra, lengths)
+    them.
+
+    ``batch_invariant``: the backend is the one selected for :data:`INVARIANT_ROWS` rows and no
+    row is cut between parts, so a row's tiles are summed by one block in tile order, by a kernel
+    that the heads and the widths choose: its bits do not depend on the other rows
+    (docs/format.md, "Plans")."""
+    key = ("decode", device_index, num_heads, rows, k_swa, k_extra, lengths, batch_invariant)
     found = lib.plans.get(key)
     if found is not None:
         return found
@@ -128,7 +138,8 @@ def plan(
     if lib.decode_parts is not None and not 1 <= lib.decode_parts <= MAX_LIST_PARTS:
         raise ValueError(f"decode_parts must be in [1, {MAX_LIST_PARTS}], got {lib.decode_parts}")
     gpu = device_info(device_index)
-    backend = select_backend(gpu, num_heads, rows, k_swa + k_extra) if forced is None else BACKENDS[forced]
+    selected_for = INVARIANT_ROWS if batch_invariant else rows
+    backend = select_backend(gpu, num_heads, selected_for, k_swa + k_extra) if forced is None else BACKENDS[forced]
     if not backend.supports(gpu.capability):
         raise ValueError(f"decode backend {backend.name!r} does not run on {gpu.arch}")
     check_overrides(lib, backend)
@@ -137,9 +148,13 @@ def plan(
     tiles = decode_scheduler.live_tiles(k_swa + k_extra, 0, attention.tile_tokens)
     dims = backend.dim_parts if lib.decode_dim_parts is None else (lib.decode_dim_parts,)
     resident = attention.launcher.resident_blocks
-    num_splits, tiles_per_split, dim_parts = choose_split_and_parts(
-        dims, rows * head_tiles, tiles, resident, attention.max_blocks, rows * num_heads, attention.halves_pair
-    )
+    if batch_invariant:  # whole rows, one split each
+        num_splits, tiles_per_split = 1, tiles
+        dim_parts = choose_dim_parts(dims, rows * head_tiles, attention.max_blocks)
+    else:
+        num_splits, tiles_per_split, dim_parts = choose_split_and_parts(
+            dims, rows * head_tiles, tiles, resident, attention.max_blocks, rows * num_heads, attention.halves_pair
+        )
     dim_parts = lib.decode_dim_parts or dim_parts
     if dim_parts != 1:
         attention = backend.attention(lib, gpu, num_heads, dim_parts)
@@ -151,11 +166,12 @@ def plan(
         known = decode_scheduler.split_schedule(rows, num_splits, tiles_per_split, parts)
     else:
         num_splits = 1  # the kernel's early dependent launch: the list's splits are not the width's
-        parts = lib.decode_parts or most_parts
+        parts = lib.decode_parts or (min(rows, most_parts) if batch_invariant else most_parts)
         if not lengths:
-            known = decode_scheduler.schedule([tiles] * rows, parts, SEGMENT_COST)
-    split_rows = min(parts - 1, rows)  # a boundary between parts cuts at most one row
-    slots = parts - 1 + split_rows  # cuts, plus a slot more a split row
+            known = decode_scheduler.schedule([tiles] * rows, parts, SEGMENT_COST, batch_invariant)
+    # A boundary between parts cuts at most one row; whole rows: none.
+    split_rows = 0 if batch_invariant else min(parts - 1, rows)
+    slots = parts - 1 + split_rows if split_rows else 0  # cuts, plus a slot more a split row
     list_values = -(-decode_scheduler.work_ints(parts) // 4) * 4  # the partials start 16-byte aligned
     work = None
     if known is not None:
@@ -176,6 +192,7 @@ def plan(
         None if attention.q_map is None else attention.q_map(num_heads, rows),
         parts,
         None if known is not None else lib.launcher(gpu.index, lib.spec(decode_scheduler.SchedulerSpec())),
+        batch_invariant,
         split_rows * num_heads,
         list_values + slots * num_heads * (abi.HEAD_DIM + 2),
         slots,

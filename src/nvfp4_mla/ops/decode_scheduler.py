@@ -53,6 +53,7 @@ SCHEDULER_PARAMS = ParamsLayout(
         int64("parts", "parts of the work: 1 to 1023"),
         int64("tile_shift", "log2 of the attention kernel's tile tokens"),
         int64("segment_cost", "a segment's cost besides its tiles, in tiles"),
+        int64("whole_rows", "1: every boundary at a row's start, so no row is cut (batch-invariant rows)"),
         pointer("parts_out", "struct WorkPart*", "[parts]"),
         pointer("split_rows", "struct SplitRow*", "[parts]"),
     ],
@@ -159,9 +160,10 @@ def row_tiles(
     return [live_tiles(s, e, tile_tokens) for s, e in zip(live(swa_k, swa_lens), live(extra_k, extra_lens))]
 
 
-def schedule(tiles: Sequence[int], parts: int, segment_cost: int) -> Schedule:
+def schedule(tiles: Sequence[int], parts: int, segment_cost: int, whole_rows: bool = False) -> Schedule:
     """The work list of rows of ``tiles`` tiles each (at least one) in ``parts`` parts, a segment
-    costing ``segment_cost`` tiles besides its own, as the scheduler kernel writes it."""
+    costing ``segment_cost`` tiles besides its own, as the scheduler kernel writes it; with
+    ``whole_rows`` each boundary moves back to the start of its row, so no row is cut."""
     rows = len(tiles)
     starts = list(accumulate((t + segment_cost for t in tiles), initial=0))  # row r's costs: [starts[r], starts[r + 1])
     total = starts[-1]
@@ -175,7 +177,7 @@ def schedule(tiles: Sequence[int], parts: int, segment_cost: int) -> Schedule:
             bounds.append((rows, 0))
         else:
             row = bisect_right(starts, at) - 1
-            bounds.append((row, max(at - starts[row] - segment_cost, 0)))
+            bounds.append((row, 0 if whole_rows else max(at - starts[row] - segment_cost, 0)))
     return list_of_bounds(bounds)
 
 
@@ -250,10 +252,11 @@ def launch(
     extra_lens: torch.Tensor | None,
     tile_tokens: int,
     segment_cost: int,
+    whole_rows: bool,
 ) -> None:
     """Writes the work list of ``rows`` rows in ``parts`` parts at ``work`` (the address of
-    :func:`work_ints` int32 values) on ``stream``; the lengths are contiguous ``[rows]`` int32 or
-    int64 on the GPU, or None."""
+    :func:`work_ints` int32 values) on ``stream`` (``whole_rows``: no row cut); the lengths are
+    contiguous ``[rows]`` int32 or int64 on the GPU, or None."""
     launcher.launch(
         1,
         1,
@@ -270,6 +273,7 @@ def launch(
         parts,
         tile_tokens.bit_length() - 1,
         segment_cost,
+        int(whole_rows),
         work,
         work + parts * PART_INTS * 4,
     )

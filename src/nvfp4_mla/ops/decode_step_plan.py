@@ -30,6 +30,7 @@ class SparseMlaDecodePlan:
     __slots__ = (
         "_call",
         "batch",
+        "batch_invariant",
         "device",
         "extra_lens",
         "k_extra",
@@ -53,8 +54,10 @@ class SparseMlaDecodePlan:
         library: KernelLibrary,
         launches: DecodePlan | None,
         work: torch.Tensor | None,
+        batch_invariant: bool,
     ) -> None:
         self.batch, self.q_len, self.k_swa = swa_slots.shape
+        self.batch_invariant = batch_invariant
         self.num_heads = num_heads
         self.k_extra = 0 if extra_slots is None else extra_slots.shape[2]
         self.device = swa_slots.get_device()  # -1 off CUDA
@@ -96,7 +99,8 @@ class SparseMlaDecodePlan:
         where = "cpu" if self.device < 0 else f"cuda:{self.device}"
         return (
             f"SparseMlaDecodePlan(batch={self.batch}, q_len={self.q_len}, num_heads={self.num_heads}, "
-            f"k_swa={self.k_swa}, k_extra={self.k_extra}, device={where}, parts={self.parts})"
+            f"k_swa={self.k_swa}, k_extra={self.k_extra}, device={where}, parts={self.parts}, "
+            f"batch_invariant={self.batch_invariant})"
         )
 
     def check(
@@ -131,6 +135,7 @@ def plan_sparse_mla_decode(
     extra_slots: torch.Tensor | None = None,
     extra_lens: torch.Tensor | None = None,
     library: KernelLibrary | None = None,
+    batch_invariant: bool = False,
 ) -> SparseMlaDecodePlan:
     """A plan for the ``sparse_mla_decode`` calls of one decode step: ``num_heads`` heads over
     the slot tables ``swa_slots`` (``[batch, q_len, k]``) and ``extra_slots``, with the length
@@ -142,8 +147,10 @@ def plan_sparse_mla_decode(
     their partial outputs come per call from the current stream, so one plan may serve calls on two
     streams at once. A call whose shapes, device or length tensors are not the plan's is refused.
     A plan whose lengths changed without an update gives wrong outputs but reads nothing outside
-    the tables (each row's live entries are read from its lengths at each call). On CPU tensors
-    the plan is checked and the reference runs. Make the plan outside a CUDA graph capture (it may
+    the tables (each row's live entries are read from its lengths at each call). With
+    ``batch_invariant`` no row is split between blocks, so each row's bits are the same whatever
+    else the batch holds (``sparse_mla_decode``'s ``batch_invariant``). On CPU tensors the plan is
+    checked and the reference runs. Make the plan outside a CUDA graph capture (it may
     compile kernels and allocate); its ``update`` and the calls may be captured.
 
     Raises
@@ -152,17 +159,23 @@ def plan_sparse_mla_decode(
         On an argument outside the contract of ``sparse_mla_decode``'s tables and lengths.
     """
     validation.check_decode_plan(num_heads, swa_slots, swa_lens, extra_slots, extra_lens)
+    if type(batch_invariant) is not bool:
+        raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
     lib = DEFAULT if library is None else library
     rows = swa_slots.shape[0] * swa_slots.shape[1]
     launches = work = None
     if swa_slots.is_cuda and rows > 0:
         k_extra = 0 if extra_slots is None else extra_slots.shape[2]
         lengths = swa_lens is not None or extra_lens is not None
-        launches = plan(lib, swa_slots.get_device(), num_heads, rows, swa_slots.shape[2], k_extra, lengths)
+        launches = plan(
+            lib, swa_slots.get_device(), num_heads, rows, swa_slots.shape[2], k_extra, lengths, batch_invariant
+        )
         if launches.work is not None:
             work = launches.work  # the host's list: the plan keeps it alive
         elif launches.parts:
             work = torch.empty(decode_scheduler.work_ints(launches.parts), dtype=torch.int32, device=swa_slots.device)
-    found = SparseMlaDecodePlan(num_heads, swa_slots, swa_lens, extra_slots, extra_lens, lib, launches, work)
+    found = SparseMlaDecodePlan(
+        num_heads, swa_slots, swa_lens, extra_slots, extra_lens, lib, launches, work, batch_invariant
+    )
     found.update()
     return found
