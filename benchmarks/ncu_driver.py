@@ -1,7 +1,7 @@
 """One benchmark shape, called a few times, for a profiler (``ncu``, ``nsys``): the same inputs as
 the benchmark's, so a profile explains a benchmark row.
 
-    python benchmarks/ncu_driver.py decode BATCH Q_LEN HEADS EXTRA_K
+    python benchmarks/ncu_driver.py decode BATCH Q_LEN HEADS EXTRA_K [--batch-invariant]
     python benchmarks/ncu_driver.py write ENTRY NUM_TOKENS [NUM_HEADS Q_HEAD_PADDED]
 
 ``ENTRY`` is main, inplace, kv, kv2 (compress ratio 2) or append. Profile the last call, e.g.
@@ -40,6 +40,7 @@ def main() -> None:
     d = sub.add_parser("decode")
     for name in ("batch", "q_len", "heads", "extra_k"):
         d.add_argument(name, type=int)
+    d.add_argument("--batch-invariant", action="store_true", help="plan with batch_invariant=True")
     w = sub.add_parser("write")
     w.add_argument("entry", choices=("main", "inplace", "kv", "kv2", "append"))
     w.add_argument("tokens", type=int)
@@ -52,7 +53,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         x = decode_arms.Inputs(args.batch, args.q_len, args.heads, args.extra_k, g, pools)
         for _ in range(args.calls):
-            decode_arms.fused(pools, x)
+            decode_arms.fused(pools, x, batch_invariant=args.batch_invariant)
     else:
         row = writer_row(args.entry, args.tokens, args.heads, args.padded)
         call = fused_call(row, ops, rope_table(MAX_POSITION, "cuda"))

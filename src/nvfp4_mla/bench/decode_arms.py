@@ -68,9 +68,10 @@ def fused(
     library: nvfp4_mla.KernelLibrary | None = None,
     extra_lens: torch.Tensor | None = None,
     plan: nvfp4_mla.SparseMlaDecodePlan | None = None,
+    batch_invariant: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This kernel on the NVFP4 caches (on ``library``: default the process's), with the extra
-    pool's live counts ``extra_lens`` and a step's ``plan`` where given."""
+    pool's live counts ``extra_lens``, a step's ``plan`` and ``batch_invariant`` where given."""
     return nvfp4_mla.sparse_mla_decode(
         x.q,
         pools.caches[0],
@@ -82,6 +83,7 @@ def fused(
         sinks=x.sinks,
         library=library,
         plan=plan,
+        batch_invariant=batch_invariant,
     )
 
 

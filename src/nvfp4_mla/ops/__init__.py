@@ -12,25 +12,13 @@ ops, on a :class:`~nvfp4_mla.ops.library.KernelLibrary` (the process's by defaul
 - :mod:`.registry`: every op's kernels, for precompile, the CLI and CI.
 """
 
-from .decode import SparseMlaDecodePlan, plan_sparse_mla_decode, sparse_mla_decode
-from .library import DEFAULT, KernelLibrary
-from .reader import nvfp4_dequantize_sparse_mla_cache
-from .writers import (
-    cake_dsv4_nvfp4_kv_rope_quantize_insert,
-    cake_dsv4_nvfp4_rope_quantize_insert,
-    nvfp4_quantize_append_sparse_mla_cache,
-    nvfp4_quantize_pack_sparse_mla_cache,
-)
-
-__all__ = [
-    "DEFAULT",
-    "KernelLibrary",
-    "SparseMlaDecodePlan",
-    "cake_dsv4_nvfp4_kv_rope_quantize_insert",
-    "cake_dsv4_nvfp4_rope_quantize_insert",
-    "nvfp4_dequantize_sparse_mla_cache",
-    "nvfp4_quantize_append_sparse_mla_cache",
-    "nvfp4_quantize_pack_sparse_mla_cache",
-    "plan_sparse_mla_decode",
-    "sparse_mla_decode",
-]
+# Names are exported by the PEP 484 forms (``import x as x``, a star import of a module's
+# ``__all__``), not by an ``__all__`` here: a writer entry is then listed once, in ``writers.__all__``,
+# and type checkers still see each name (mypy matches a module against a Protocol only by these).
+from .decode import SparseMlaDecodePlan as SparseMlaDecodePlan
+from .decode import plan_sparse_mla_decode as plan_sparse_mla_decode
+from .decode import sparse_mla_decode as sparse_mla_decode
+from .library import DEFAULT as DEFAULT
+from .library import KernelLibrary as KernelLibrary
+from .reader import nvfp4_dequantize_sparse_mla_cache as nvfp4_dequantize_sparse_mla_cache
+from .writers import *  # noqa: F403

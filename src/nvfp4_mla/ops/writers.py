@@ -12,8 +12,9 @@ Each entry is described once (:class:`~nvfp4_mla.ops.entry.Entry`, in :data:`ENT
 build (the :class:`~.writer_spec.WriterSpec` of its arguments) and its kernel path: its custom ops
 and their fakes, that dispatch and its registry entry are made from the description. A new writer
 entry touches this module (its build, its kernel path, its description, its public function and
-its builds in :func:`catalogue`), the kernel (``kernels/nvfp4_mla_write.cu``), its reference
-(:mod:`nvfp4_mla.reference`) and the lists that export its name; its checks are made of
+its builds in :func:`catalogue`, and its name in ``__all__``, which :mod:`nvfp4_mla.ops` exports),
+the kernel (``kernels/nvfp4_mla_write.cu``), its reference (``nvfp4_mla/reference/writers.py``) and
+the package's public names (``nvfp4_mla/__init__.py``); its checks are made of
 :mod:`nvfp4_mla.validation`'s.
 """
 
@@ -29,6 +30,13 @@ from .. import abi, config, launch, reference, validation
 from .entry import Entry, Op, Request, make
 from .library import KernelLibrary, check_traceable
 from .writer_spec import QMode, WriterSpec
+
+__all__ = [
+    "cake_dsv4_nvfp4_kv_rope_quantize_insert",
+    "cake_dsv4_nvfp4_rope_quantize_insert",
+    "nvfp4_quantize_append_sparse_mla_cache",
+    "nvfp4_quantize_pack_sparse_mla_cache",
+]
 
 _NO_PTR = 0
 _BF16 = torch.bfloat16

@@ -4,56 +4,9 @@ Readable and vectorized over rows, heads and groups; runs on the CPU or on CUDA 
 every GPU entry is tested byte for byte against it.
 """
 
-from .decode import sparse_mla_decode
-from .numerics import (
-    E2M1_VALUES,
-    R6,
-    bf16_nan,
-    e2m1_code,
-    e2m1_value,
-    e4m3_code,
-    e4m3_value,
-    flush_subnormal,
-    fma_f32,
-    group_amax,
-    mul_f32,
-    quantize_nope,
-    quantize_rows,
-    rope,
-    rope_table,
-    to_bf16,
-)
-from .reader import nvfp4_dequantize_sparse_mla_cache
-from .writers import (
-    cake_dsv4_nvfp4_kv_rope_quantize_insert,
-    cake_dsv4_nvfp4_rope_quantize_insert,
-    new_cache,
-    nvfp4_quantize_append_sparse_mla_cache,
-    nvfp4_quantize_pack_sparse_mla_cache,
-)
-
-__all__ = [
-    "E2M1_VALUES",
-    "R6",
-    "bf16_nan",
-    "cake_dsv4_nvfp4_kv_rope_quantize_insert",
-    "cake_dsv4_nvfp4_rope_quantize_insert",
-    "e2m1_code",
-    "e2m1_value",
-    "e4m3_code",
-    "e4m3_value",
-    "flush_subnormal",
-    "fma_f32",
-    "group_amax",
-    "mul_f32",
-    "new_cache",
-    "nvfp4_dequantize_sparse_mla_cache",
-    "nvfp4_quantize_append_sparse_mla_cache",
-    "nvfp4_quantize_pack_sparse_mla_cache",
-    "quantize_nope",
-    "quantize_rows",
-    "rope",
-    "rope_table",
-    "sparse_mla_decode",
-    "to_bf16",
-]
+# Exported as nvfp4_mla.ops exports its names (see there): each writer's reference is listed once,
+# in ``writers.__all__``.
+from .decode import sparse_mla_decode as sparse_mla_decode
+from .numerics import *  # noqa: F403
+from .reader import nvfp4_dequantize_sparse_mla_cache as nvfp4_dequantize_sparse_mla_cache
+from .writers import *  # noqa: F403

@@ -10,6 +10,25 @@ import torch
 
 from .. import abi
 
+__all__ = [
+    "E2M1_VALUES",
+    "R6",
+    "bf16_nan",
+    "e2m1_code",
+    "e2m1_value",
+    "e4m3_code",
+    "e4m3_value",
+    "flush_subnormal",
+    "fma_f32",
+    "group_amax",
+    "mul_f32",
+    "quantize_nope",
+    "quantize_rows",
+    "rope",
+    "rope_table",
+    "to_bf16",
+]
+
 _F32_MIN_NORMAL = 2.0**-126
 R6 = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()  # the fp32 nearest 1/6, 0x3E2AAAAB
 

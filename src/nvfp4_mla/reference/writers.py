@@ -7,6 +7,14 @@ import torch
 from .. import abi, validation
 from .numerics import bf16_nan, quantize_rows, rope
 
+__all__ = [
+    "cake_dsv4_nvfp4_kv_rope_quantize_insert",
+    "cake_dsv4_nvfp4_rope_quantize_insert",
+    "new_cache",
+    "nvfp4_quantize_append_sparse_mla_cache",
+    "nvfp4_quantize_pack_sparse_mla_cache",
+]
+
 
 def _insert(
     cache: torch.Tensor, layout: validation.CacheLayout, rows: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor

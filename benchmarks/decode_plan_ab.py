@@ -1,0 +1,73 @@
+"""The decode's plans for calls without length tensors, side by side on the yardstick sweep's
+shapes (docs/yardstick_sweep_h200.csv): the width split the planner takes (``t_default``) against
+the scheduler's dealing of the same rows over as many parts as fill the GPU, as a call with
+lengths is dealt, in whole rows (``t_sched1``) and half rows (``t_sched2``, where the backend has
+them). Graph-replayed (``triton.testing.do_bench_cudagraph``, median); one CSV row a shape on
+stdout. Measures what the width split's cost model (``ops.decode_schedule``) is worth.
+
+    python benchmarks/decode_plan_ab.py [--every N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+import nvfp4_mla
+from nvfp4_mla.bench import decode_arms
+from nvfp4_mla.ops import decode_planner
+
+SWEEP = Path(__file__).resolve().parent.parent / "docs" / "yardstick_sweep_h200.csv"
+
+
+def sweep_shapes() -> list[tuple[int, int, int, int]]:
+    """(batch, q_len, heads, selected tokens a row) of every sweep row, in order, once each."""
+    shapes: dict[tuple[int, int, int, int], None] = {}
+    with SWEEP.open() as f:
+        for r in csv.DictReader(f):
+            shapes[(int(r["B"]), int(r["ql"]), int(r["H"].rstrip("*")), int(r["k"]))] = None
+    return list(shapes)
+
+
+def graph_us(pools: decode_arms.Pools, x: decode_arms.Inputs, lib: nvfp4_mla.KernelLibrary) -> float:
+    def call() -> None:
+        decode_arms.fused(pools, x, library=lib)
+
+    call()  # compiles and plans outside the capture
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(call, rep=10, return_mode="median") * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--every", type=int, default=1, help="time every Nth shape")
+    args = parser.parse_args()
+    torch.cuda.set_device(0)
+    pools = decode_arms.Pools("cuda")
+    g = torch.Generator().manual_seed(0)
+    default = nvfp4_mla.KernelLibrary()
+    swa_k = decode_arms.SWA_K
+    print("B,ql,H,k,backend,splits,parts,dim,t_default,parts1,t_sched1,parts2,t_sched2", flush=True)
+    for batch, q_len, heads, k in sweep_shapes()[:: args.every]:
+        x = decode_arms.Inputs(batch, q_len, heads, k - swa_k, g, pools)
+        rows = batch * q_len
+        plan = decode_planner.plan(default, 0, heads, rows, swa_k, k - swa_k, lengths=False)
+        cells = [batch, q_len, heads, k, plan.backend, plan.num_splits, plan.parts, plan.dim_parts]
+        cells.append(f"{graph_us(pools, x, default):.2f}")
+        for dim_parts in (1, 2):
+            if dim_parts not in decode_planner.BACKENDS[plan.backend].dim_parts:
+                cells += ["", ""]
+                continue
+            probe = nvfp4_mla.KernelLibrary(decode_backend=plan.backend, decode_dim_parts=dim_parts)
+            parts = decode_planner.plan(probe, 0, heads, rows, swa_k, k - swa_k, lengths=True).parts
+            lib = nvfp4_mla.KernelLibrary(decode_backend=plan.backend, decode_dim_parts=dim_parts, decode_parts=parts)
+            cells += [parts, f"{graph_us(pools, x, lib):.2f}"]
+        print(",".join(map(str, cells)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
