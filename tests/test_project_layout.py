@@ -156,18 +156,18 @@ def test_a_hung_test_fails(pytestconfig):
 
 
 def test_each_writer_entry_is_listed_where_it_is_exported():
-    """A writer entry's name is listed once a layer (``ops.writers.__all__``,
+    """A writer entry's name is listed once a layer (``ops.writer_api.__all__``,
     ``reference.writers.__all__``, the package's ``__all__``) and the packages export it from there:
     no entry of ``ops.writers.ENTRIES`` is missing from one of them, and no other name is listed."""
     import nvfp4_mla
     from nvfp4_mla import ops, reference
-    from nvfp4_mla.ops import writers
+    from nvfp4_mla.ops import writer_api, writers
     from nvfp4_mla.reference import writers as reference_writers
 
     names = {entry.name for entry in writers.ENTRIES}
-    assert set(writers.__all__) == names
+    assert set(writer_api.__all__) == names
     assert set(reference_writers.__all__) == names | {"new_cache"}
     assert names <= set(nvfp4_mla.__all__)
     for name in names:
-        assert getattr(ops, name) is getattr(writers, name) is getattr(nvfp4_mla, name), name
+        assert getattr(ops, name) is getattr(writer_api, name) is getattr(nvfp4_mla, name), name
         assert getattr(reference, name) is getattr(reference_writers, name), name
