@@ -2,7 +2,7 @@
 shapes (docs/yardstick_sweep_h200.csv): the width split the planner takes (``t_default``) against
 the scheduler's dealing of the same rows over as many parts as fill the GPU, as a call with
 lengths is dealt, in whole rows (``t_sched1``) and half rows (``t_sched2``, where the backend has
-them). Graph-replayed (``triton.testing.do_bench_cudagraph``, median); one CSV row a shape on
+them). Graph-replayed (the benchmark's timer: ``triton.testing.do_bench_cudagraph``, median); one CSV row a shape on
 stdout. Measures what the width split's cost model (``ops.decode_schedule``) is worth.
 
     python benchmarks/decode_plan_ab.py [--every N]
@@ -15,12 +15,13 @@ import csv
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench_cudagraph
 
 import nvfp4_mla
 from nvfp4_mla.bench import decode_arms
+from nvfp4_mla.bench.timing import DeviceTimer
 from nvfp4_mla.ops import decode_planner
 
+TIMER = DeviceTimer(reps=1, graph_s=10e-3)  # graph-replayed only
 SWEEP = Path(__file__).resolve().parent.parent / "docs" / "yardstick_sweep_h200.csv"
 
 
@@ -34,12 +35,7 @@ def sweep_shapes() -> list[tuple[int, int, int, int]]:
 
 
 def graph_us(pools: decode_arms.Pools, x: decode_arms.Inputs, lib: nvfp4_mla.KernelLibrary) -> float:
-    def call() -> None:
-        decode_arms.fused(pools, x, library=lib)
-
-    call()  # compiles and plans outside the capture
-    torch.cuda.synchronize()
-    return do_bench_cudagraph(call, rep=10, return_mode="median") * 1e3
+    return TIMER.graph(lambda inputs: decode_arms.fused(pools, inputs, library=lib), [x]) * 1e6
 
 
 def main() -> None:
