@@ -1,7 +1,9 @@
 // The decode scheduler: one block reads the rows' live lengths on the GPU and writes the work list
 // of a call (nvfp4_mla_work.cuh): the rows' tiles dealt into `parts` parts of equal cost, and the
-// rows split between parts with their partial slots (or, with whole_rows, whole rows a part). ops/decode_scheduler.py holds its CPU model
-// (the same integer results); docs/kernels/scheduler.md describes the steps.
+// rows split between parts with their partial slots, or whole rows a part where that costs no part
+// more than the cut list's bound and the combine's cost (always with whole_rows).
+// ops/decode_scheduler.py holds its CPU model (the same integer results); docs/kernels/scheduler.md
+// describes the steps.
 #include "nvfp4_mla_params.cuh"  // Params: decode_scheduler.SCHEDULER_PARAMS
 #include "nvfp4_mla_ptx.cuh"
 #include "nvfp4_mla_work.cuh"
@@ -64,7 +66,10 @@ struct Sum {
     }
 };
 struct Max {
-    __device__ int operator()(int a, int b) const { return max(a, b); }
+    template <typename T>
+    __device__ T operator()(T a, T b) const {
+        return a > b ? a : b;
+    }
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_scheduler(const Params p) {
@@ -74,11 +79,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_scheduler
     __shared__ i64 mark_start[THREADS];
     // Each boundary's row and tile.
     __shared__ int bound_row[THREADS], bound_tile[THREADS];
+    // Each boundary's row's first cost: where the boundary lies when rows are kept whole.
+    __shared__ i64 bound_start[THREADS];
     // Up to boundary q: the cuts (a boundary inside a row, at a tile no earlier boundary took) in
     // the low 16 bits, and the split rows (those cuts that are their row's first) in the high 16.
     __shared__ u32 counts[THREADS];
     __shared__ i64 cost_totals[WARPS];
     __shared__ int mark_totals[WARPS];
+    __shared__ i64 longest_totals[WARPS];
     __shared__ u32 count_totals[WARPS];
     launch_dependents();
     mark_row[threadIdx.x] = -1;
@@ -119,15 +127,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_scheduler
     __syncthreads();
 
     // A boundary's row is the latest mark at or before it; its tile is counted after the row's
-    // segment cost (whole rows: the boundary moves back to its row's start, so no row is cut).
+    // segment cost.
     int row = static_cast<int>(p.rows), tile = 0, latest_mark;
     const int marked =
         block_inclusive_scan(tid <= parts && mark_row[tid] >= 0 ? tid : -1, mark_totals, Max(), latest_mark);
     const i64 at = tid * payload;
+    i64 row_start = total;
     if (tid <= parts && at < total) {
         row = mark_row[marked];
-        if (!p.whole_rows) tile = static_cast<int>(max(at - mark_start[marked] - p.segment_cost, i64(0)));
+        row_start = mark_start[marked];
+        tile = static_cast<int>(max(at - row_start - p.segment_cost, i64(0)));
     }
+    bound_start[tid] = row_start;
+    __syncthreads();
+
+    // Whole rows (every boundary moved back to its row's start, so no row is cut) where the costliest
+    // part they make costs at most a cut list's bound (the payload and a segment) and the combine's
+    // cost, or always with whole_rows.
+    i64 longest;
+    block_inclusive_scan(tid < parts ? bound_start[tid + 1] - row_start : i64(0), longest_totals, Max(), longest);
+    if (p.whole_rows || longest <= payload + p.segment_cost + p.combine_cost) tile = 0;
     bound_row[tid] = row;
     bound_tile[tid] = tile;
     __syncthreads();

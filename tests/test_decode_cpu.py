@@ -222,7 +222,7 @@ def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_pa
         [1 if r != rows // 2 else 10 for r in range(rows)],
         [rng.randint(1, 10) for _ in range(rows)],
     ):
-        listed = decode_scheduler.schedule(tiles, plan.parts, decode.SEGMENT_COST)
+        listed = decode_scheduler.schedule(tiles, plan.parts, decode.SEGMENT_COST, decode.COMBINE_COST)
         split = [row for row, _ in listed.split_rows if row >= 0]
         assert len(split) * num_heads <= plan.combine_blocks and listed.split_rows[-1][1] <= plan.slots
 
@@ -262,7 +262,7 @@ def test_a_batch_invariant_plan_cuts_no_row(monkeypatch, capability, num_heads):
         assert plan.parts <= rows and plan.blocks == plan.parts * -(-num_heads // plan.head_tile) * plan.dim_parts
         assert plan.workspace == -(-decode_scheduler.work_ints(plan.parts) // 4) * 4  # the list alone
         tiles = [random.Random(rows).randint(1, 20) for _ in range(rows)]
-        listed = decode_scheduler.schedule(tiles, plan.parts, decode.SEGMENT_COST, plan.whole_rows)
+        listed = decode_scheduler.schedule(tiles, plan.parts, decode.SEGMENT_COST, decode.COMBINE_COST, plan.whole_rows)
         assert all(row < 0 for row, _ in listed.split_rows)
     assert len(kernels) == 1, kernels
     if capability == 90:  # the backend a large batch takes

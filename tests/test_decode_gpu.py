@@ -647,7 +647,7 @@ def one_row_cut_most_ways(tile_tokens: int) -> int:
     scheduler."""
     parts = decode.MAX_LIST_PARTS
     for tiles in range(parts, 64 * parts):
-        listed = decode_scheduler.schedule([tiles], parts, decode.SEGMENT_COST)
+        listed = decode_scheduler.schedule([tiles], parts, decode.SEGMENT_COST, decode.COMBINE_COST)
         segments = sum(1 for part in listed.parts for _ in decode_scheduler.segments(part, [tiles]))
         if segments == decode_combine.MAX_PARTIALS:
             return tiles * tile_tokens
@@ -812,13 +812,47 @@ def test_a_work_list_of_mostly_empty_parts(seed, name, heads):
         library = nvfp4_mla.KernelLibrary(decode_backend=name, decode_parts=parts)
         plan = plan_of(q, pools, library)
         assert plan.parts == parts and (plan.combine is None) == (parts == 1)
-        listed = decode_scheduler.schedule(tiles, parts, decode.SEGMENT_COST)
+        listed = decode_scheduler.schedule(tiles, parts, decode.SEGMENT_COST, decode.COMBINE_COST)
         busy = sum(any(True for _ in decode_scheduler.segments(part, tiles)) for part in listed.parts)
         assert busy <= sum(tiles) + 3 * decode.SEGMENT_COST  # every other part is empty
         got = run(q, pools, sinks=sinks, library=library)
         check(got, want, f"{name}, heads {heads}, {parts} parts, {busy} of them with segments")
     again = run(q, pools, sinks=sinks, library=library)
     assert bits_equal(again[0], got[0]) and bits_equal(again[1], got[1])
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_rows_kept_whole_where_cutting_costs_more(backend, seed, heads):
+    """Full rows about one a part, which the scheduler keeps whole with the combine's cost and
+    would cut without it (its CPU model says which): no row is cut, the combine launched over
+    nothing; within the tolerances of the float64 answer, and the bits of the host's list of the
+    same rows (no length tensors)."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(8, 64, g), Pool(16, 64, g)
+    q = queries(7, 1, heads, g)
+    slots = [swa.slots((7, 1, 64), g, invalid=0.05), extra.slots((7, 1, 576), g, torch.int32, invalid=0.05)]
+    full = [torch.full((7, 1), k, dtype=torch.int32, device=DEVICE) for k in (64, 576)]
+    with_lens = [(swa, slots[0], full[0]), (extra, slots[1], full[1])]
+    without = [(swa, slots[0], None), (extra, slots[1], None)]
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    want = exact(q, with_lens, sinks=sinks)
+    forced = {} if backend is None else {"decode_backend": backend.decode_backend}
+    kept = 0
+    for rows, parts in ((4, 5), (6, 7), (7, 8), (7, 9)):
+        library = nvfp4_mla.KernelLibrary(**forced, decode_parts=parts)
+        plan = plan_of(q[:rows], with_lens, library)
+        tiles = [decode_scheduler.live_tiles(640, 0, plan.tile_tokens)] * rows
+        listed = decode_scheduler.schedule(tiles, parts, decode.SEGMENT_COST, decode.COMBINE_COST)
+        cut = decode_scheduler.schedule(tiles, parts, decode.SEGMENT_COST, 0)
+        whole = all(row < 0 for row, _ in listed.split_rows)
+        kept += whole and any(row >= 0 for row, _ in cut.split_rows)
+        picked = [(p, s[:rows], None if lens is None else lens[:rows]) for p, s, lens in with_lens]
+        got = run(q[:rows], picked, sinks=sinks, library=library)
+        what = f"{rows} rows in {parts} parts, whole {whole}"
+        check(got, (want[0][:rows], want[1][:rows], want[2][:rows]), what)
+        hosts = run(q[:rows], [(p, s[:rows], None) for p, s, _ in without], sinks=sinks, library=library)
+        assert bits_equal(got[0], hosts[0]) and bits_equal(got[1], hosts[1]), what
+    assert kept, "no case was kept whole by the combine's cost alone"
 
 
 @pytest.mark.parametrize("heads", [16, 64, 100, 128])

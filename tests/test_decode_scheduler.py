@@ -14,11 +14,12 @@ from nvfp4_mla.ops import decode_scheduler as ds
 TILE = 64
 
 
-def check(tiles, parts, segment_cost, found, exact=True, whole_rows=False):
+def check(tiles, parts, segment_cost, found, exact=True, whole_rows=False, combine_cost=0):
     """Every tile of every row in exactly one segment, in order; a row in one segment writes out,
     a split row's segments take its slots in tile order; no part's cost past the mean by more
-    than one tile and one segment's cost (``exact``: the scheduler's payload rule), or with
-    ``whole_rows`` by more than one row's cost, and no row cut."""
+    than one tile and one segment's cost (``exact``: the scheduler's payload rule), and
+    ``combine_cost`` more where no row is cut; with ``whole_rows`` no row cut, and no part past
+    the mean by more than one row's cost."""
     assert len(found.parts) == parts and len(found.split_rows) == parts
     walked: dict[int, list[ds.Segment]] = {}
     mean = sum(tiles) / parts + segment_cost * len(tiles) / parts
@@ -30,7 +31,8 @@ def check(tiles, parts, segment_cost, found, exact=True, whole_rows=False):
         if whole_rows:
             assert share <= mean + max(tiles) + segment_cost + 1
         elif exact:
-            assert share <= mean + segment_cost + 1
+            cut = any(row >= 0 for row, _ in found.split_rows)
+            assert share <= mean + segment_cost + 1 + (0 if cut else combine_cost)
     if whole_rows:
         assert all(len(segs) == 1 for segs in walked.values())
     assert sorted(walked) == list(range(len(tiles)))
@@ -68,37 +70,49 @@ def test_model_partitions_and_balances(rows, seed):
         for segment_cost in (0, 1, 4):
             for name, lens in distributions(rng, rows, 2048):
                 tiles = [ds.live_tiles(n, 0, TILE) for n in lens]
-                for whole_rows in (False, True):
-                    found = ds.schedule(tiles, parts, segment_cost, whole_rows)
-                    check(tiles, parts, segment_cost, found, whole_rows=whole_rows)
-                    assert ds.schedule(tiles, parts, segment_cost, whole_rows) == found, name
+                for combine_cost, whole_rows in ((0, False), (3, False), (0, True)):
+                    found = ds.schedule(tiles, parts, segment_cost, combine_cost, whole_rows)
+                    check(tiles, parts, segment_cost, found, whole_rows=whole_rows, combine_cost=combine_cost)
+                    assert ds.schedule(tiles, parts, segment_cost, combine_cost, whole_rows) == found, name
 
 
 def test_model_by_hand():
     # Costs 4, 1, 1 in two parts of 3: row 0 is cut at its tile 3.
-    found = ds.schedule([4, 1, 1], 2, 0)
+    found = ds.schedule([4, 1, 1], 2, 0, 0)
     assert found.parts == (ds.WorkPart(0, 0, 0, 3, 0, -1), ds.WorkPart(0, 3, 3, 0, 1, -1))
     assert found.split_rows == ((0, 0), (-1, 2))
     # With a segment cost of 2: costs 6, 3, 3 in two parts of 6: no row is cut.
-    found = ds.schedule([4, 1, 1], 2, 2)
+    found = ds.schedule([4, 1, 1], 2, 2, 0)
     assert found.parts == (ds.WorkPart(0, 0, 1, 0, -1, -1), ds.WorkPart(1, 0, 3, 0, -1, -1))
     assert found.split_rows == ((-1, 0), (-1, 0))
     # Costs 1, 5 in three parts of 2: row 1 cut at tiles 1 and 3; the first part ends inside it.
-    found = ds.schedule([1, 5], 3, 0)
+    # Whole rows would make a part of 5, past the payload and a combine's cost of 2.
+    found = ds.schedule([1, 5], 3, 0, 2)
     assert found.parts == (
         ds.WorkPart(0, 0, 1, 1, -1, 0),
         ds.WorkPart(1, 1, 1, 3, 1, -1),
         ds.WorkPart(1, 3, 2, 0, 2, -1),
     )
     assert found.split_rows == ((1, 0), (-1, 3), (-1, 3))
-    # The same with whole rows: the boundaries inside row 1 move back to its start.
-    found = ds.schedule([1, 5], 3, 0, whole_rows=True)
-    assert found.parts == (
-        ds.WorkPart(0, 0, 1, 0, -1, -1),
-        ds.WorkPart(1, 0, 1, 0, -1, -1),
-        ds.WorkPart(1, 0, 2, 0, -1, -1),
-    )
-    assert found.split_rows == ((-1, 0), (-1, 0), (-1, 0))
+    # The same with whole rows: the boundaries inside row 1 move back to its start. A combine's
+    # cost of 3 keeps them whole too: that part of 5 is then within the payload and the combine.
+    whole = (ds.WorkPart(0, 0, 1, 0, -1, -1), ds.WorkPart(1, 0, 1, 0, -1, -1), ds.WorkPart(1, 0, 2, 0, -1, -1))
+    for found in (ds.schedule([1, 5], 3, 0, 0, whole_rows=True), ds.schedule([1, 5], 3, 0, 3)):
+        assert found.parts == whole
+        assert found.split_rows == ((-1, 0), (-1, 0), (-1, 0))
+    # Four rows of 10 tiles and a segment cost of 1 in five parts of 9: cut, each part's cost at
+    # most 10. Whole, a row a part (and one empty) costs 11: within the payload, a segment and a
+    # combine's cost of 1, so the rows stay whole, and the combine has nothing to merge.
+    assert ds.schedule([10] * 4, 5, 1, 0).split_rows[0] == (0, 0)
+    found = ds.schedule([10] * 4, 5, 1, 1)
+    assert [(p.begin_row, p.begin_tile, p.end_row, p.end_tile) for p in found.parts] == [
+        (0, 0, 0, 0),
+        (0, 0, 1, 0),
+        (1, 0, 2, 0),
+        (2, 0, 3, 0),
+        (3, 0, 4, 0),
+    ]
+    assert found.split_rows == ((-1, 0),) * 5
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 64, 130])
@@ -141,11 +155,11 @@ def _lens(rng, rows, k, dtype):
     return torch.tensor(n, dtype=dtype, device="cuda")
 
 
-def _run(lib, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost, whole_rows, canary=-7):
+def _run(lib, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost, combine, whole_rows, canary=-7):
     work = torch.full((ds.work_ints(parts) + 64,), canary, dtype=torch.int32, device="cuda")
     launcher = lib.launcher(torch.cuda.current_device(), lib.spec(ds.SchedulerSpec()))
     stream = current_raw_stream(torch.cuda.current_device())
-    args = (parts, rows, swa_k, swa_lens, extra_k, extra_lens, tile, cost, whole_rows)
+    args = (parts, rows, swa_k, swa_lens, extra_k, extra_lens, tile, cost, combine, whole_rows)
     ds.launch(launcher, stream, work.data_ptr(), *args)
     return work
 
@@ -156,16 +170,22 @@ def test_device_list_is_the_model(rows, seed):
     rng = random.Random(seed)
     lib = KernelLibrary()
     for parts in (1, 2, 66, 132, ds.MAX_PARTS):
-        for tile, cost, whole_rows in ((64, 0, False), (64, 4, False), (32, 3, False), (32, 1, True)):
+        for tile, cost, combine, whole_rows in (
+            (64, 0, 0, False),
+            (64, 4, 1, False),
+            (64, 1, 1, False),
+            (32, 3, 5, False),
+            (32, 1, 0, True),
+        ):
             swa_k = rng.choice([1, 128, 640])
             extra_k = rng.choice([0, 512, 2048])
             swa_lens = _lens(rng, rows, swa_k, rng.choice([torch.int32, torch.int64]))
             extra_lens = _lens(rng, rows, extra_k, rng.choice([torch.int32, torch.int64]))
-            work = _run(lib, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost, whole_rows)
+            work = _run(lib, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost, combine, whole_rows)
             tiles = ds.row_tiles(rows, swa_k, swa_lens, extra_k, extra_lens, tile)
-            want = ds.schedule(tiles, parts, cost, whole_rows).ints()
+            want = ds.schedule(tiles, parts, cost, combine, whole_rows).ints()
             got = work.tolist()
-            assert got[: len(want)] == want, (parts, tile, cost, whole_rows)
+            assert got[: len(want)] == want, (parts, tile, cost, combine, whole_rows)
             assert got[len(want) :] == [-7] * 64  # nothing written past the list
 
 
@@ -184,10 +204,10 @@ def test_graph_replays_follow_changed_lengths(seed):
     with torch.cuda.graph(graph):
         lens.copy_(source)
         stream = current_raw_stream(torch.cuda.current_device())
-        ds.launch(launcher, stream, work.data_ptr(), parts, rows, 128, None, k, lens, 64, 4, False)
+        ds.launch(launcher, stream, work.data_ptr(), parts, rows, 128, None, k, lens, 64, 4, 1, False)
     for _ in range(4):
         values = [rng.choice([0, 1, 100, k, rng.randrange(k + 1)]) for _ in range(rows)]
         source.copy_(torch.tensor(values, dtype=torch.int32))
         graph.replay()
         tiles = [ds.live_tiles(128, v, 64) for v in values]
-        assert work.tolist() == ds.schedule(tiles, parts, 4).ints()
+        assert work.tolist() == ds.schedule(tiles, parts, 4, 1).ints()

@@ -195,5 +195,6 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
         )
         shift = tile_tokens.bit_length() - 1
         assert (scheduled["rows"], scheduled["parts"], scheduled["tile_shift"]) == (2, parts, shift)
-        assert (scheduled["segment_cost"], scheduled["whole_rows"]) == (decode.SEGMENT_COST, 0)
+        costs = (scheduled["segment_cost"], scheduled["combine_cost"], scheduled["whole_rows"])
+        assert costs == (decode.SEGMENT_COST, decode.COMBINE_COST, 0)
         assert scheduled["parts_out"] == at and scheduled["split_rows"] == combined["split_rows"]

@@ -29,7 +29,16 @@ from torch.autograd.graph import increment_version
 from .. import abi, reference, validation
 from ..launch import contiguous_strides, new_output
 from .decode_launch import launch
-from .decode_planner import BACKENDS, MAX_LIST_PARTS, SEGMENT_COST, DecodePlan, plan, select_backend, specs
+from .decode_planner import (
+    BACKENDS,
+    COMBINE_COST,
+    MAX_LIST_PARTS,
+    SEGMENT_COST,
+    DecodePlan,
+    plan,
+    select_backend,
+    specs,
+)
 from .decode_schedule import MAX_SPLITS
 from .decode_step_plan import SparseMlaDecodePlan, plan_sparse_mla_decode
 from .library import DEFAULT, KernelLibrary, check_traceable
@@ -38,6 +47,7 @@ from .library import DEFAULT, KernelLibrary, check_traceable
 # through this module.
 __all__ = [
     "BACKENDS",
+    "COMBINE_COST",
     "MAX_LIST_PARTS",
     "MAX_SPLITS",
     "SEGMENT_COST",

@@ -15,7 +15,7 @@ import torch
 from .. import abi
 from ..launch import current_raw_stream, new_output
 from . import decode_scheduler
-from .decode_planner import SEGMENT_COST, DecodePlan
+from .decode_planner import COMBINE_COST, SEGMENT_COST, DecodePlan
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -150,5 +150,6 @@ def launch_scheduler(
         extra_lens,
         plan.tile_tokens,
         SEGMENT_COST,
+        COMBINE_COST,
         plan.whole_rows,
     )

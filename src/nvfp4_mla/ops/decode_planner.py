@@ -24,11 +24,12 @@ from ..device import Device, device_info
 from ..launch import Launcher
 from . import decode_combine, decode_mma, decode_scheduler, decode_sm90
 from .decode_backend import OVERRIDES, DecodeBackend, arch_capability
-from .decode_schedule import choose_dim_parts, choose_split_and_parts
+from .decode_schedule import COMBINE_COST, choose_dim_parts, choose_split_and_parts
 from .library import KernelLibrary
 
 # A segment's cost besides its tiles, in tiles (its query load and output rows): the scheduler
-# balances the parts by tiles plus this a segment.
+# balances the parts by tiles plus this a segment. It keeps rows whole where that costs a part no
+# more than the combine's cost (COMBINE_COST, the width split's) past a cut list's bound.
 SEGMENT_COST = 1
 # The most parts of a work list: one row may be cut at every boundary, and the combine merges up to
 # MAX_PARTIALS partials a row.
@@ -168,7 +169,7 @@ def plan(
         num_splits = 1  # the kernel's early dependent launch: the list's splits are not the width's
         parts = lib.decode_parts or (min(rows, most_parts) if batch_invariant else most_parts)
         if not lengths:
-            known = decode_scheduler.schedule([tiles] * rows, parts, SEGMENT_COST, batch_invariant)
+            known = decode_scheduler.schedule([tiles] * rows, parts, SEGMENT_COST, COMBINE_COST, batch_invariant)
     # A boundary between parts cuts at most one row; whole rows: none.
     split_rows = 0 if batch_invariant else min(parts - 1, rows)
     slots = parts - 1 + split_rows if split_rows else 0  # cuts, plus a slot more a split row

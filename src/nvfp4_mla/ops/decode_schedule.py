@@ -15,7 +15,7 @@ MAX_SPLITS = abi.HEAD_DIM // 4  # the most splits of a row (within the combine's
 # besides its tiles (its query load and its output rows), what the combine launch costs, and what
 # a split's partial row costs (512 fp32 written by the attention and read by the combine).
 _BLOCK_COST = 1
-_COMBINE_COST = 1
+COMBINE_COST = 1
 _PARTIAL_ROW_COST = 1.6e-4
 # A tile of a row's half when the two halves run as a pair that shares each dequantized tile (see
 # choose_split_and_parts): less than a whole row's tile, more than half of it.
@@ -40,7 +40,7 @@ def cheapest_split(
             continue
         cost = -(-items * splits // concurrent_blocks) * (per_split * tile_cost + _BLOCK_COST)
         if splits > 1:
-            cost += _COMBINE_COST + _PARTIAL_ROW_COST * head_rows * splits
+            cost += COMBINE_COST + _PARTIAL_ROW_COST * head_rows * splits
         if splits == 1 or cost < best[0]:
             best = (cost, splits, per_split)
     return best

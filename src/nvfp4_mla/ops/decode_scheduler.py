@@ -12,6 +12,9 @@ load and output rows). The rows' costs, row after row, are dealt into ``parts`` 
 ``ceil(total / parts)`` each; a part's blocks walk its segments (its tiles of one row) in order.
 A row whose tiles fall in one part is a segment that writes the row's ``out`` and ``lse``; a row
 cut between parts writes a partial output a segment, at slots the combine merges in tile order.
+Where moving every boundary back to its row's start costs no part more than the cut list's bound
+and the combine's cost, the list keeps rows whole (all rows of equal length and about one a part:
+no partials, and the combine has nothing to merge).
 
 **The list** (``work_ints(parts)`` int32 values): ``parts`` :class:`WorkPart` records of
 :data:`PART_INTS`, then ``parts`` split rows ``(row, first_slot)``: the rows cut between parts in
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -53,6 +56,7 @@ SCHEDULER_PARAMS = ParamsLayout(
         int64("parts", "parts of the work: 1 to 1023"),
         int64("tile_shift", "log2 of the attention kernel's tile tokens"),
         int64("segment_cost", "a segment's cost besides its tiles, in tiles"),
+        int64("combine_cost", "the combine's cost, in tiles: rows are kept whole where that costs no more"),
         int64("whole_rows", "1: every boundary at a row's start, so no row is cut (batch-invariant rows)"),
         pointer("parts_out", "struct WorkPart*", "[parts]"),
         pointer("split_rows", "struct SplitRow*", "[parts]"),
@@ -160,25 +164,31 @@ def row_tiles(
     return [live_tiles(s, e, tile_tokens) for s, e in zip(live(swa_k, swa_lens), live(extra_k, extra_lens))]
 
 
-def schedule(tiles: Sequence[int], parts: int, segment_cost: int, whole_rows: bool = False) -> Schedule:
+def schedule(
+    tiles: Sequence[int], parts: int, segment_cost: int, combine_cost: int, whole_rows: bool = False
+) -> Schedule:
     """The work list of rows of ``tiles`` tiles each (at least one) in ``parts`` parts, a segment
-    costing ``segment_cost`` tiles besides its own, as the scheduler kernel writes it; with
-    ``whole_rows`` each boundary moves back to the start of its row, so no row is cut."""
+    costing ``segment_cost`` tiles besides its own, as the scheduler kernel writes it. Rows are
+    kept whole (each boundary moved back to the start of its row, so no row is cut) where the
+    costliest part that makes costs at most the payload, a segment and ``combine_cost`` (what the
+    combine of cut rows costs), and always with ``whole_rows``."""
     rows = len(tiles)
     starts = list(accumulate((t + segment_cost for t in tiles), initial=0))  # row r's costs: [starts[r], starts[r + 1])
     total = starts[-1]
     payload = -(-total // parts)
     # Boundary q begins part q: at cost q * payload, in the row whose costs hold it (its tile
-    # counted after the row's segment cost), or at the end, (rows, 0).
+    # counted after the row's segment cost), or at the end, (rows, 0); with its row's first cost.
     bounds = []
     for q in range(parts + 1):
         at = q * payload
         if at >= total:
-            bounds.append((rows, 0))
+            bounds.append((rows, 0, total))
         else:
             row = bisect_right(starts, at) - 1
-            bounds.append((row, 0 if whole_rows else max(at - starts[row] - segment_cost, 0)))
-    return list_of_bounds(bounds)
+            bounds.append((row, max(at - starts[row] - segment_cost, 0), starts[row]))
+    longest = max(after[2] - before[2] for before, after in pairwise(bounds))
+    whole = whole_rows or longest <= payload + segment_cost + combine_cost
+    return list_of_bounds([(row, 0 if whole else tile) for row, tile, _ in bounds])
 
 
 def split_schedule(rows: int, num_splits: int, tiles_per_split: int, parts: int) -> Schedule:
@@ -252,10 +262,11 @@ def launch(
     extra_lens: torch.Tensor | None,
     tile_tokens: int,
     segment_cost: int,
+    combine_cost: int,
     whole_rows: bool,
 ) -> None:
     """Writes the work list of ``rows`` rows in ``parts`` parts at ``work`` (the address of
-    :func:`work_ints` int32 values) on ``stream`` (``whole_rows``: no row cut); the lengths are
+    :func:`work_ints` int32 values) on ``stream``, as :func:`schedule` makes it; the lengths are
     contiguous ``[rows]`` int32 or int64 on the GPU, or None."""
     launcher.launch(
         1,
@@ -273,6 +284,7 @@ def launch(
         parts,
         tile_tokens.bit_length() - 1,
         segment_cost,
+        combine_cost,
         int(whole_rows),
         work,
         work + parts * PART_INTS * 4,
