@@ -96,14 +96,23 @@ def test_the_check_sees_a_circle():
 
 
 def type_checking_imports() -> dict[str, str]:
-    """The names the package's ``if TYPE_CHECKING:`` block imports, each with its module."""
+    """The names the package's ``if TYPE_CHECKING:`` block imports, each with its module (a star
+    import: each name of that module's ``__all__``)."""
     tree = ast.parse((SRC / "nvfp4_mla" / "__init__.py").read_text())
     (block,) = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
     found = {}
     for node in block.body:
+        if isinstance(node, ast.AnnAssign):  # __all__'s type; its value is made at run time
+            assert ast.unparse(node.target) == "__all__" and node.value is None
+            continue
         assert isinstance(node, ast.ImportFrom) and node.level == 1
         for alias in node.names:
-            found[alias.asname or alias.name] = f"nvfp4_mla.{node.module}" if node.module else f"nvfp4_mla.{alias.name}"
+            if alias.name == "*":
+                module_name = f"nvfp4_mla.{node.module}"
+                found.update(dict.fromkeys(importlib.import_module(module_name).__all__, module_name))
+            else:
+                assert alias.asname == alias.name, "a PEP 484 re-export: import x as x"
+                found[alias.name] = f"nvfp4_mla.{node.module}" if node.module else f"nvfp4_mla.{alias.name}"
     return found
 
 
@@ -157,8 +166,9 @@ def test_a_hung_test_fails(pytestconfig):
 
 def test_each_writer_entry_is_listed_where_it_is_exported():
     """A writer entry's name is listed once a layer (``ops.writer_api.__all__``,
-    ``reference.writers.__all__``, the package's ``__all__``) and the packages export it from there:
-    no entry of ``ops.writers.ENTRIES`` is missing from one of them, and no other name is listed."""
+    ``reference.writers.__all__``) and the packages export it from there (the package's ``__all__``
+    is made of the first): no entry of ``ops.writers.ENTRIES`` is missing from one of them, and no
+    other name is listed."""
     import nvfp4_mla
     from nvfp4_mla import ops, reference
     from nvfp4_mla.ops import writer_api, writers

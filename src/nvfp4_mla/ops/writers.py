@@ -12,11 +12,11 @@ same entry of :mod:`nvfp4_mla.reference`, which writes the same bytes.
 Each entry is described once (:class:`~nvfp4_mla.ops.entry.Entry`, in :data:`ENTRIES`), beside its
 build (the :class:`~.writer_spec.WriterSpec` of its arguments) and its kernel path: its custom ops
 and their fakes, that dispatch and its registry entry are made from the description. A new writer
-entry touches this module (its build, its kernel path, its description and its builds in
-:func:`catalogue`), :mod:`.writer_api` (its public function and its name in ``__all__``, which
-:mod:`nvfp4_mla.ops` exports), the kernel (``kernels/nvfp4_mla_write.cu``), its reference
-(``nvfp4_mla/reference/writers.py``) and the package's public names (``nvfp4_mla/__init__.py``);
-its checks are made of :mod:`nvfp4_mla.validation`'s.
+entry touches four files: this module (its build, its kernel path, its description and its builds
+in :func:`catalogue`), :mod:`.writer_api` (its public function and its name in ``__all__``, which
+:mod:`nvfp4_mla.ops` and the package export), the kernel (``kernels/nvfp4_mla_write.cu``) and its
+reference (``nvfp4_mla/reference/writers.py``); its checks are made of
+:mod:`nvfp4_mla.validation`'s.
 """
 
 from __future__ import annotations
