@@ -1,10 +1,12 @@
 """One benchmark shape, called a few times, for a profiler (``ncu``, ``nsys``): the same inputs as
 the benchmark's, so a profile explains a benchmark row.
 
-    python benchmarks/ncu_driver.py decode BATCH Q_LEN HEADS EXTRA_K [--batch-invariant]
+    python benchmarks/ncu_driver.py decode BATCH Q_LEN HEADS EXTRA_K [--batch-invariant] [--lengths DIST]
     python benchmarks/ncu_driver.py write ENTRY NUM_TOKENS [NUM_HEADS Q_HEAD_PADDED]
 
-``ENTRY`` is main, inplace, kv, kv2 (compress ratio 2) or append. Profile the last call, e.g.
+``DIST`` gives the extra pool's rows live lengths as ``nvfp4-mla bench decode --ragged`` does
+(full, tail1of8, uniform, short; q_len 1). ``ENTRY`` is main, inplace, kv, kv2 (compress ratio 2)
+or append. Profile the last call, e.g.
 ``ncu --clock-control none --set full -k regex:nvfp4_mla_decode$ -c 1 -s 3 python ...``
 (``--calls`` sets how many calls are made; the default 4 leaves 3 warm-up calls).
 """
@@ -18,6 +20,7 @@ import torch
 from nvfp4_mla import ops
 from nvfp4_mla.bench import decode_arms
 from nvfp4_mla.bench.arms import fused_call
+from nvfp4_mla.bench.decode_ragged import RAGGED_DISTRIBUTIONS, ragged_lengths
 from nvfp4_mla.bench.grid import MAX_POSITION, Row
 from nvfp4_mla.bench.inputs import make_inputs
 from nvfp4_mla.testing import rope_table
@@ -41,6 +44,7 @@ def main() -> None:
     for name in ("batch", "q_len", "heads", "extra_k"):
         d.add_argument(name, type=int)
     d.add_argument("--batch-invariant", action="store_true", help="plan with batch_invariant=True")
+    d.add_argument("--lengths", choices=RAGGED_DISTRIBUTIONS, help="the extra pool's live lengths (q_len 1)")
     w = sub.add_parser("write")
     w.add_argument("entry", choices=("main", "inplace", "kv", "kv2", "append"))
     w.add_argument("tokens", type=int)
@@ -52,8 +56,12 @@ def main() -> None:
         pools = decode_arms.Pools("cuda")
         g = torch.Generator().manual_seed(0)
         x = decode_arms.Inputs(args.batch, args.q_len, args.heads, args.extra_k, g, pools)
+        lens = None
+        if args.lengths is not None:
+            lens = ragged_lengths(args.lengths, args.batch * args.q_len, args.extra_k, g).view(args.batch, args.q_len)
+            lens = lens.to("cuda")
         for _ in range(args.calls):
-            decode_arms.fused(pools, x, batch_invariant=args.batch_invariant)
+            decode_arms.fused(pools, x, extra_lens=lens, batch_invariant=args.batch_invariant)
     else:
         row = writer_row(args.entry, args.tokens, args.heads, args.padded)
         call = fused_call(row, ops, rope_table(MAX_POSITION, "cuda"))
