@@ -85,7 +85,7 @@ def test_second_lookup_reuses_the_file(kdir, compiles):
 
 
 def _planted(kind: str, spec=SPEC, other_spec=OTHER, arch: str = ARCH) -> bytes:
-    """The bytes of a damaged or foreign file put under ``spec``'s name (issue 24's audit and more);
+    """The bytes of a damaged or foreign file put under ``spec``'s name (an audit's cases and more);
     ``other_spec`` is another kernel of the same family."""
     key, other_key = jit.kernel_key(spec, arch), jit.kernel_key(other_spec, arch)
     good = kernel_file.pack(jit.compile_kernel(spec, arch).cubin, key, arch)

@@ -1,6 +1,6 @@
 """The fused sparse decode on the GPU against the reference computed in float64.
 
-Tolerances (issue 13): ``out`` within ``2^-7 |ref| + 2^-8 sum_j w_j |row_j|`` (the sink factor
+Tolerances: ``out`` within ``2^-7 |ref| + 2^-8 sum_j w_j |row_j|`` (the sink factor
 included: the reference applies it to both) plus ``2^-126`` (below the smallest normal BF16 and
 fp32 only absolute errors are meaningful: a peaked softmax can leave an output element near
 1e-41, whose BF16 is 0), ``lse`` within ``1e-4 max(1, |lse|)``; lonely rows

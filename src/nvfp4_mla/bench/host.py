@@ -15,7 +15,7 @@ the host's speed drifts within a run.
 
 - the reference: torch ``add_`` on a 1-element CUDA tensor;
 - each writer entry at ``T = 1`` (main 8 -> 16 heads, in place 8, KV ratio 1 and 2, append, pack
-  of one 64-row page) with its target ratio to ``add_`` (issue 11: 1.8x for the main entry, in
+  of one 64-row page) with its target ratio to ``add_`` (1.8x for the main entry, in
   place too, 1.5x for the others), and the reader and ``sparse_mla_decode`` for information, but
   ``sparse_mla_decode`` with lengths and a reused plan (2.0x: a decode step's per-layer call),
   and ``plan.update()`` (the scheduler's launch);
@@ -46,7 +46,7 @@ from .timing import SUITE_HOST_BATCHES, SUITE_HOST_CALLS, host_pair
 
 OUTPUT_STEM = "host_bench"  # host_bench.csv, host_bench.md
 COLUMNS = ["call", "us", "add_us", "x_add", "target", "verdict"]
-MAIN_TARGET, OTHER_TARGET = 1.8, 1.5  # x add_ (issue 11)
+MAIN_TARGET, OTHER_TARGET = 1.8, 1.5  # x add_
 DECODE_PLAN_TARGET = 2.0  # x add_: a decode call with a reused plan
 MAX_POSITION = 4096
 DECODE_HEADS, DECODE_K = 64, 128  # sparse_mla_decode: one query row, 64 heads, 128 selected tokens
