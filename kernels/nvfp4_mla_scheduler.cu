@@ -22,17 +22,36 @@ __device__ __forceinline__ u32 row_cost(const Params& p, i64 row) {
 
 // The costs of rows r .. r + LOADS - 1 (0 from r_end on), their lengths loaded together: a
 // thread's rows are a contiguous run, and one at a time their loads would wait in turn.
-constexpr int LOADS = 4;
+constexpr int LOADS = ROW_LOADS;  // decode_scheduler.ROW_LOADS
 
 __device__ __forceinline__ void load_costs(const Params& p, i64 r, i64 r_end, u32 (&cost)[LOADS]) {
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) cost[i] = r + i < r_end ? row_cost(p, r + i) : 0u;
 }
 
-// ceil(a / b) for a >= 0, b > 0, in 32 bits where both fit (a 64-bit division is a long call).
-__device__ __forceinline__ i64 ceil_div(i64 a, i64 b) {
+// No 64-bit division here: it is a call, whose stack frame ptxas reports as a spill on sm_80.
+// ceil(a / d) for a >= 0 and 0 < d < 2^16: a long division in 16-bit digits, each step in 32 bits.
+__device__ __forceinline__ i64 ceil_div_small_divisor(i64 a, u32 d) {
+    u64 q = 0;
+    u32 r = 0;
+#pragma unroll
+    for (int shift = 48; shift >= 0; shift -= 16) {
+        const u32 x = (r << 16) | static_cast<u32>((static_cast<u64>(a) >> shift) & 0xFFFFu);
+        q = (q << 16) | (x / d);
+        r = x % d;
+    }
+    return static_cast<i64>(q) + (r != 0);
+}
+
+// ceil(a / b) for a >= 0, b > 0 and a quotient of at most 2^11 (a boundary's index: at most
+// parts): in 32 bits where both fit, else the smallest q with q b >= a, by bisection.
+__device__ __forceinline__ i64 boundary_at(i64 a, i64 b) {
     if (((a | b) >> 31) == 0) return (static_cast<u32>(a) + static_cast<u32>(b) - 1) / static_cast<u32>(b);
-    return (a + b - 1) / b;
+    if (a == 0) return 0;
+    i64 below = 0;  // the largest q found with q b < a
+    for (i64 step = i64(1) << 10; step > 0; step >>= 1)
+        if ((below + step) * b < a) below += step;
+    return below + 1;
 }
 
 // The block's inclusive scan under `op` of one value a thread; `total` gets the last thread's.
@@ -72,7 +91,9 @@ struct Max {
     }
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_scheduler(const Params p) {
+// One block a call: at least one block an SM lets ptxas use the registers of one (for two 1,024-thread
+// blocks it keeps 32 a thread, and spills on sm_80).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) nvfp4_mla_decode_scheduler(const Params p) {
     // Boundary q (0 <= q <= parts) begins part q and ends part q - 1. The first boundary inside a
     // row is marked with the row and the cost its row begins at; -1: no row's first.
     __shared__ int mark_row[THREADS];
@@ -109,8 +130,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_scheduler
 
     // Part q takes the costs [q payload, (q + 1) payload): boundary q lies at cost q payload, in the
     // row whose costs hold it, or at the end. Each row marks its first boundary.
-    const i64 payload = ceil_div(total, parts);
-    i64 q = ceil_div(start, payload);  // the first boundary at or past `start`
+    const i64 payload = ceil_div_small_divisor(total, static_cast<u32>(parts));
+    i64 q = boundary_at(start, payload);  // the first boundary at or past `start`
     for (i64 r = r0; r < r1; r += LOADS) {
         if (per_thread > LOADS) load_costs(p, r, r1, cost);
 #pragma unroll
@@ -119,7 +140,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_scheduler
             if (q * payload < end) {
                 mark_row[q] = static_cast<int>(r + i);
                 mark_start[q] = start;
-                q = ceil_div(end, payload);
+                q = boundary_at(end, payload);
             }
             start = end;
         }

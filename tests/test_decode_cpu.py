@@ -39,8 +39,10 @@ def test_specs_and_names():
     assert {s.head_tile for s in specs if isinstance(s, decode_mma.MmaAttentionSpec)} == set(decode_mma.HEAD_TILES)
     combines = decode_combine.specs()
     assert combines == (decode_combine.CombineSpec.of(4), decode_combine.CombineSpec.of(16))
-    assert specs[-3:-1] == combines and specs[-1] == decode_scheduler.SchedulerSpec()
-    assert len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 3
+    schedulers = decode_scheduler.specs()
+    assert schedulers == tuple(decode_scheduler.SchedulerSpec(t) for t in decode_scheduler.BUILD_THREADS)
+    assert specs[-4:] == combines + schedulers
+    assert len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 4
     assert [c.defines()["PREFETCH"] for c in combines] == [4, 16] and decode_combine.CombineSpec.of(4) is combines[0]
     # Alone and in pairs, each with whole output rows and with half rows; and the NARROW build.
     hopper = {decode_sm90.WgmmaAttentionSpec.of(c, parts) for c in (1, 2) for parts in (1, 2)}
@@ -179,7 +181,7 @@ def _check_list_plan(plan, num_heads, rows, parts, dim_parts):
     assert plan.slots == parts - 1 + split_rows <= decode_scheduler.max_slots(parts)
     list_values = -(-decode_scheduler.work_ints(parts) // 4) * 4
     assert plan.workspace == list_values + plan.slots * num_heads * (abi.HEAD_DIM + 2)
-    assert plan.scheduler is not None and plan.scheduler.spec == decode_scheduler.SchedulerSpec()
+    assert plan.scheduler is not None and plan.scheduler.spec == decode_scheduler.spec_for(rows, parts)
     assert (plan.q_map is not None) == plan.backend.startswith("wgmma")
 
 

@@ -155,9 +155,9 @@ def _lens(rng, rows, k, dtype):
     return torch.tensor(n, dtype=dtype, device="cuda")
 
 
-def _run(lib, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost, combine, whole_rows, canary=-7):
+def _run(lib, threads, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost, combine, whole_rows, canary=-7):
     work = torch.full((ds.work_ints(parts) + 64,), canary, dtype=torch.int32, device="cuda")
-    launcher = lib.launcher(torch.cuda.current_device(), lib.spec(ds.SchedulerSpec()))
+    launcher = lib.launcher(torch.cuda.current_device(), lib.spec(ds.SchedulerSpec(threads)))
     stream = current_raw_stream(torch.cuda.current_device())
     args = (parts, rows, swa_k, swa_lens, extra_k, extra_lens, tile, cost, combine, whole_rows)
     ds.launch(launcher, stream, work.data_ptr(), *args)
@@ -167,6 +167,8 @@ def _run(lib, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost, com
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 5, 256, 1031, 16384])
 def test_device_list_is_the_model(rows, seed):
+    """Every build that holds the parts, whatever the rows (past ROW_LOADS rows a thread a build
+    loads the costs again)."""
     rng = random.Random(seed)
     lib = KernelLibrary()
     for parts in (1, 2, 66, 132, ds.MAX_PARTS):
@@ -181,12 +183,30 @@ def test_device_list_is_the_model(rows, seed):
             extra_k = rng.choice([0, 512, 2048])
             swa_lens = _lens(rng, rows, swa_k, rng.choice([torch.int32, torch.int64]))
             extra_lens = _lens(rng, rows, extra_k, rng.choice([torch.int32, torch.int64]))
-            work = _run(lib, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost, combine, whole_rows)
             tiles = ds.row_tiles(rows, swa_k, swa_lens, extra_k, extra_lens, tile)
             want = ds.schedule(tiles, parts, cost, combine, whole_rows).ints()
-            got = work.tolist()
-            assert got[: len(want)] == want, (parts, tile, cost, combine, whole_rows)
-            assert got[len(want) :] == [-7] * 64  # nothing written past the list
+            for threads in (t for t in ds.BUILD_THREADS if parts < t):
+                args = (rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, cost, combine, whole_rows)
+                got = _run(lib, threads, *args).tolist()
+                assert got[: len(want)] == want, (threads, parts, tile, cost, combine, whole_rows)
+                assert got[len(want) :] == [-7] * 64  # nothing written past the list
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 16384])
+def test_device_list_past_32_bits(rows, seed):
+    """Tables of 2^24 entries: the costs' sum passes 2^32 at 16,384 full rows, and the kernel's
+    divisions leave their 32-bit path."""
+    rng = random.Random(seed)
+    lib, k = KernelLibrary(), 1 << 24
+    for parts in (1, 7, 132, ds.MAX_PARTS):
+        full = rng.random() < 0.5
+        lens = None if full else torch.tensor([rng.randrange(k - 4096, k + 1) for _ in range(rows)], device="cuda")
+        tiles = ds.row_tiles(rows, k, lens, k, None, 32)
+        want = ds.schedule(tiles, parts, 1, 1).ints()
+        for threads in (t for t in ds.BUILD_THREADS if parts < t):
+            got = _run(lib, threads, rows, parts, k, lens, k, None, 32, 1, 1, False).tolist()
+            assert got[: len(want)] == want, (threads, parts, full)
 
 
 @pytest.mark.gpu
@@ -199,7 +219,7 @@ def test_graph_replays_follow_changed_lengths(seed):
     source = torch.zeros(rows, dtype=torch.int32, device="cuda")
     lens = torch.zeros_like(source)
     work = torch.zeros(ds.work_ints(parts), dtype=torch.int32, device="cuda")
-    launcher = lib.launcher(torch.cuda.current_device(), lib.spec(ds.SchedulerSpec()))
+    launcher = lib.launcher(torch.cuda.current_device(), lib.spec(ds.spec_for(rows, parts)))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         lens.copy_(source)
@@ -211,3 +231,15 @@ def test_graph_replays_follow_changed_lengths(seed):
         graph.replay()
         tiles = [ds.live_tiles(128, v, 64) for v in values]
         assert work.tolist() == ds.schedule(tiles, parts, 4, 1).ints()
+
+
+def test_a_call_takes_the_smallest_build_that_holds_it():
+    """A thread a part boundary and at most ROW_LOADS rows a thread: the fewest threads that hold
+    both; past every build, the largest (which holds any parts the planner makes)."""
+    spec_for, loads = ds.spec_for, ds.ROW_LOADS
+    small, large = ds.BUILD_THREADS
+    assert ds.specs() == (ds.SchedulerSpec(small), ds.SchedulerSpec(large))
+    assert spec_for(1, 1).threads == spec_for(loads * small, small - 1).threads == small
+    assert spec_for(loads * small + 1, 132).threads == spec_for(1, small).threads == large
+    assert spec_for(16_384, ds.MAX_PARTS).threads == large
+    assert all(s.defines() == {"ROW_LOADS": loads} for s in ds.specs())

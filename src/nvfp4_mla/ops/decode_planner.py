@@ -192,7 +192,7 @@ def plan(
         combine,
         None if attention.q_map is None else attention.q_map(num_heads, rows),
         parts,
-        None if known is not None else lib.launcher(gpu.index, lib.spec(decode_scheduler.SchedulerSpec())),
+        None if known is not None else lib.launcher(gpu.index, lib.spec(decode_scheduler.spec_for(rows, parts))),
         batch_invariant,
         split_rows * num_heads,
         list_values + slots * num_heads * (abi.HEAD_DIM + 2),

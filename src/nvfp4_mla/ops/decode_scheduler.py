@@ -38,8 +38,12 @@ if TYPE_CHECKING:
     from ..launch import Launcher
 
 SOURCE = "nvfp4_mla_scheduler.cu"
-THREADS = 1024  # a thread a part boundary
-MAX_PARTS = THREADS - 1
+# The builds' threads: a thread a part boundary, and up to ROW_LOADS rows a thread, whose costs its
+# registers keep between the two passes (more: loaded again). Fewer threads, fewer warps through
+# the block's scans and barriers; a call takes the fewest that hold its parts and rows.
+BUILD_THREADS = (256, 1024)
+ROW_LOADS = 4
+MAX_PARTS = BUILD_THREADS[-1] - 1
 PART_INTS = 8  # a WorkPart: begin_row, begin_tile, end_row, end_tile, begin_slot, end_slot, two zeros
 SPLIT_INTS = 2  # a split row: row, first_slot
 
@@ -65,9 +69,9 @@ SCHEDULER_PARAMS = ParamsLayout(
 
 
 class SchedulerSpec(NamedTuple):
-    """The scheduler's one build."""
+    """A build of the scheduler: its block's threads."""
 
-    threads: int = THREADS
+    threads: int
 
     @property
     def template(self) -> Template:
@@ -82,14 +86,23 @@ class SchedulerSpec(NamedTuple):
         )
 
     def defines(self) -> dict[str, int]:
-        return {}
+        return {"ROW_LOADS": ROW_LOADS}
 
     def describe(self) -> str:
         return f"decode scheduler, {self.threads} threads"
 
 
 def specs() -> tuple[SchedulerSpec, ...]:
-    return (SchedulerSpec(),)
+    return tuple(SchedulerSpec(threads) for threads in BUILD_THREADS)
+
+
+def spec_for(rows: int, parts: int) -> SchedulerSpec:
+    """The build of the fewest threads with a thread a boundary (``parts + 1``) and every row's
+    cost in registers; past them all, the largest (it loads the costs again)."""
+    for threads in BUILD_THREADS:
+        if parts < threads and rows <= ROW_LOADS * threads:
+            return SchedulerSpec(threads)
+    return SchedulerSpec(BUILD_THREADS[-1])
 
 
 def work_ints(parts: int) -> int:
