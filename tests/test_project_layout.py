@@ -124,6 +124,7 @@ import nvfp4_mla.__main__
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy", "cupy", "nvfp4_mla")))
 import nvfp4_mla.config
 print([type(h).__name__ for h in logging.getLogger("nvfp4_mla").handlers])
+print(hasattr(nvfp4_mla, "_repr_html_"), any(m.split(".")[0] == "torch" for m in sys.modules))
 from nvfp4_mla import Geometry, reference
 print(Geometry is sys.modules["nvfp4_mla.geometry"].Geometry, reference is sys.modules["nvfp4_mla.reference"])
 """
@@ -132,10 +133,11 @@ print(Geometry is sys.modules["nvfp4_mla.geometry"].Geometry, reference is sys.m
 def test_import_loads_no_torch():
     """``import nvfp4_mla`` and the console script's module load neither torch nor the ops (a
     Ctrl-C while they load then ends as one line: test_cli_errors); the logger gets its
-    NullHandler where the library logs from; ``from nvfp4_mla import`` loads a name's module."""
+    NullHandler where the library logs from; a probe of a private name (IPython's ``_repr_html_``)
+    loads no torch either; ``from nvfp4_mla import`` loads a name's module."""
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     done = subprocess.run([sys.executable, "-c", IMPORT_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
-    lines = ["[]", "['nvfp4_mla', 'nvfp4_mla.__main__']", "['NullHandler']", "True True"]
+    lines = ["[]", "['nvfp4_mla', 'nvfp4_mla.__main__']", "['NullHandler']", "False False", "True True"]
     assert (done.returncode, done.stdout.splitlines()) == (0, lines), done.stderr
 
 

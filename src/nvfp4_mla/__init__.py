@@ -77,7 +77,7 @@ if not TYPE_CHECKING:  # hidden from type checkers, so that a misspelt name stay
             except ModuleNotFoundError as exc:
                 if exc.name != f"{__name__}.{name}":
                     raise  # the submodule is there; something it imports is not
-            if name not in _public_names():
+            if name.startswith("_") or name not in _public_names():  # probes (IPython's _repr_*_) load no torch
                 raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
             value = getattr(importlib.import_module(".ops", __name__), name)
         else:
