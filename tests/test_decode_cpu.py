@@ -38,12 +38,12 @@ def test_specs_and_names():
     specs = decode.specs("sm_80")
     assert {s.head_tile for s in specs if isinstance(s, decode_mma.MmaAttentionSpec)} == set(decode_mma.HEAD_TILES)
     combines = decode_combine.specs()
-    assert combines == (decode_combine.CombineSpec.of(4), decode_combine.CombineSpec.of(16))
+    assert combines == (decode_combine.CombineSpec.of(1), decode_combine.CombineSpec.of(4))
     schedulers = decode_scheduler.specs()
     assert schedulers == tuple(decode_scheduler.SchedulerSpec(t) for t in decode_scheduler.BUILD_THREADS)
     assert specs[-4:] == combines + schedulers
     assert len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 4
-    assert [c.defines()["PREFETCH"] for c in combines] == [4, 16] and decode_combine.CombineSpec.of(4) is combines[0]
+    assert [c.defines()["PREFETCH"] for c in combines] == [1, 4] and decode_combine.CombineSpec.of(1) is combines[0]
     # Alone and in pairs, each with whole output rows and with half rows; and the NARROW build.
     hopper = {decode_sm90.WgmmaAttentionSpec.of(c, parts) for c in (1, 2) for parts in (1, 2)}
     narrow = decode_sm90.WgmmaAttentionSpec.of(1, 1, 16)
@@ -177,7 +177,7 @@ def _check_list_plan(plan, num_heads, rows, parts, dim_parts):
     assert (plan.parts, plan.dim_parts, plan.blocks) == (parts, dim_parts, parts * head_tiles * dim_parts)
     assert plan.num_splits == 1
     assert (plan.combine is None) == (parts == 1)
-    assert plan.combine_blocks == split_rows * num_heads
+    assert plan.combine_blocks == decode_combine.blocks(split_rows, num_heads)
     assert plan.slots == parts - 1 + split_rows <= decode_scheduler.max_slots(parts)
     list_values = -(-decode_scheduler.work_ints(parts) // 4) * 4
     assert plan.workspace == list_values + plan.slots * num_heads * (abi.HEAD_DIM + 2)
@@ -226,7 +226,8 @@ def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_pa
     ):
         listed = decode_scheduler.schedule(tiles, plan.parts, decode.SEGMENT_COST, decode.COMBINE_COST)
         split = [row for row, _ in listed.split_rows if row >= 0]
-        assert len(split) * num_heads <= plan.combine_blocks and listed.split_rows[-1][1] <= plan.slots
+        assert decode_combine.blocks(len(split), num_heads) <= plan.combine_blocks
+        assert listed.split_rows[-1][1] <= plan.slots
 
 
 @pytest.mark.parametrize("capability", [80, 90, 120])

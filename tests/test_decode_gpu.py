@@ -655,11 +655,12 @@ def one_row_cut_most_ways(tile_tokens: int) -> int:
 
 
 def test_the_combine_builds_give_the_same_bits(seed):
-    """The combine kernel prefetching no partial, the shipped 4 and 16 add a row's partials in the
-    same order: the same bits, at fewer partials a row than the prefetches hold, more, and on every
-    backend of this GPU one row cut into the most (MAX_PARTIALS: four a combine thread), within
-    the float64 answer's tolerances. And the plan takes the 16-partial build only where its
-    blocks (a split row and head each) fit the GPU at once, else the 4-partial one."""
+    """The combine kernel prefetching no partial and the shipped builds (PREFETCH_WAVES, PREFETCH)
+    add a row's partials in the same order: the same bits, at fewer partials a row than the
+    prefetches hold, more, and on every backend of this GPU one row cut into the most
+    (MAX_PARTIALS), within the float64 answer's tolerances. And the plan takes the PREFETCH build
+    only where its blocks (HEADS_A_BLOCK heads of a split row each) fit the GPU at once, else the
+    PREFETCH_WAVES one."""
     q, pools, sinks, want = split_case(seed, 64, 8000)  # 4 rows of 128 + 8000 tokens
 
     def combine_build(prefetch):
@@ -697,20 +698,20 @@ def test_the_combine_builds_give_the_same_bits(seed):
         q_one, sinks_one = queries(1, 1, 64, g), torch.randn(64, generator=g).to(DEVICE)
         forced = {"decode_backend": name, "decode_parts": decode.MAX_LIST_PARTS}
         plan = plan_of(q_one, one, nvfp4_mla.KernelLibrary(**forced))  # type: ignore[arg-type]
-        assert plan.parts == decode.MAX_LIST_PARTS and plan.combine_blocks == 64  # one split row
+        assert plan.parts == decode.MAX_LIST_PARTS and plan.combine_blocks == decode_combine.blocks(1, 64)
         want_one = exact(q_one, one, sinks=sinks_one)
         what = f"{name}: a row cut {decode_combine.MAX_PARTIALS} ways"
         same_bits_from_every_build(q_one, one, sinks_one, want_one, what, **forced)
     library = nvfp4_mla.KernelLibrary(decode_backend="mma_sync")
     prefetching = library.launcher(device, library.spec(decode_combine.CombineSpec.of(decode_combine.PREFETCH)))
     waves = library.launcher(device, library.spec(decode_combine.CombineSpec.of(decode_combine.PREFETCH_WAVES)))
-    split_rows = prefetching.resident_blocks // 64  # a split row a boundary, at most
+    split_rows = prefetching.resident_blocks // decode_combine.blocks(1, 64)  # a split row a boundary, at most
     assert split_rows + 2 <= decode.MAX_LIST_PARTS
     listed = [
         decode.plan(nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_parts=parts), device, 64, 4096, 128, 512)
         for parts in (split_rows + 1, split_rows + 2)
     ]
-    assert [p.combine_blocks for p in listed] == [64 * split_rows, 64 * (split_rows + 1)]
+    assert [p.combine_blocks for p in listed] == [decode_combine.blocks(n, 64) for n in (split_rows, split_rows + 1)]
     assert listed[0].combine is prefetching and listed[1].combine is waves
 
 

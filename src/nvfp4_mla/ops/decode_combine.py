@@ -1,6 +1,7 @@
 """The split combine of ``sparse_mla_decode``: ``kernels/nvfp4_mla_combine.cu``, shared by every
-backend. One block per (split row, head) merges the row's partial outputs in order and finishes the
-row (docs/kernels/combine.md): the work list's split rows and their slots.
+backend. A warp per (split row, head), :data:`HEADS_A_BLOCK` heads of one split row a block, merges
+the row's partial outputs in order and finishes the row (docs/kernels/combine.md): the work list's
+split rows and their slots.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, NamedTuple
 
-from .. import abi
 from ..jit import Template, included_headers
 from ..launch import Launcher
 from ..params import ParamsLayout, int64, pointer
@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from .library import KernelLibrary
 
 SOURCE = "nvfp4_mla_combine.cu"
-THREADS = abi.HEAD_DIM // 4  # 4 output dims a thread
-MAX_PARTIALS = 4 * THREADS  # partial outputs a row: four a thread
+HEADS_A_BLOCK = 4
+THREADS = 32 * HEADS_A_BLOCK  # a warp a head
+MAX_PARTIALS = 512  # partial outputs a row: a warp's weights in shared memory (4 KiB)
 
 COMBINE_PARAMS = ParamsLayout(
     "Params",
@@ -35,12 +36,12 @@ COMBINE_PARAMS = ParamsLayout(
 )
 
 # The two builds load the first splits' partial rows with the splits' (m, l), so that up to that
-# many splits a block waits for one round trip of loads, not two. The build of 16 takes registers
-# that halve the blocks an SM holds, so a call takes it only where its blocks fit the GPU in one
-# wave; elsewhere the build of 4, which needs no more registers than none
+# many splits a warp waits for one round trip of loads, not two. The build of 4 takes registers
+# that cut the blocks an SM holds, so a call takes it only where its blocks fit the GPU in one
+# wave; elsewhere the build of 1, which needs about as many registers as none
 # (docs/performance.md#combine-prefetch).
-PREFETCH = 16
-PREFETCH_WAVES = 4
+PREFETCH = 4
+PREFETCH_WAVES = 1
 
 
 class CombineSpec(NamedTuple):
@@ -80,10 +81,15 @@ def specs() -> tuple[CombineSpec, ...]:
     return CombineSpec.of(PREFETCH_WAVES), CombineSpec.of(PREFETCH)
 
 
-def launcher(lib: KernelLibrary, device_index: int, row_heads: int) -> Launcher:
-    """The combine of a call of ``row_heads`` (split row, head) pairs, a block each: the build of
-    :data:`PREFETCH` where its blocks fit the GPU in one wave, else that of :data:`PREFETCH_WAVES`."""
+def blocks(split_rows: int, num_heads: int) -> int:
+    """The combine's grid: :data:`HEADS_A_BLOCK` heads of a split row a block."""
+    return split_rows * -(-num_heads // HEADS_A_BLOCK)
+
+
+def launcher(lib: KernelLibrary, device_index: int, num_blocks: int) -> Launcher:
+    """The combine of a call of ``num_blocks`` blocks (:func:`blocks`): the build of :data:`PREFETCH`
+    where they fit the GPU in one wave, else that of :data:`PREFETCH_WAVES`."""
     found = lib.launcher(device_index, lib.spec(CombineSpec.of(PREFETCH)))
-    if row_heads > found.resident_blocks:
+    if num_blocks > found.resident_blocks:
         found = lib.launcher(device_index, lib.spec(CombineSpec.of(PREFETCH_WAVES)))
     return found

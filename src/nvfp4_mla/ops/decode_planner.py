@@ -180,7 +180,8 @@ def plan(
         slots = known.split_rows[-1][1]  # past the split rows: (-1, slots)
         work = torch.tensor(known.ints(), dtype=torch.int32, device=torch.device("cuda", gpu.index))
         list_values = 0
-    combine = decode_combine.launcher(lib, gpu.index, split_rows * num_heads) if split_rows else None
+    combine_blocks = decode_combine.blocks(split_rows, num_heads)
+    combine = decode_combine.launcher(lib, gpu.index, combine_blocks) if split_rows else None
     found = DecodePlan(
         backend.name,
         attention.launcher,
@@ -194,7 +195,7 @@ def plan(
         parts,
         None if known is not None else lib.launcher(gpu.index, lib.spec(decode_scheduler.spec_for(rows, parts))),
         batch_invariant,
-        split_rows * num_heads,
+        combine_blocks,
         list_values + slots * num_heads * (abi.HEAD_DIM + 2),
         slots,
         work,
