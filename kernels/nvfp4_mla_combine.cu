@@ -1,15 +1,20 @@
-// The split combine of every sparse-decode backend: a warp per (split row of the work list, head)
-// merges the row's partial outputs in slot order (deterministic) and finishes the row as the attention
-// kernels do (docs/kernels/combine.md); a block holds WARPS heads of one split row. -D constants:
-// MAX_SPLITS, PREFETCH; THREADS and the record ABI come from jit.py/abi.py.
+// The split combine of every sparse-decode backend: WARPS_A_HEAD warps per (split row of the work
+// list, head) merge the row's partial outputs in slot order (deterministic) and finish the row as the
+// attention kernels do (docs/kernels/combine.md); a block holds HEADS_A_BLOCK heads of one split row.
+// -D constants: MAX_SPLITS, PREFETCH, WARPS_A_HEAD; THREADS and the record ABI come from
+// jit.py/abi.py.
 #include "nvfp4_mla_params.cuh"  // Params: decode_combine.COMBINE_PARAMS
 #include "nvfp4_mla_ptx.cuh"
 #include "nvfp4_mla_softmax.cuh"
 #include "nvfp4_mla_work.cuh"  // SplitRow
 
-constexpr int WARPS = THREADS / 32;      // heads a block
-constexpr int VECS = HEAD_DIM / 4 / 32;  // a lane's float4 of a head's row, 32 float4 apart
-static_assert(THREADS % 32 == 0 && HEAD_DIM % 128 == 0, "whole warps, whole float4 a lane");
+constexpr int WARPS = THREADS / 32;
+constexpr int HEAD_THREADS = 32 * WARPS_A_HEAD;
+constexpr int HEADS_A_BLOCK = WARPS / WARPS_A_HEAD;
+constexpr int VECS = HEAD_DIM / 4 / HEAD_THREADS;  // a thread's float4 of a head's row, HEAD_THREADS apart
+constexpr int IN_FLIGHT = 8;                       // partial float4 a thread loads at once past the prefetched ones
+static_assert(WARPS % WARPS_A_HEAD == 0 && VECS * HEAD_THREADS * 4 == HEAD_DIM && IN_FLIGHT % VECS == 0,
+              "whole heads a block, whole float4 a thread");
 
 // A block's row and its partials: the row's `count` partial entries start at entry `first` of the
 // workspace (an entry is a head's partial row and its (m, l)), `stride` entries apart.
@@ -25,19 +30,21 @@ __device__ __forceinline__ RowPartials row_partials(const Params& p, i64 i, i64 
     return {r.row, r.first_slot * p.num_heads + head, p.num_heads, next.first_slot - r.first_slot};
 }
 
-// A warp per (row, head): O = sum_s 2^(m_s - M) O_s, l = sum_s 2^(m_s - M) l_s, in slot order (a
-// lane's sums in the same order as every other lane's). A warp's heads' partials are merged by its
-// own lanes, so its wait for the loads is one warp's, and a block of WARPS heads leaves few blocks
-// to run in waves. The first PREFETCH partial rows are loaded with the (m, l), so up to PREFETCH
-// partials the warp waits for one round trip of loads, not two. The host builds two PREFETCH and
-// takes the larger only for a combine that fits the GPU in one wave (decode_combine.launcher).
+// A head's warps per (row, head): O = sum_s 2^(m_s - M) O_s, l = sum_s 2^(m_s - M) l_s, in slot
+// order (every thread's sums in the same order, whatever the build). Each warp weighs the row's
+// partials itself, so no warp waits for another. The first PREFETCH partial rows are loaded with the
+// (m, l), so up to PREFETCH partials a warp waits for one round trip of loads, not two. The host's
+// two builds (decode_combine.launcher): four warps a head, 16 prefetched, where the combine fits the
+// GPU in one wave; else a warp a head, one prefetched, so that many (row, head) pairs run in fewer
+// waves.
 extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(const Params p) {
     __shared__ float weights[WARPS][MAX_SPLITS], sums[WARPS][MAX_SPLITS];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // Block b is (split row b / groups, heads (b % groups) WARPS on), in 32 bits (a 64-bit division is
-    // a long call on the way to the first loads): the grid and the heads fit them.
-    const u32 groups = (static_cast<u32>(p.num_heads) + WARPS - 1) / WARPS, split_row = blockIdx.x / groups;
-    const i64 head = static_cast<i64>(blockIdx.x - split_row * groups) * WARPS + warp;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = threadIdx.x % HEAD_THREADS;
+    // Block b is (split row b / groups, heads (b % groups) HEADS_A_BLOCK on), in 32 bits (a 64-bit
+    // division is a long call on the way to the first loads): the grid and the heads fit them.
+    const u32 groups = (static_cast<u32>(p.num_heads) + HEADS_A_BLOCK - 1) / HEADS_A_BLOCK;
+    const u32 split_row = blockIdx.x / groups;
+    const i64 head = static_cast<i64>(blockIdx.x - split_row * groups) * HEADS_A_BLOCK + threadIdx.x / HEAD_THREADS;
     // With the host's list (written before the call) the warp's partials are known before the wait;
     // the scheduler's split rows come from the kernels before.
     const bool known = p.static_list != 0;
@@ -48,14 +55,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
     if (known) wait_for_prior_grids();  // the partials come from the attention kernel
     if (rp.row < 0) return;
     const int count = rp.count;
-    const float4* partial = reinterpret_cast<const float4*>(p.partial_o) + rp.first * (HEAD_DIM / 4) + lane;
+    const float4* partial = reinterpret_cast<const float4*>(p.partial_o) + rp.first * (HEAD_DIM / 4) + t;
     const i64 step = rp.stride * (HEAD_DIM / 4);
     float4 early[PREFETCH > 0 ? PREFETCH : 1][VECS];
 #pragma unroll
     for (int s = 0; s < PREFETCH; ++s)
 #pragma unroll
         for (int v = 0; v < VECS; ++v)
-            early[s][v] = s < count ? partial[s * step + v * 32] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            early[s][v] = s < count ? partial[s * step + v * HEAD_THREADS] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float m = neg_inf();
     for (int s = lane; s < count; s += 32) {
         const float2 ml = p.partial_ml[rp.first + s * rp.stride];
@@ -86,19 +93,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
     for (int s = 0; s < PREFETCH; ++s)
         if (s < count) add(s, early[s]);
     const float4* at = partial + PREFETCH * step;  // advanced, not multiplied: a 64-bit product a load costs registers
-#pragma unroll 2
+#pragma unroll(IN_FLIGHT / VECS)
     for (int s = PREFETCH; s < count; ++s, at += step) {
         float4 x[VECS];
 #pragma unroll
-        for (int v = 0; v < VECS; ++v) x[v] = at[v * 32];
+        for (int v = 0; v < VECS; ++v) x[v] = at[v * HEAD_THREADS];
         add(s, x);
     }
     const float lse = row_lse(m, l);
     const float factor = output_factor(l, lse, p.sinks, head);
-    uint2* out = p.out + (rp.row * p.num_heads + head) * (HEAD_DIM / 4) + lane;
+    uint2* out = p.out + (rp.row * p.num_heads + head) * (HEAD_DIM / 4) + t;
 #pragma unroll
     for (int v = 0; v < VECS; ++v)
-        out[v * 32] =
+        out[v * HEAD_THREADS] =
             make_uint2(bf16x2_bits(o[v].x * factor, o[v].y * factor), bf16x2_bits(o[v].z * factor, o[v].w * factor));
-    if (lane == 0) p.lse[rp.row * p.num_heads + head] = lse;
+    if (t == 0) p.lse[rp.row * p.num_heads + head] = lse;
 }

@@ -38,12 +38,13 @@ def test_specs_and_names():
     specs = decode.specs("sm_80")
     assert {s.head_tile for s in specs if isinstance(s, decode_mma.MmaAttentionSpec)} == set(decode_mma.HEAD_TILES)
     combines = decode_combine.specs()
-    assert combines == (decode_combine.CombineSpec.of(1), decode_combine.CombineSpec.of(4))
+    assert combines == (decode_combine.PACKED, decode_combine.SPREAD)
     schedulers = decode_scheduler.specs()
     assert schedulers == tuple(decode_scheduler.SchedulerSpec(t) for t in decode_scheduler.BUILD_THREADS)
     assert specs[-4:] == combines + schedulers
     assert len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 4
-    assert [c.defines()["PREFETCH"] for c in combines] == [1, 4] and decode_combine.CombineSpec.of(1) is combines[0]
+    assert [(c.defines()["WARPS_A_HEAD"], c.defines()["PREFETCH"]) for c in combines] == [(1, 1), (4, 16)]
+    assert [c.blocks(3, 65) for c in combines] == [3 * 17, 3 * 65]  # four heads a block, one
     # Alone and in pairs, each with whole output rows and with half rows; and the NARROW build.
     hopper = {decode_sm90.WgmmaAttentionSpec.of(c, parts) for c in (1, 2) for parts in (1, 2)}
     narrow = decode_sm90.WgmmaAttentionSpec.of(1, 1, 16)
@@ -152,7 +153,7 @@ class _StandInKernels:
         elif isinstance(spec, decode_mma.MmaAttentionSpec):
             per_sm = self.mma
         elif isinstance(spec, decode_combine.CombineSpec):
-            per_sm = 4 if spec.prefetch == decode_combine.PREFETCH else 8
+            per_sm = 4 if spec == decode_combine.SPREAD else 8
         else:
             per_sm = 1
         return _StandInLauncher(spec, self.sms * per_sm)
@@ -177,7 +178,7 @@ def _check_list_plan(plan, num_heads, rows, parts, dim_parts):
     assert (plan.parts, plan.dim_parts, plan.blocks) == (parts, dim_parts, parts * head_tiles * dim_parts)
     assert plan.num_splits == 1
     assert (plan.combine is None) == (parts == 1)
-    assert plan.combine_blocks == decode_combine.blocks(split_rows, num_heads)
+    assert plan.combine is None or plan.combine_blocks == plan.combine.spec.blocks(split_rows, num_heads)
     assert plan.slots == parts - 1 + split_rows <= decode_scheduler.max_slots(parts)
     list_values = -(-decode_scheduler.work_ints(parts) // 4) * 4
     assert plan.workspace == list_values + plan.slots * num_heads * (abi.HEAD_DIM + 2)
@@ -214,8 +215,9 @@ def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_pa
     _check_list_plan(plan, num_heads, rows, parts, dim_parts)
     assert plan.blocks <= 132 < plan.blocks + per_part  # the GPU filled at once
     assert plan.attend.spec == decode_sm90.WgmmaAttentionSpec.of(cluster, dim_parts, head_tile)
-    prefetch = decode_combine.PREFETCH if plan.combine_blocks <= 4 * 132 else decode_combine.PREFETCH_WAVES
-    assert plan.combine.spec == decode_combine.CombineSpec.of(prefetch)
+    split_rows = min(plan.parts - 1, rows)
+    spread = decode_combine.SPREAD.blocks(split_rows, num_heads) <= 4 * 132  # the stand-in's resident blocks
+    assert plan.combine.spec == (decode_combine.SPREAD if spread else decode_combine.PACKED)
     assert list(library.plans.values()) == [plan]  # remembered: the next call's one lookup
     rng = random.Random(rows)
     for tiles in (
@@ -226,7 +228,7 @@ def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_pa
     ):
         listed = decode_scheduler.schedule(tiles, plan.parts, decode.SEGMENT_COST, decode.COMBINE_COST)
         split = [row for row, _ in listed.split_rows if row >= 0]
-        assert decode_combine.blocks(len(split), num_heads) <= plan.combine_blocks
+        assert plan.combine.spec.blocks(len(split), num_heads) <= plan.combine_blocks
         assert listed.split_rows[-1][1] <= plan.slots
 
 

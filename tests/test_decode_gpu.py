@@ -654,31 +654,33 @@ def one_row_cut_most_ways(tile_tokens: int) -> int:
     raise AssertionError("no row length is cut into MAX_PARTIALS segments")
 
 
+# (warps a head, partials prefetched): the shipped builds and the kernel's other forms, none spilling.
+BUILDS = [decode_combine.CombineSpec(w, p) for w, p in ((1, 0), (1, 1), (1, 4), (4, 0), (4, 1), (4, 16))]
+
+
 def test_the_combine_builds_give_the_same_bits(seed):
-    """The combine kernel prefetching no partial and the shipped builds (PREFETCH_WAVES, PREFETCH)
-    add a row's partials in the same order: the same bits, at fewer partials a row than the
-    prefetches hold, more, and on every backend of this GPU one row cut into the most
-    (MAX_PARTIALS), within the float64 answer's tolerances. And the plan takes the PREFETCH build
-    only where its blocks (HEADS_A_BLOCK heads of a split row each) fit the GPU at once, else the
-    PREFETCH_WAVES one."""
+    """The combine's builds (a warp or four a head, prefetching no partial, one, more) add a row's
+    partials in the same order: the same bits, at fewer partials a row than the prefetches hold,
+    more, and on every backend of this GPU one row cut into the most (MAX_PARTIALS), within the
+    float64 answer's tolerances. And the plan takes SPREAD only where its blocks (a head of a split
+    row each) fit the GPU at once, else PACKED (four heads a block)."""
     q, pools, sinks, want = split_case(seed, 64, 8000)  # 4 rows of 128 + 8000 tokens
 
-    def combine_build(prefetch):
+    def combine_build(build):
         def tune(spec):
-            return decode_combine.CombineSpec.of(prefetch) if isinstance(spec, decode_combine.CombineSpec) else spec
+            return build if isinstance(spec, decode_combine.CombineSpec) else spec
 
         return tune
 
     def same_bits_from_every_build(q, pools, sinks, want, what, **forced):
         got = [
-            run(q, pools, sinks=sinks, library=nvfp4_mla.KernelLibrary(tune=combine_build(p), **forced))
-            for p in (0, decode_combine.PREFETCH_WAVES, decode_combine.PREFETCH)
+            run(q, pools, sinks=sinks, library=nvfp4_mla.KernelLibrary(tune=combine_build(p), **forced)) for p in BUILDS
         ]
         for other in got[1:]:
             assert bits_equal(got[0][0], other[0]) and bits_equal(got[0][1], other[1]), what
         check(got[2], want, f"prefetching combine, {what}")
 
-    for parts in (3, 4 * (decode_combine.PREFETCH + 1), decode.MAX_LIST_PARTS):  # up to about 128 partials a row
+    for parts in (3, 4 * (decode_combine.SPREAD.prefetch + 1), decode.MAX_LIST_PARTS):  # up to about 128 partials a row
         same_bits_from_every_build(
             q, pools, sinks, want, f"{parts} parts", decode_backend="mma_sync", decode_parts=parts
         )
@@ -698,20 +700,23 @@ def test_the_combine_builds_give_the_same_bits(seed):
         q_one, sinks_one = queries(1, 1, 64, g), torch.randn(64, generator=g).to(DEVICE)
         forced = {"decode_backend": name, "decode_parts": decode.MAX_LIST_PARTS}
         plan = plan_of(q_one, one, nvfp4_mla.KernelLibrary(**forced))  # type: ignore[arg-type]
-        assert plan.parts == decode.MAX_LIST_PARTS and plan.combine_blocks == decode_combine.blocks(1, 64)
+        assert plan.parts == decode.MAX_LIST_PARTS and plan.combine_blocks == decode_combine.SPREAD.blocks(1, 64)
         want_one = exact(q_one, one, sinks=sinks_one)
         what = f"{name}: a row cut {decode_combine.MAX_PARTIALS} ways"
         same_bits_from_every_build(q_one, one, sinks_one, want_one, what, **forced)
     library = nvfp4_mla.KernelLibrary(decode_backend="mma_sync")
-    prefetching = library.launcher(device, library.spec(decode_combine.CombineSpec.of(decode_combine.PREFETCH)))
-    waves = library.launcher(device, library.spec(decode_combine.CombineSpec.of(decode_combine.PREFETCH_WAVES)))
-    split_rows = prefetching.resident_blocks // decode_combine.blocks(1, 64)  # a split row a boundary, at most
+    prefetching = library.launcher(device, library.spec(decode_combine.SPREAD))
+    waves = library.launcher(device, library.spec(decode_combine.PACKED))
+    split_rows = prefetching.resident_blocks // decode_combine.SPREAD.blocks(1, 64)  # a split row a boundary, at most
     assert split_rows + 2 <= decode.MAX_LIST_PARTS
     listed = [
         decode.plan(nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_parts=parts), device, 64, 4096, 128, 512)
         for parts in (split_rows + 1, split_rows + 2)
     ]
-    assert [p.combine_blocks for p in listed] == [decode_combine.blocks(n, 64) for n in (split_rows, split_rows + 1)]
+    assert [p.combine_blocks for p in listed] == [
+        decode_combine.SPREAD.blocks(split_rows, 64),
+        decode_combine.PACKED.blocks(split_rows + 1, 64),
+    ]
     assert listed[0].combine is prefetching and listed[1].combine is waves
 
 

@@ -142,7 +142,7 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
         parts=parts,
         scheduler=Recorder("scheduler") if lengths else None,  # type: ignore[arg-type]
         whole_rows=False,
-        combine_blocks=decode_combine.blocks(split_rows, heads),
+        combine_blocks=decode_combine.PACKED.blocks(split_rows, heads),
         workspace=list_values + slots * heads * 514,
         slots=slots,
         work=work,
@@ -174,7 +174,7 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
     combine_grid, values = packed["combine"]
     combined = dict(zip(decode_combine.COMBINE_PARAMS.names, values))
     assert len(values) == len(decode_combine.COMBINE_PARAMS.names)
-    assert combine_grid == (decode_combine.blocks(split_rows, heads), 1, 1)
+    assert combine_grid == (decode_combine.PACKED.blocks(split_rows, heads), 1, 1)
     assert (combined["partial_o"], combined["partial_ml"]) == (got["partial_o"], got["partial_ml"])
     assert (combined["out"], combined["lse"], combined["num_heads"], combined["static_list"]) == (
         out.data_ptr(),

@@ -1,12 +1,10 @@
 """The split combine of ``sparse_mla_decode``: ``kernels/nvfp4_mla_combine.cu``, shared by every
-backend. A warp per (split row, head), :data:`HEADS_A_BLOCK` heads of one split row a block, merges
-the row's partial outputs in order and finishes the row (docs/kernels/combine.md): the work list's
-split rows and their slots.
+backend. One or four warps per (split row, head) merge the row's partial outputs in order and
+finish the row (docs/kernels/combine.md): the work list's split rows and their slots.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..jit import Template, included_headers
@@ -17,9 +15,8 @@ if TYPE_CHECKING:
     from .library import KernelLibrary
 
 SOURCE = "nvfp4_mla_combine.cu"
-HEADS_A_BLOCK = 4
-THREADS = 32 * HEADS_A_BLOCK  # a warp a head
-MAX_PARTIALS = 512  # partial outputs a row: a warp's weights in shared memory (4 KiB)
+THREADS = 128  # four warps a block
+MAX_PARTIALS = 512  # partial outputs a row: the weights a warp keeps in shared memory (4 KiB)
 
 COMBINE_PARAMS = ParamsLayout(
     "Params",
@@ -35,26 +32,19 @@ COMBINE_PARAMS = ParamsLayout(
     ],
 )
 
-# The two builds load the first splits' partial rows with the splits' (m, l), so that up to that
-# many splits a warp waits for one round trip of loads, not two. The build of 4 takes registers
-# that cut the blocks an SM holds, so a call takes it only where its blocks fit the GPU in one
-# wave; elsewhere the build of 1, which needs about as many registers as none
-# (docs/performance.md#combine-prefetch).
-PREFETCH = 4
-PREFETCH_WAVES = 1
-
 
 class CombineSpec(NamedTuple):
-    """A build of the split combine, loading the first ``prefetch`` splits' partial rows with the
-    splits' (m, l)."""
+    """A build of the split combine: ``warps_a_head`` warps merge a (split row, head), so a block
+    holds ``4 // warps_a_head`` heads of a split row, loading the first ``prefetch`` partial rows
+    with the partials' (m, l)."""
 
+    warps_a_head: int
+    prefetch: int
     max_splits: int = MAX_PARTIALS
-    prefetch: int = 0
 
-    @staticmethod
-    @functools.cache
-    def of(prefetch: int) -> CombineSpec:
-        return CombineSpec(MAX_PARTIALS, prefetch)
+    def blocks(self, split_rows: int, num_heads: int) -> int:
+        """The grid of a combine of ``split_rows`` rows of ``num_heads`` heads."""
+        return split_rows * -(-num_heads // (THREADS // 32 // self.warps_a_head))
 
     @property
     def template(self) -> Template:
@@ -70,26 +60,30 @@ class CombineSpec(NamedTuple):
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""
-        return {"MAX_SPLITS": self.max_splits, "PREFETCH": self.prefetch}
+        return {"MAX_SPLITS": self.max_splits, "PREFETCH": self.prefetch, "WARPS_A_HEAD": self.warps_a_head}
 
     def describe(self) -> str:
-        return f"decode split combine, {self.prefetch} splits prefetched"
+        return f"decode split combine, {self.warps_a_head} warps a head, {self.prefetch} splits prefetched"
+
+
+# The two builds. Where a combine's blocks of four warps a head fit the GPU at once, SPREAD: each
+# thread merges 4 of a head's dims, and 16 partial rows come with the (m, l) loads (one round trip
+# up to 16 partials). Elsewhere PACKED: a warp a head, four heads a block, so many (row, head) pairs
+# run in fewer waves; one partial row prefetched, about as many registers as none
+# (docs/performance.md#split-combine).
+SPREAD = CombineSpec(4, 16)
+PACKED = CombineSpec(1, 1)
 
 
 def specs() -> tuple[CombineSpec, ...]:
     """Both builds."""
-    return CombineSpec.of(PREFETCH_WAVES), CombineSpec.of(PREFETCH)
+    return PACKED, SPREAD
 
 
-def blocks(split_rows: int, num_heads: int) -> int:
-    """The combine's grid: :data:`HEADS_A_BLOCK` heads of a split row a block."""
-    return split_rows * -(-num_heads // HEADS_A_BLOCK)
-
-
-def launcher(lib: KernelLibrary, device_index: int, num_blocks: int) -> Launcher:
-    """The combine of a call of ``num_blocks`` blocks (:func:`blocks`): the build of :data:`PREFETCH`
-    where they fit the GPU in one wave, else that of :data:`PREFETCH_WAVES`."""
-    found = lib.launcher(device_index, lib.spec(CombineSpec.of(PREFETCH)))
-    if num_blocks > found.resident_blocks:
-        found = lib.launcher(device_index, lib.spec(CombineSpec.of(PREFETCH_WAVES)))
-    return found
+def launcher(lib: KernelLibrary, device_index: int, split_rows: int, num_heads: int) -> tuple[Launcher, int]:
+    """The combine of ``split_rows`` rows of ``num_heads`` heads and its grid: :data:`SPREAD` where
+    its blocks fit the GPU in one wave, else :data:`PACKED`."""
+    found = lib.launcher(device_index, lib.spec(SPREAD))
+    if SPREAD.blocks(split_rows, num_heads) <= found.resident_blocks:
+        return found, SPREAD.blocks(split_rows, num_heads)
+    return lib.launcher(device_index, lib.spec(PACKED)), PACKED.blocks(split_rows, num_heads)

@@ -180,8 +180,9 @@ def plan(
         slots = known.split_rows[-1][1]  # past the split rows: (-1, slots)
         work = torch.tensor(known.ints(), dtype=torch.int32, device=torch.device("cuda", gpu.index))
         list_values = 0
-    combine_blocks = decode_combine.blocks(split_rows, num_heads)
-    combine = decode_combine.launcher(lib, gpu.index, combine_blocks) if split_rows else None
+    combine, combine_blocks = (
+        (None, 0) if not split_rows else decode_combine.launcher(lib, gpu.index, split_rows, num_heads)
+    )
     found = DecodePlan(
         backend.name,
         attention.launcher,
