@@ -82,8 +82,11 @@ def specs() -> tuple[CombineSpec, ...]:
 
 def launcher(lib: KernelLibrary, device_index: int, split_rows: int, num_heads: int) -> tuple[Launcher, int]:
     """The combine of ``split_rows`` rows of ``num_heads`` heads and its grid: :data:`SPREAD` where
-    its blocks fit the GPU in one wave, else :data:`PACKED`."""
-    found = lib.launcher(device_index, lib.spec(SPREAD))
-    if SPREAD.blocks(split_rows, num_heads) <= found.resident_blocks:
-        return found, SPREAD.blocks(split_rows, num_heads)
-    return lib.launcher(device_index, lib.spec(PACKED)), PACKED.blocks(split_rows, num_heads)
+    its blocks fit the GPU in one wave, else :data:`PACKED`; the grid is the built spec's (after the
+    library's ``tune``), so a tuned build never reads past the list's split rows."""
+    spread = lib.spec(SPREAD)
+    found = lib.launcher(device_index, spread)
+    if spread.blocks(split_rows, num_heads) <= found.resident_blocks:
+        return found, spread.blocks(split_rows, num_heads)
+    packed = lib.spec(PACKED)
+    return lib.launcher(device_index, packed), packed.blocks(split_rows, num_heads)
