@@ -1,7 +1,7 @@
 // The split combine of every sparse-decode backend: WARPS_A_HEAD warps per (split row of the work
 // list, head) merge the row's partial outputs in slot order (deterministic) and finish the row as the
 // attention kernels do (docs/kernels/combine.md); a block holds HEADS_A_BLOCK heads of one split row.
-// -D constants: MAX_SPLITS, PREFETCH, WARPS_A_HEAD; THREADS and the record ABI come from
+// -D constants: MAX_SPLITS, PREFETCH, IN_FLIGHT, WARPS_A_HEAD; THREADS and the record ABI come from
 // jit.py/abi.py.
 #include "nvfp4_mla_params.cuh"  // Params: decode_combine.COMBINE_PARAMS
 #include "nvfp4_mla_ptx.cuh"
@@ -12,7 +12,6 @@ constexpr int WARPS = THREADS / 32;
 constexpr int HEAD_THREADS = 32 * WARPS_A_HEAD;
 constexpr int HEADS_A_BLOCK = WARPS / WARPS_A_HEAD;
 constexpr int VECS = HEAD_DIM / 4 / HEAD_THREADS;  // a thread's float4 of a head's row, HEAD_THREADS apart
-constexpr int IN_FLIGHT = 8;                       // partial float4 a thread loads at once past the prefetched ones
 static_assert(WARPS % WARPS_A_HEAD == 0 && VECS * HEAD_THREADS * 4 == HEAD_DIM && IN_FLIGHT % VECS == 0,
               "whole heads a block, whole float4 a thread");
 
@@ -33,10 +32,9 @@ __device__ __forceinline__ RowPartials row_partials(const Params& p, i64 i, i64 
 // A head's warps per (row, head): O = sum_s 2^(m_s - M) O_s, l = sum_s 2^(m_s - M) l_s, in slot
 // order (every thread's sums in the same order, whatever the build). Each warp weighs the row's
 // partials itself, so no warp waits for another. The first PREFETCH partial rows are loaded with the
-// (m, l), so up to PREFETCH partials a warp waits for one round trip of loads, not two. The host's
-// two builds (decode_combine.launcher): four warps a head, 16 prefetched, where the combine fits the
-// GPU in one wave; else a warp a head, one prefetched, so that many (row, head) pairs run in fewer
-// waves.
+// (m, l), so up to PREFETCH partials a warp waits for one round trip of loads, not two; past them a
+// thread keeps IN_FLIGHT float4 loads in flight. The host's builds and which a call takes:
+// decode_combine.launcher.
 extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(const Params p) {
     __shared__ float weights[WARPS][MAX_SPLITS], sums[WARPS][MAX_SPLITS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = threadIdx.x % HEAD_THREADS;

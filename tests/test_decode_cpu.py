@@ -38,13 +38,14 @@ def test_specs_and_names():
     specs = decode.specs("sm_80")
     assert {s.head_tile for s in specs if isinstance(s, decode_mma.MmaAttentionSpec)} == set(decode_mma.HEAD_TILES)
     combines = decode_combine.specs()
-    assert combines == (decode_combine.PACKED, decode_combine.SPREAD)
+    assert combines == decode_combine.BUILDS
     schedulers = decode_scheduler.specs()
     assert schedulers == tuple(decode_scheduler.SchedulerSpec(t) for t in decode_scheduler.BUILD_THREADS)
-    assert specs[-4:] == combines + schedulers
-    assert len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 4
-    assert [(c.defines()["WARPS_A_HEAD"], c.defines()["PREFETCH"]) for c in combines] == [(1, 1), (4, 16)]
-    assert [c.blocks(3, 65) for c in combines] == [3 * 17, 3 * 65]  # four heads a block, one
+    assert specs[-6:] == combines + schedulers
+    assert len(set(specs)) == len(specs) == len(decode_mma.HEAD_TILES) + 6
+    forms = [(c.defines()["WARPS_A_HEAD"], c.defines()["PREFETCH"]) for c in combines]
+    assert forms == [(4, 16), (4, 4), (1, 4), (1, 1)]
+    assert [c.blocks(3, 65) for c in combines] == [3 * 65, 3 * 65, 3 * 17, 3 * 17]  # a head a block, four
     # Alone and in pairs, each with whole output rows and with half rows; and the NARROW build.
     hopper = {decode_sm90.WgmmaAttentionSpec.of(c, parts) for c in (1, 2) for parts in (1, 2)}
     narrow = decode_sm90.WgmmaAttentionSpec.of(1, 1, 16)
@@ -139,10 +140,13 @@ class _StandInLauncher(NamedTuple):
         raise AssertionError("a plan is built, never launched, here")
 
 
+_COMBINE_PER_SM = dict(zip(decode_combine.BUILDS, (4, 10, 5, 9)))  # the H200's
+
+
 class _StandInKernels:
     """Stands in for a KernelCache on a fake GPU of ``sms`` SMs: a launcher of each spec asked for,
-    holding ``attention`` Hopper attention blocks an SM (one: their shared memory), 4 blocks of
-    the combine build that prefetches 16 partials and 8 of the others."""
+    holding ``attention`` Hopper attention blocks an SM (one: their shared memory) and
+    :data:`_COMBINE_PER_SM` blocks of each combine build."""
 
     def __init__(self, sms: int = 132, attention: int = 1, mma: int = 1):
         self.sms, self.attention, self.mma = sms, attention, mma
@@ -153,7 +157,7 @@ class _StandInKernels:
         elif isinstance(spec, decode_mma.MmaAttentionSpec):
             per_sm = self.mma
         elif isinstance(spec, decode_combine.CombineSpec):
-            per_sm = 4 if spec == decode_combine.SPREAD else 8
+            per_sm = _COMBINE_PER_SM[spec]
         else:
             per_sm = 1
         return _StandInLauncher(spec, self.sms * per_sm)
@@ -216,8 +220,8 @@ def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_pa
     assert plan.blocks <= 132 < plan.blocks + per_part  # the GPU filled at once
     assert plan.attend.spec == decode_sm90.WgmmaAttentionSpec.of(cluster, dim_parts, head_tile)
     split_rows = min(plan.parts - 1, rows)
-    spread = decode_combine.SPREAD.blocks(split_rows, num_heads) <= 4 * 132  # the stand-in's resident blocks
-    assert plan.combine.spec == (decode_combine.SPREAD if spread else decode_combine.PACKED)
+    fits = [b for b in decode_combine.BUILDS if b.blocks(split_rows, num_heads) <= _COMBINE_PER_SM[b] * 132]
+    assert plan.combine.spec == (fits or [decode_combine.PACKED])[0]  # the first build that fits at once
     assert list(library.plans.values()) == [plan]  # remembered: the next call's one lookup
     rng = random.Random(rows)
     for tiles in (

@@ -654,16 +654,18 @@ def one_row_cut_most_ways(tile_tokens: int) -> int:
     raise AssertionError("no row length is cut into MAX_PARTIALS segments")
 
 
-# (warps a head, partials prefetched): the shipped builds and the kernel's other forms, none spilling.
-BUILDS = [decode_combine.CombineSpec(w, p) for w, p in ((1, 0), (1, 1), (1, 4), (4, 0), (4, 1), (4, 16))]
+# (warps a head, partials prefetched, loads in flight): the shipped builds and the kernel's other
+# forms, none spilling.
+FORMS = ((1, 0, 4), (2, 2, 8), (4, 0, 1), (4, 1, 4))
+BUILDS = [*decode_combine.BUILDS, *(decode_combine.CombineSpec(*f) for f in FORMS)]
 
 
 def test_the_combine_builds_give_the_same_bits(seed):
     """The combine's builds (a warp or four a head, prefetching no partial, one, more) add a row's
     partials in the same order: the same bits, at fewer partials a row than the prefetches hold,
     more, and on every backend of this GPU one row cut into the most (MAX_PARTIALS), within the
-    float64 answer's tolerances. And the plan takes SPREAD only where its blocks (a head of a split
-    row each) fit the GPU at once, else PACKED (four heads a block)."""
+    float64 answer's tolerances. And the plan takes the first of the builds whose blocks fit the
+    GPU at once, else the last."""
     q, pools, sinks, want = split_case(seed, 64, 8000)  # 4 rows of 128 + 8000 tokens
 
     def combine_build(build):
@@ -678,9 +680,10 @@ def test_the_combine_builds_give_the_same_bits(seed):
         ]
         for other in got[1:]:
             assert bits_equal(got[0][0], other[0]) and bits_equal(got[0][1], other[1]), what
-        check(got[2], want, f"prefetching combine, {what}")
+        check(got[0], want, f"every combine build, {what}")
 
-    for parts in (3, 4 * (decode_combine.SPREAD.prefetch + 1), decode.MAX_LIST_PARTS):  # up to about 128 partials a row
+    prefetched = decode_combine.SPREAD_PREFETCH.prefetch
+    for parts in (3, 4 * (prefetched + 1), decode.MAX_LIST_PARTS):  # up to about 128 partials a row
         same_bits_from_every_build(
             q, pools, sinks, want, f"{parts} parts", decode_backend="mma_sync", decode_parts=parts
         )
@@ -700,24 +703,22 @@ def test_the_combine_builds_give_the_same_bits(seed):
         q_one, sinks_one = queries(1, 1, 64, g), torch.randn(64, generator=g).to(DEVICE)
         forced = {"decode_backend": name, "decode_parts": decode.MAX_LIST_PARTS}
         plan = plan_of(q_one, one, nvfp4_mla.KernelLibrary(**forced))  # type: ignore[arg-type]
-        assert plan.parts == decode.MAX_LIST_PARTS and plan.combine_blocks == decode_combine.SPREAD.blocks(1, 64)
+        assert plan.parts == decode.MAX_LIST_PARTS
+        assert plan.combine_blocks == decode_combine.SPREAD_PREFETCH.blocks(1, 64)
         want_one = exact(q_one, one, sinks=sinks_one)
         what = f"{name}: a row cut {decode_combine.MAX_PARTIALS} ways"
         same_bits_from_every_build(q_one, one, sinks_one, want_one, what, **forced)
     library = nvfp4_mla.KernelLibrary(decode_backend="mma_sync")
-    prefetching = library.launcher(device, library.spec(decode_combine.SPREAD))
-    waves = library.launcher(device, library.spec(decode_combine.PACKED))
-    split_rows = prefetching.resident_blocks // decode_combine.SPREAD.blocks(1, 64)  # a split row a boundary, at most
-    assert split_rows + 2 <= decode.MAX_LIST_PARTS
-    listed = [
-        decode.plan(nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_parts=parts), device, 64, 4096, 128, 512)
-        for parts in (split_rows + 1, split_rows + 2)
-    ]
-    assert [p.combine_blocks for p in listed] == [
-        decode_combine.SPREAD.blocks(split_rows, 64),
-        decode_combine.PACKED.blocks(split_rows + 1, 64),
-    ]
-    assert listed[0].combine is prefetching and listed[1].combine is waves
+    launchers = {b: library.launcher(device, library.spec(b)) for b in decode_combine.BUILDS}
+    held = [launchers[b].resident_blocks // b.blocks(1, 64) for b in decode_combine.BUILDS]  # split rows at once
+    assert held == sorted(held) and held[-2] + 2 <= decode.MAX_LIST_PARTS
+    builds = decode_combine.BUILDS
+    taken = [(held[i] + more, builds[i + more]) for i in range(len(builds) - 1) for more in (0, 1)]
+    for split_rows, build in taken:  # a split row a boundary, at most
+        library = nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_parts=split_rows + 1)
+        listed = decode.plan(library, device, 64, 4096, 128, 512)
+        assert listed.combine is launchers[build], split_rows
+        assert listed.combine_blocks == build.blocks(split_rows, 64)
 
 
 @pytest.mark.parametrize(("heads", "dim_parts"), [(65, 1), (128, 1), (256, 1), (16, 2), (64, 2), (128, 2)])

@@ -36,10 +36,11 @@ COMBINE_PARAMS = ParamsLayout(
 class CombineSpec(NamedTuple):
     """A build of the split combine: ``warps_a_head`` warps merge a (split row, head), so a block
     holds ``4 // warps_a_head`` heads of a split row, loading the first ``prefetch`` partial rows
-    with the partials' (m, l)."""
+    with the partials' (m, l), then ``in_flight`` float4 loads a thread at once."""
 
     warps_a_head: int
     prefetch: int
+    in_flight: int
     max_splits: int = MAX_PARTIALS
 
     def blocks(self, split_rows: int, num_heads: int) -> int:
@@ -60,33 +61,47 @@ class CombineSpec(NamedTuple):
 
     def defines(self) -> dict[str, int]:
         """The kernel's ``-D`` constants."""
-        return {"MAX_SPLITS": self.max_splits, "PREFETCH": self.prefetch, "WARPS_A_HEAD": self.warps_a_head}
+        return {
+            "MAX_SPLITS": self.max_splits,
+            "PREFETCH": self.prefetch,
+            "IN_FLIGHT": self.in_flight,
+            "WARPS_A_HEAD": self.warps_a_head,
+        }
 
     def describe(self) -> str:
-        return f"decode split combine, {self.warps_a_head} warps a head, {self.prefetch} splits prefetched"
+        return (
+            f"decode split combine, {self.warps_a_head} warps a head, {self.prefetch} splits prefetched, "
+            f"{self.in_flight} loads in flight"
+        )
 
 
-# The two builds. Where a combine's blocks of four warps a head fit the GPU at once, SPREAD: each
-# thread merges 4 of a head's dims, and 16 partial rows come with the (m, l) loads (one round trip
-# up to 16 partials). Elsewhere PACKED: a warp a head, four heads a block, so many (row, head) pairs
-# run in fewer waves; one partial row prefetched, about as many registers as none
-# (docs/performance.md#split-combine).
-SPREAD = CombineSpec(4, 16)
-PACKED = CombineSpec(1, 1)
+# The builds, in the order a call prefers them: each holds more (split row, head) pairs at once than
+# the one before (docs/performance.md#split-combine). Four warps a pair, a thread a float4 of its 512
+# dims: SPREAD_PREFETCH loads 16 partial rows with the (m, l) (one round trip up to 16 partials; its
+# registers cost blocks an SM), SPREAD four (no more registers than none). A warp a pair and four
+# pairs a block: PACKED_PREFETCH loads four partial rows with the (m, l), PACKED one, about as many
+# registers as none.
+SPREAD_PREFETCH = CombineSpec(4, 16, 16)
+SPREAD = CombineSpec(4, 4, 16)
+PACKED_PREFETCH = CombineSpec(1, 4, 16)
+PACKED = CombineSpec(1, 1, 8)
+BUILDS = (SPREAD_PREFETCH, SPREAD, PACKED_PREFETCH, PACKED)
 
 
 def specs() -> tuple[CombineSpec, ...]:
-    """Both builds."""
-    return PACKED, SPREAD
+    """Every build."""
+    return BUILDS
 
 
 def launcher(lib: KernelLibrary, device_index: int, split_rows: int, num_heads: int) -> tuple[Launcher, int]:
-    """The combine of ``split_rows`` rows of ``num_heads`` heads and its grid: :data:`SPREAD` where
-    its blocks fit the GPU in one wave, else :data:`PACKED`; the grid is the built spec's (after the
-    library's ``tune``), so a tuned build never reads past the list's split rows."""
-    spread = lib.spec(SPREAD)
-    found = lib.launcher(device_index, spread)
-    if spread.blocks(split_rows, num_heads) <= found.resident_blocks:
-        return found, spread.blocks(split_rows, num_heads)
-    packed = lib.spec(PACKED)
-    return lib.launcher(device_index, packed), packed.blocks(split_rows, num_heads)
+    """The combine of ``split_rows`` rows of ``num_heads`` heads and its grid: the first of
+    :data:`BUILDS` whose blocks fit the GPU at once, else the last (the most pairs at once). The
+    grid is the built spec's (after the library's ``tune``), so a tuned build never reads past the
+    list's split rows."""
+    for build in BUILDS:
+        spec = lib.spec(build)
+        found = lib.launcher(device_index, spec)
+        blocks = spec.blocks(split_rows, num_heads)
+        if blocks <= found.resident_blocks:
+            break
+    return found, blocks

@@ -1,0 +1,85 @@
+"""The split combine's builds side by side: the decode of a call with its combine forced to each
+build (``KernelLibrary(tune=...)``), graph-replayed (the benchmark's timer:
+``triton.testing.do_bench_cudagraph``, median), on the yardstick sweep's shapes whose plan cuts rows
+(docs/yardstick_sweep_h200.csv) and on ragged batches (``bench decode --ragged``'s lengths over
+128 + 2,048 selections). One CSV row a shape on stdout: the combine's split rows and (m, l) pairs
+(split rows x heads), the partials a split row (the host's list; blank with lengths), the build
+that ``decode_combine.launcher`` takes, and each build's time. Measures the launcher's rule.
+
+    python benchmarks/combine_builds.py [--every N]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from decode_plan_ab import sweep_shapes
+
+import nvfp4_mla
+from nvfp4_mla.bench import decode_arms, decode_ragged
+from nvfp4_mla.bench.timing import DeviceTimer
+from nvfp4_mla.ops import decode_planner
+from nvfp4_mla.ops.decode_combine import BUILDS, CombineSpec
+
+TIMER = DeviceTimer(reps=1, graph_s=10e-3)  # graph-replayed only
+# The shipped builds, then other forms of the kernel (warps a head, prefetched, loads in flight).
+CANDIDATES = (*BUILDS, CombineSpec(1, 4, 16), CombineSpec(2, 4, 16), CombineSpec(1, 2, 16))
+
+
+def forced(build: CombineSpec) -> nvfp4_mla.KernelLibrary:
+    return nvfp4_mla.KernelLibrary(tune=lambda spec: build if isinstance(spec, CombineSpec) else spec)
+
+
+def name(build: CombineSpec) -> str:
+    return f"t_{build.warps_a_head}_{build.prefetch}_{build.in_flight}"
+
+
+def row(
+    pools: decode_arms.Pools,
+    x: decode_arms.Inputs,
+    libraries: list[nvfp4_mla.KernelLibrary],
+    cells: list[object],
+    extra_lens: torch.Tensor | None,
+) -> None:
+    heads, rows, extra_k = x.q.shape[2], x.q.shape[0] * x.q.shape[1], x.slots[1].shape[-1]
+    default = nvfp4_mla.KernelLibrary()
+    plan = decode_planner.plan(default, 0, heads, rows, decode_arms.SWA_K, extra_k, extra_lens is not None)
+    if plan.combine is None:
+        return
+    taken = next(b for b in CANDIDATES if plan.combine is default.launcher(0, b))
+    split_rows = plan.combine_blocks // taken.blocks(1, heads)
+    partials = f"{plan.slots / split_rows:.1f}" if extra_lens is None else ""
+    cells += [split_rows, split_rows * heads, partials, name(taken)[2:]]
+    for lib in libraries:
+
+        def call(inputs: decode_arms.Inputs, lib: nvfp4_mla.KernelLibrary = lib) -> object:
+            return decode_arms.fused(pools, inputs, library=lib, extra_lens=extra_lens)
+
+        cells.append(f"{TIMER.graph(call, [x]) * 1e6:.2f}")
+    print(",".join(map(str, cells)), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--every", type=int, default=1, help="time every Nth sweep shape")
+    args = parser.parse_args()
+    torch.cuda.set_device(0)
+    pools = decode_arms.Pools("cuda")
+    g = torch.Generator().manual_seed(0)
+    libraries = [forced(b) for b in CANDIDATES]
+    print("B,ql,H,k,lens,split_rows,pairs,partials,taken," + ",".join(name(b) for b in CANDIDATES), flush=True)
+    for heads in (64, 128):
+        for batch in (32, 64, 128):
+            for dist in decode_ragged.RAGGED_DISTRIBUTIONS:
+                x = decode_arms.Inputs(batch, 1, heads, decode_ragged.RAGGED_EXTRA_K, g, pools)
+                lens = decode_ragged.ragged_lengths(dist, batch, decode_ragged.RAGGED_EXTRA_K, g).cuda()
+                k = decode_arms.SWA_K + decode_ragged.RAGGED_EXTRA_K
+                row(pools, x, libraries, [batch, 1, heads, k, dist], lens)
+    for batch, q_len, heads, k in sweep_shapes()[:: args.every]:
+        x = decode_arms.Inputs(batch, q_len, heads, k - decode_arms.SWA_K, g, pools)
+        row(pools, x, libraries, [batch, q_len, heads, k, ""], None)
+
+
+if __name__ == "__main__":
+    main()
