@@ -11,10 +11,8 @@ that ``decode_combine.launcher`` takes, and each build's time. Measures the laun
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from decode_plan_ab import sweep_shapes
+from decode_plan_ab import start, sweep_shapes
 
 import nvfp4_mla
 from nvfp4_mla.bench import decode_arms, decode_ragged
@@ -61,12 +59,7 @@ def row(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--every", type=int, default=1, help="time every Nth sweep shape")
-    args = parser.parse_args()
-    torch.cuda.set_device(0)
-    pools = decode_arms.Pools("cuda")
-    g = torch.Generator().manual_seed(0)
+    every, pools, g = start(__doc__)
     libraries = [forced(b) for b in CANDIDATES]
     print("B,ql,H,k,lens,split_rows,pairs,partials,taken," + ",".join(name(b) for b in CANDIDATES), flush=True)
     for heads in (64, 128):
@@ -76,7 +69,7 @@ def main() -> None:
                 lens = decode_ragged.ragged_lengths(dist, batch, decode_ragged.RAGGED_EXTRA_K, g).cuda()
                 k = decode_arms.SWA_K + decode_ragged.RAGGED_EXTRA_K
                 row(pools, x, libraries, [batch, 1, heads, k, dist], lens)
-    for batch, q_len, heads, k in sweep_shapes()[:: args.every]:
+    for batch, q_len, heads, k in sweep_shapes()[::every]:
         x = decode_arms.Inputs(batch, q_len, heads, k - decode_arms.SWA_K, g, pools)
         row(pools, x, libraries, [batch, q_len, heads, k, ""], None)
 

@@ -38,17 +38,22 @@ def graph_us(pools: decode_arms.Pools, x: decode_arms.Inputs, lib: nvfp4_mla.Ker
     return TIMER.graph(lambda inputs: decode_arms.fused(pools, inputs, library=lib), [x]) * 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--every", type=int, default=1, help="time every Nth shape")
-    args = parser.parse_args()
+def start(doc: str) -> tuple[int, decode_arms.Pools, torch.Generator]:
+    """A sweep script's start: its ``--every N`` (time every Nth sweep shape), the pools on GPU 0, a
+    seeded generator."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--every", type=int, default=1, help="time every Nth sweep shape")
+    every = parser.parse_args().every
     torch.cuda.set_device(0)
-    pools = decode_arms.Pools("cuda")
-    g = torch.Generator().manual_seed(0)
+    return every, decode_arms.Pools("cuda"), torch.Generator().manual_seed(0)
+
+
+def main() -> None:
+    every, pools, g = start(__doc__)
     default = nvfp4_mla.KernelLibrary()
     swa_k = decode_arms.SWA_K
     print("B,ql,H,k,backend,splits,parts,dim,t_default,parts1,t_sched1,parts2,t_sched2", flush=True)
-    for batch, q_len, heads, k in sweep_shapes()[:: args.every]:
+    for batch, q_len, heads, k in sweep_shapes()[::every]:
         x = decode_arms.Inputs(batch, q_len, heads, k - swa_k, g, pools)
         rows = batch * q_len
         plan = decode_planner.plan(default, 0, heads, rows, swa_k, k - swa_k, lengths=False)
