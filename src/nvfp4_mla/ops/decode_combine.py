@@ -78,9 +78,9 @@ class CombineSpec(NamedTuple):
 # The builds, in the order a call prefers them: each holds more (split row, head) pairs at once than
 # the one before (docs/performance.md#split-combine). Four warps a pair, a thread a float4 of its 512
 # dims: SPREAD_PREFETCH loads 16 partial rows with the (m, l) (one round trip up to 16 partials; its
-# registers cost blocks an SM), SPREAD four (no more registers than none). A warp a pair and four
-# pairs a block: PACKED_PREFETCH loads four partial rows with the (m, l), PACKED one, about as many
-# registers as none.
+# registers cost blocks an SM), SPREAD four (fewer registers, more blocks an SM). A warp a pair and
+# four pairs a block: PACKED_PREFETCH loads four partial rows with the (m, l), PACKED one (fewer
+# registers, more blocks an SM).
 SPREAD_PREFETCH = CombineSpec(4, 16, 16)
 SPREAD = CombineSpec(4, 4, 16)
 PACKED_PREFETCH = CombineSpec(1, 4, 16)
