@@ -82,12 +82,6 @@ def test_the_readme_links_the_serving_page():
     assert "(docs/serving.md)" in README.read_text()
 
 
-def test_the_serving_page_links_resolve():
-    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", TEXT):
-        if not target.startswith("http"):
-            assert (SERVING.parent / target).exists(), f"docs/serving.md links to {target}, which does not exist"
-
-
 # ---------------------------------------------------------------- examples/decode_step.py
 
 
