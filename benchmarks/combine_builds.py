@@ -36,12 +36,12 @@ def name(build: CombineSpec) -> str:
 def row(
     pools: decode_arms.Pools,
     x: decode_arms.Inputs,
+    default: nvfp4_mla.KernelLibrary,
     libraries: list[nvfp4_mla.KernelLibrary],
     cells: list[object],
     extra_lens: torch.Tensor | None,
 ) -> None:
     heads, rows, extra_k = x.q.shape[2], x.q.shape[0] * x.q.shape[1], x.slots[1].shape[-1]
-    default = nvfp4_mla.KernelLibrary()
     plan = decode_planner.plan(default, 0, heads, rows, decode_arms.SWA_K, extra_k, extra_lens is not None)
     if plan.combine is None:
         return
@@ -60,7 +60,7 @@ def row(
 
 def main() -> None:
     every, pools, g = start(__doc__)
-    libraries = [forced(b) for b in CANDIDATES]
+    default, libraries = nvfp4_mla.KernelLibrary(), [forced(b) for b in CANDIDATES]
     print("B,ql,H,k,lens,split_rows,pairs,partials,taken," + ",".join(name(b) for b in CANDIDATES), flush=True)
     for heads in (64, 128):
         for batch in (32, 64, 128):
@@ -68,10 +68,10 @@ def main() -> None:
                 x = decode_arms.Inputs(batch, 1, heads, decode_ragged.RAGGED_EXTRA_K, g, pools)
                 lens = decode_ragged.ragged_lengths(dist, batch, decode_ragged.RAGGED_EXTRA_K, g).cuda()
                 k = decode_arms.SWA_K + decode_ragged.RAGGED_EXTRA_K
-                row(pools, x, libraries, [batch, 1, heads, k, dist], lens)
+                row(pools, x, default, libraries, [batch, 1, heads, k, dist], lens)
     for batch, q_len, heads, k in sweep_shapes()[::every]:
         x = decode_arms.Inputs(batch, q_len, heads, k - decode_arms.SWA_K, g, pools)
-        row(pools, x, libraries, [batch, q_len, heads, k, ""], None)
+        row(pools, x, default, libraries, [batch, q_len, heads, k, ""], None)
 
 
 if __name__ == "__main__":
