@@ -19,6 +19,9 @@ the host's speed drifts within a run.
   place too, 1.5x for the others), and the reader and ``sparse_mla_decode`` for information, but
   ``sparse_mla_decode`` with lengths and a reused plan (2.0x: a decode step's per-layer call),
   and ``plan.update()`` (the scheduler's launch);
+- the pieces of the reused-plan decode call, each alone: its argument checks
+  (``validation.check_decode``), the plan's check of the call (``plan.check``), the two outputs'
+  allocations, and the plan's launches (its workspace, the attention kernel, the combine);
 - the pieces of a writer's call, each alone: the full argument checks (what a call's first use
   of a signature runs: ``validation.check_main``), the per-call part a warm call runs instead
   (``validation.signature``, the plan lookup and ``validation.check_pointers``), the ``q_out``
@@ -39,6 +42,7 @@ import torch
 import nvfp4_mla
 
 from .. import abi, launch, ops, validation
+from ..ops import decode_launch
 from ..testing import make_cache, random_rows, random_slots, rope_table
 from .report import markdown_grid, write_suite
 from .run import require_gpu, results_dir, suite_parser
@@ -71,6 +75,16 @@ def calls(device: torch.device) -> list[tuple[str, Callable[[], object], float |
     moving_q = itertools.cycle([decode_q, decode_q.clone()])  # q at another address each call
     decode_lens = torch.full((1, 1), DECODE_K, dtype=torch.int32, device=device)
     decode_plan = nvfp4_mla.plan_sparse_mla_decode(DECODE_HEADS, decode_slots, swa_lens=decode_lens)
+    decode_checks = (decode_q, cache, decode_slots, decode_lens, None, None, None, 0.04, None, True)
+    swa_layout, _ = validation.check_decode(*decode_checks)
+    decode_out, decode_lse = nvfp4_mla.sparse_mla_decode(
+        decode_q, cache, decode_slots, swa_lens=decode_lens, sm_scale=0.04, plan=decode_plan
+    )
+    decode_pools = (cache, decode_slots, decode_lens, swa_layout), (None, None, None, None)
+    out_layout = (tuple(decode_out.shape), decode_out.stride())  # plain tuples, as new_output takes them
+    lse_layout = (tuple(decode_lse.shape), decode_lse.stride())
+    decode_launches = decode_plan.launches
+    assert decode_launches is not None
 
     main = nvfp4_mla.cake_dsv4_nvfp4_rope_quantize_insert
     main(*main_args, q_head_padded=16)  # loads the kernel: the plan below is the warm call's
@@ -133,6 +147,31 @@ def calls(device: torch.device) -> list[tuple[str, Callable[[], object], float |
             DECODE_PLAN_TARGET,
         ),
         ("  piece: plan.update() (the scheduler's launch)", decode_plan.update, None),
+        (
+            "  piece: validation.check_decode (the decode call's checks)",
+            lambda: validation.check_decode(*decode_checks),
+            None,
+        ),
+        (
+            "  piece: plan.check (the reused plan's check of the call)",
+            lambda: decode_plan.check(decode_q, decode_slots, decode_lens, None, None),
+            None,
+        ),
+        (
+            "  piece: launch.new_output of out and lse (the decode's outputs)",
+            lambda: (
+                launch.new_output(decode_q, *out_layout, torch.bfloat16, device_index),
+                launch.new_output(decode_q, *lse_layout, torch.float32, device_index),
+            ),
+            None,
+        ),
+        (
+            "  piece: the reused plan's launches (workspace, attention, combine)",
+            lambda: decode_launch.launch(
+                decode_launches, decode_q, decode_out, decode_lse, 0.04, None, *decode_pools, decode_plan.work_address
+            ),
+            None,
+        ),
         (
             "  piece: validation.check_main (first use of a signature)",
             lambda: validation.check_main(*main_args, 16, True, False, need_cuda=True),
