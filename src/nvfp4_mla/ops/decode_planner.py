@@ -29,7 +29,8 @@ from .library import KernelLibrary
 
 # A segment's cost besides its tiles, in tiles (its query load and output rows): the scheduler
 # balances the parts by tiles plus this a segment. It keeps rows whole where that costs a part no
-# more than the combine's cost (COMBINE_COST, the width split's) past a cut list's bound.
+# more than the combine's cost (COMBINE_COST, the width split's) past a cut list's bound. Both
+# timed against other values on ragged batches (benchmarks/scheduler_costs.py).
 SEGMENT_COST = 1
 # The most parts of a work list: one row may be cut at every boundary, and the combine merges up to
 # MAX_PARTIALS partials a row.
