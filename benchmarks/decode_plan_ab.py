@@ -39,10 +39,10 @@ def graph_us(pools: decode_arms.Pools, x: decode_arms.Inputs, lib: nvfp4_mla.Ker
 
 
 def start(doc: str) -> tuple[int, decode_arms.Pools, torch.Generator]:
-    """A sweep script's start: its ``--every N`` (time every Nth sweep shape), the pools on GPU 0, a
+    """A sweep script's start: its ``--every N`` (time every Nth shape or batch), the pools on GPU 0, a
     seeded generator."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--every", type=int, default=1, help="time every Nth sweep shape")
+    parser.add_argument("--every", type=int, default=1, help="time every Nth shape (or batch size)")
     every = parser.parse_args().every
     torch.cuda.set_device(0)
     return every, decode_arms.Pools("cuda"), torch.Generator().manual_seed(0)

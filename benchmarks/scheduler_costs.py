@@ -11,15 +11,15 @@ distributions and ``log`` (log-uniform in 1-2,048: many short rows, a few long).
 batch on stdout: its live selections over a full batch's, the candidates' split rows (the CPU
 model's, at the same lengths) and times in us.
 
-    python benchmarks/scheduler_costs.py
+    python benchmarks/scheduler_costs.py [--every N]   # N: time every Nth batch size
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
+from decode_plan_ab import start
 
 import nvfp4_mla
 from nvfp4_mla.bench import decode_arms, decode_ragged
@@ -43,14 +43,12 @@ def lengths(dist: str, batch: int, k: int, g: torch.Generator) -> torch.Tensor:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    torch.cuda.set_device(0)
-    pools, g = decode_arms.Pools("cuda"), torch.Generator().manual_seed(0)
+    every, pools, g = start(__doc__)
     lib = nvfp4_mla.KernelLibrary()
     extra_k, swa_k = decode_ragged.RAGGED_EXTRA_K, decode_arms.SWA_K
     names = [f"{s}_{c}" for s, c in CANDIDATES]
     print(",".join(["B,H,lens,live_full,parts,tile", *(f"rows_{n}" for n in names), *(f"t_{n}" for n in names)]))
-    for batch in BATCHES:
+    for batch in BATCHES[::every]:
         for heads in (16, 64, 128):
             for dist in DISTRIBUTIONS:
                 x = decode_arms.Inputs(batch, 1, heads, extra_k, g, pools)
