@@ -3,8 +3,8 @@ graph-replayed (the benchmark's timer: ``triton.testing.do_bench_cudagraph``, me
 as ``bench decode --ragged`` draws it (128 window + 2,048 compressed selections, ``extra_lens``)
 in four forms:
 
-- ``t_one_call``: ``sparse_mla_decode`` with the lengths (the scheduler, then the attention and
-  the combine);
+- ``t_one_call``: ``sparse_mla_decode`` with the lengths (the attention, whose blocks deal the
+  list, or the scheduler first where a block has fewer threads than the parts; then the combine);
 - ``t_plan``: the same call with a reused plan (no scheduler);
 - ``t_update``: ``plan.update()`` (the scheduler's launch) before each reused-plan call;
 - ``t_empty``: an empty kernel before each reused-plan call, launched as the decode's kernels are

@@ -6,6 +6,7 @@
 #include "nvfp4_mla_params.cuh"  // Params: decode_backend.ATTEND_PARAMS
 #include "nvfp4_mla_ptx.cuh"
 #include "nvfp4_mla_records.cuh"
+#include "nvfp4_mla_schedule.cuh"
 #include "nvfp4_mla_softmax.cuh"
 
 constexpr int HT = HEAD_TILE;  // heads of a block
@@ -57,6 +58,7 @@ struct SharedStorage : SharedQ<Q_IN_REGISTERS> {
     u32 scale_pairs[256];               // e4m3_bf16x2 of every scale byte
 };
 static_assert(sizeof(SharedStorage) == SMEM_BYTES, "the shared layout must match the host's count");
+static_assert(SCHEDULE_BYTES <= sizeof(SharedStorage::k), "a block's own list is dealt in its K buffer");
 
 // The regions' byte offsets, for the address arithmetic of the code that fills and reads them.
 constexpr int SM_Q = 0;
@@ -381,10 +383,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_mla_deco
     // No launch_dependents: the split combine launching at this kernel's start was slower than at
     // its end (docs/performance.md#programmatic-dependent-launch). The host's list was written
     // before the call: its part loads under the wait; the scheduler's comes from the stream's
-    // previous kernel: after it.
+    // previous kernel: after it; so do the lengths a block deals its own list from, in the K
+    // buffer (first written after the first segment's first barrier).
     const bool early = p.static_list != 0;
     if (!early) wait_for_prior_grids();
-    const WorkPart work = load_part(p.work, part);
+    const WorkPart work = p.own_list ? schedule_own_part(p, smem + SM_K, part) : load_part(p.work, part);
     if (early) wait_for_prior_grids();
     const auto tiles_of = [&](int row) { return row_tiles(p, row, TILE_SHIFT); };
 

@@ -136,6 +136,10 @@ class _StandInLauncher(NamedTuple):
     spec: Any
     resident_blocks: int
 
+    @property
+    def threads(self) -> int:
+        return self.spec.template.threads
+
     def launch(self, *args: int) -> None:
         raise AssertionError("a plan is built, never launched, here")
 
@@ -404,10 +408,13 @@ def test_the_q_tensor_map_is_encoded_once_then_moved():
     with pytest.raises(RuntimeError, match="cuTensorMapReplaceAddress failed"):
         q_map(0)
     params = decode_sm90.PARAMS
-    assert params.size == 256 + launch.TENSOR_MAP_BYTES
+    fields = ("parts", "tile_shift", "segment_cost", "combine_cost", "whole_rows")
+    schedule = tuple(f"schedule.{name}" for name in fields)
+    assert params.size == 320 + launch.TENSOR_MAP_BYTES
     assert params.names == (*decode_backend.ATTEND_PARAMS.names, "q_map")
-    assert decode_backend.ATTEND_PARAMS.names[-2:] == ("work", "static_list")  # every backend's work list
-    assert params.offsets["q_map"] == 256 > decode_backend.ATTEND_PARAMS.size == 240  # the next 64 bytes
+    names = decode_backend.ATTEND_PARAMS.names  # every backend's work list and how it is dealt
+    assert names[names.index("work") :] == ("work", "static_list", "own_list", *schedule)
+    assert params.offsets["q_map"] == 320 > decode_backend.ATTEND_PARAMS.size == 288  # the next 64 bytes
     assert decode_sm90.WgmmaAttentionSpec.of(1).template.params is params and params.size <= launch.PARAMS_CAPACITY
 
 

@@ -178,6 +178,56 @@ def test_a_plan_serves_many_calls_with_the_bits_of_one_call(seed, heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 40, 2000])
+def test_a_call_with_lengths_deals_the_models_list_in_its_attention(monkeypatch, seed, rows):
+    """Without a step's plan, a call with lengths launches no scheduler where its attention blocks
+    hold a thread a part boundary: their block 0 writes the CPU model's list at the start of the
+    workspace (past 1,536 rows, 4 a thread of 384, the blocks load the costs again), and the
+    outputs are those of a plan's list. With more parts than an attention block's threads, the
+    scheduler deals it."""
+    from nvfp4_mla.ops import decode_launch, decode_planner
+    from nvfp4_mla.ops import decode_scheduler as ds
+
+    workspaces: list[torch.Tensor] = []
+    new_output = decode_launch.new_output
+
+    def recorded(*args):
+        workspaces.append(new_output(*args))
+        return workspaces[-1]
+
+    scheduled: list[int] = []
+    launch_scheduler = decode_launch.launch_scheduler
+
+    def counted(*args):
+        scheduled.append(1)
+        launch_scheduler(*args)
+
+    monkeypatch.setattr(decode_launch, "new_output", recorded)
+    monkeypatch.setattr(decode_launch, "launch_scheduler", counted)
+    g = torch.Generator().manual_seed(seed)
+    mma = "mma_sync" in _backends_here()
+    for heads in (16, 64, 128):
+        q, pools, sinks = gpu_case(g, rows, heads)
+        (_, swa_slots, swa_lens), (_, extra_slots, extra_lens) = pools
+        k_swa, k_extra = swa_slots.shape[2], extra_slots.shape[2]
+        many_parts = [nvfp4_mla.KernelLibrary(decode_backend="mma_sync", decode_parts=300)] if mma else []
+        for library in [*libraries(), *many_parts]:
+            lib = library or nvfp4_mla.KernelLibrary()
+            launches = decode_planner.plan(lib, q.get_device(), heads, rows, k_swa, k_extra)
+            workspaces.clear()
+            scheduled.clear()
+            got = call(q, pools, sinks, library=lib)
+            assert len(scheduled) == int(not launches.own_list), repr(launches)
+            assert launches.own_list == (launches.parts < launches.attend.threads)
+            tiles = ds.row_tiles(rows, k_swa, swa_lens, k_extra, extra_lens, launches.tile_tokens)
+            want = ds.schedule(tiles, launches.parts, decode.SEGMENT_COST, decode.COMBINE_COST).ints()
+            (workspace,) = [w for w in workspaces if w.shape == (launches.workspace,)]
+            assert workspace[: len(want)].view(torch.int32).tolist() == want, (heads, launches.backend)
+            planned = call(q, pools, sinks, plan=plan_of(pools, heads, lib))
+            assert bits_equal(got[0], planned[0]) and bits_equal(got[1], planned[1]), (heads, launches.backend)
+
+
+@pytest.mark.gpu
 def test_a_plan_without_lengths_holds_the_hosts_list(seed):
     g = torch.Generator().manual_seed(seed)
     q, pools, sinks = gpu_case(g, 3, 128)

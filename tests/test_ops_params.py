@@ -57,10 +57,10 @@ def test_the_packer_lays_fields_out_as_c_does(layout):
 
 
 def test_the_attention_layout():
-    assert POOL.size == 72 and ATTEND_PARAMS.size == 240
+    assert POOL.size == 72 and ATTEND_PARAMS.size == 288
     assert ATTEND_PARAMS.offsets["swa.k"] == 48 + 48 and ATTEND_PARAMS.offsets["extra.cache"] == 48 + 72
     hopper = decode.BACKENDS["wgmma_sm90"].specs("sm_90")[0].template.params
-    assert hopper.offsets["q_map"] == 256 and hopper.size == 384 and hopper.names[-1] == "q_map"
+    assert hopper.offsets["q_map"] == 320 and hopper.size == 448 and hopper.names[-1] == "q_map"
     assert "struct Pool {" in hopper.header() and hopper.header().count("struct Pool {") == 1
     assert "    alignas(64) u8 q_map[128];" in hopper.header()
 
@@ -93,13 +93,15 @@ def test_a_template_lists_every_header_its_source_includes():
     assert used == {path.name for path in jit.kernel_dir().iterdir() if path.suffix in (".cu", ".cuh")}
 
 
-@pytest.mark.parametrize(("lengths", "hopper"), [(True, True), (False, True), (True, False), (False, False)])
-def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, lengths, hopper):
-    """decode.launch passes three Params by position: with lengths the scheduler writes the list
-    at the start of the call's workspace, without them the plan holds it; the attention Params end
-    with the list (and on the Hopper backends q's tensor map), the combine's with the list's split
-    rows; the partial slots follow the list, 16-byte aligned; the scheduler counts the backend's
-    tiles (64 tokens on Hopper, 32 on mma.sync)."""
+@pytest.mark.parametrize("hopper", [True, False])
+@pytest.mark.parametrize(("lengths", "own_list"), [(True, False), (True, True), (False, False)])
+def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, lengths, own_list, hopper):
+    """decode.launch passes three Params by position: with lengths the list is dealt at the start
+    of the call's workspace, by the attention's blocks (own_list) or the scheduler launched before
+    them; without lengths the plan holds it. The attention Params end with the list and how it is
+    dealt (and on the Hopper backends q's tensor map), the combine's with the list's split rows;
+    the partial slots follow the list, 16-byte aligned; the list counts the backend's tiles (64
+    tokens on Hopper, 32 on mma.sync)."""
     import torch
 
     from nvfp4_mla.ops import decode_combine, decode_scheduler, decode_sm90
@@ -146,6 +148,8 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
         workspace=list_values + slots * heads * 514,
         slots=slots,
         work=work,
+        own_list=own_list,
+        schedule=(parts, tile_tokens.bit_length() - 1, decode.SEGMENT_COST, decode.COMBINE_COST, 0),
     )
     q = torch.zeros(2, 1, heads, 512, dtype=torch.bfloat16)
     swa_cache, slot_table = torch.zeros(4, 64, 384, dtype=torch.uint8), torch.zeros(2, 1, 9, dtype=torch.int64)
@@ -157,13 +161,17 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
     assert workspace.dtype == torch.float32 and workspace.shape == (plan.workspace,)
     start = workspace.data_ptr()
     at = start if work is None else work.data_ptr()  # the list
-    assert list(packed) == (["scheduler", "attend", "combine"] if lengths else ["attend", "combine"])  # in order
+    by_scheduler = lengths and not own_list
+    assert list(packed) == (["scheduler", "attend", "combine"] if by_scheduler else ["attend", "combine"])  # in order
 
     attend_grid, values = packed["attend"]
     names = decode_sm90.PARAMS.names if hopper else ATTEND_PARAMS.names
     got = dict(zip(names, values))
     assert len(values) == len(names) and attend_grid == (parts * 4, 1, 1)
-    assert got["work"] == at and got["static_list"] == int(not lengths)
+    assert got["work"] == at and got["static_list"] == int(not lengths) and got["own_list"] == int(own_list)
+    shift = tile_tokens.bit_length() - 1
+    schedule = [got[f"schedule.{name}"] for name in decode_scheduler.SCHEDULE.names]
+    assert schedule == [parts, shift, decode.SEGMENT_COST, decode.COMBINE_COST, 0]
     assert not hopper or got["q_map"] == q.data_ptr().to_bytes(8, "little") * 16
     assert got["partial_o"] == start + 4 * list_values and got["partial_o"] % 16 == start % 16
     assert got["partial_ml"] == got["partial_o"] + slots * heads * 512 * 4
@@ -184,7 +192,7 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
     )
     assert combined["split_rows"] == at + parts * decode_scheduler.PART_INTS * 4  # after the parts' records
 
-    if lengths:
+    if by_scheduler:
         scheduler_grid, values = packed["scheduler"]
         scheduled = dict(zip(decode_scheduler.SCHEDULER_PARAMS.names, values))
         assert len(values) == len(decode_scheduler.SCHEDULER_PARAMS.names) and scheduler_grid == (1, 1, 1)
@@ -194,8 +202,7 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
             9,
             0,
         )
-        shift = tile_tokens.bit_length() - 1
-        assert (scheduled["rows"], scheduled["parts"], scheduled["tile_shift"]) == (2, parts, shift)
-        costs = (scheduled["segment_cost"], scheduled["combine_cost"], scheduled["whole_rows"])
+        assert (scheduled["rows"], scheduled["schedule.parts"], scheduled["schedule.tile_shift"]) == (2, parts, shift)
+        costs = tuple(scheduled[f"schedule.{name}"] for name in ("segment_cost", "combine_cost", "whole_rows"))
         assert costs == (decode.SEGMENT_COST, decode.COMBINE_COST, 0)
         assert scheduled["parts_out"] == at and scheduled["split_rows"] == combined["split_rows"]

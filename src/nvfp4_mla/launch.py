@@ -15,7 +15,7 @@ from . import config
 from .device import Device
 from .jit import Template
 
-PARAMS_CAPACITY = 384  # bytes of the per-thread launch buffer; every template's Params fits
+PARAMS_CAPACITY = 512  # bytes of the per-thread launch buffer; every template's Params fits
 
 
 class LoadError(RuntimeError):

@@ -7,9 +7,10 @@ and ``plan``. CUDA tensors go to a backend's kernels, other devices to the refer
 :mod:`.decode_planner` (the backend and the division of the work, a plan a call shape),
 :mod:`.decode_launch` (the launches), :mod:`.decode_step_plan` (a decode step's plan).
 
-**Execution.** The scheduler (:mod:`.decode_scheduler`) writes the call's work list on the GPU
-from the rows' live lengths (or, without length tensors, the plan holds one made on the host from
-the tables' widths); the attention kernel's blocks (a block per part, head tile and part of the
+**Execution.** The call's work list is dealt on the GPU from the rows' live lengths, in the
+attention kernel's blocks or by the scheduler (:mod:`.decode_scheduler`) launched first, or comes
+from a step's plan (without length tensors, the plan holds one made on the host from the tables'
+widths); the attention kernel's blocks (a block per part, head tile and part of the
 output dims) walk their part's segments, and the combine (:mod:`.decode_combine`) merges the rows
 cut between parts: the work follows the live tokens, not the tables' widths. The list is a
 function of the shapes, the device and the lengths, and the combine adds a row's partials in a

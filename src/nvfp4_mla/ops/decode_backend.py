@@ -23,6 +23,7 @@ from ..device import Device
 from ..jit import KernelSpec
 from ..launch import Launcher
 from ..params import ParamsLayout, float64, int64, nested, pointer
+from .decode_scheduler import SCHEDULE
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
@@ -60,6 +61,8 @@ ATTEND_PARAMS = ParamsLayout(
         float64("score_scale", "sm_scale * log2(e)"),
         pointer("work", "const void*", "the work list's parts (struct WorkPart), 16-byte aligned"),
         int64("static_list", "the list was written before the call (the host's): read before the wait"),
+        int64("own_list", "1: each block deals the list after the wait, block 0 writing it at work"),
+        nested("schedule", SCHEDULE, "how the list is dealt (own_list)"),
     ],
 )
 

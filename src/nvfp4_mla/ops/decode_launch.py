@@ -1,7 +1,8 @@
-"""The launches of a planned ``sparse_mla_decode`` call (:class:`.decode_planner.DecodePlan`): the
-scheduler writes the call's work list at the start of its workspace (unless the plan holds the
-host's list, or a step's plan is given), the attention kernel's blocks walk their part's
-segments, and the combine merges the rows cut between parts. Every launch takes raw pointers on
+"""The launches of a planned ``sparse_mla_decode`` call (:class:`.decode_planner.DecodePlan`): a
+call with lengths deals its work list at the start of its workspace (unless a step's plan is
+given), in the attention kernel's blocks or, where a block has too few threads, by the scheduler
+launched before it; the attention kernel's blocks walk their part's segments, and the combine
+merges the rows cut between parts. Every launch takes raw pointers on
 torch's current stream; the workspace comes from torch's caching allocator.
 """
 
@@ -78,12 +79,16 @@ def launch(
         partial_ml = workspace.data_ptr() + 4 * (plan.workspace - plan.slots * num_heads * 2)
         partial_o = partial_ml - plan.slots * num_heads * abi.HEAD_DIM * 4
     host_list = plan.work  # the host's list, written at planning: read before the kernels' waits
+    own_list = 0
     if host_list is not None:
         work = host_list.data_ptr()
     elif not work:
         work = workspace.data_ptr()
-        extra_k = 0 if extra_pool[1] is None else extra_pool[1].shape[2]
-        launch_scheduler(plan, stream, work, rows, swa_pool[1].shape[2], swa_pool[2], extra_k, extra_pool[2])
+        if plan.own_list:  # the attention's blocks deal it
+            own_list = 1
+        else:
+            extra_k = 0 if extra_pool[1] is None else extra_pool[1].shape[2]
+            launch_scheduler(plan, stream, work, rows, swa_pool[1].shape[2], swa_pool[2], extra_k, extra_pool[2])
     static = int(host_list is not None)
     plan.attend.launch(
         plan.blocks,
@@ -105,6 +110,8 @@ def launch(
         float(sm_scale) * _LOG2E,  # type: ignore[arg-type]  # Params' double: struct packs it with "d"
         work,
         static,
+        own_list,
+        *plan.schedule,
         *(() if plan.q_map is None else (plan.q_map(q_ptr),)),
     )
     if plan.combine is not None:

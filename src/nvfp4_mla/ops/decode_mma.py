@@ -17,6 +17,7 @@ from .. import abi
 from ..device import Device
 from ..jit import Template, included_headers
 from .decode_backend import ATTEND_PARAMS, HEAD_TILE_OVERRIDE, Attention, DecodeBackend
+from .decode_scheduler import SCHEDULE_DEFINES
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
@@ -95,6 +96,7 @@ class MmaAttentionSpec(NamedTuple):
             "DIM_SPLIT": DIM_SPLITS[self.head_tile],
             "BLOCK_N": BLOCK_N,
             "SMEM_BYTES": self.shared_bytes,
+            **SCHEDULE_DEFINES,
         }
 
     def describe(self) -> str:

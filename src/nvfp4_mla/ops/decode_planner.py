@@ -102,6 +102,10 @@ class DecodePlan(NamedTuple):
     workspace: int
     slots: int
     work: torch.Tensor | None  # a call without lengths: its work list, on the device
+    # A call with lengths and no step's list: its attention kernel deals its own list (no scheduler
+    # launch before it), where a block has a thread a boundary between parts.
+    own_list: bool
+    schedule: tuple[int, int, int, int, int]  # the attention's Schedule: parts, tile shift, costs, whole rows
 
 
 def plan(
@@ -201,5 +205,7 @@ def plan(
         list_values + slots * num_heads * (abi.HEAD_DIM + 2),
         slots,
         work,
+        known is None and parts < attention.launcher.threads,
+        (parts, attention.tile_tokens.bit_length() - 1, SEGMENT_COST, COMBINE_COST, int(batch_invariant)),
     )
     return lib.remember(key, found)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..jit import Template, included_headers
-from ..params import ParamsLayout, int64, pointer
+from ..params import ParamsLayout, int64, nested, pointer
 
 if TYPE_CHECKING:
     from ..launch import Launcher
@@ -43,9 +43,24 @@ SOURCE = "nvfp4_mla_scheduler.cu"
 # the block's scans and barriers; a call takes the fewest that hold its parts and rows.
 BUILD_THREADS = (256, 1024)
 ROW_LOADS = 4
+# The -D constants of every kernel that schedules (kernels/nvfp4_mla_schedule.cuh).
+SCHEDULE_DEFINES = {"ROW_LOADS": ROW_LOADS}
 MAX_PARTS = BUILD_THREADS[-1] - 1
 PART_INTS = 8  # a WorkPart: begin_row, begin_tile, end_row, end_tile, begin_slot, end_slot, two zeros
 SPLIT_INTS = 2  # a split row: row, first_slot
+
+# How a list is dealt: the fields the scheduler and an attention kernel that schedules its own
+# call's list share (kernels/nvfp4_mla_schedule.cuh).
+SCHEDULE = ParamsLayout(
+    "Schedule",
+    [
+        int64("parts", "parts of the work: 1 to 1023, fewer than the block's threads"),
+        int64("tile_shift", "log2 of the attention kernel's tile tokens"),
+        int64("segment_cost", "a segment's cost besides its tiles, in tiles"),
+        int64("combine_cost", "the combine's cost, in tiles: rows are kept whole where that costs no more"),
+        int64("whole_rows", "1: every boundary at a row's start, so no row is cut (batch-invariant rows)"),
+    ],
+)
 
 SCHEDULER_PARAMS = ParamsLayout(
     "Params",
@@ -57,11 +72,7 @@ SCHEDULER_PARAMS = ParamsLayout(
         int64("swa_k", "entries a row of the sliding-window table"),
         int64("extra_k", "entries a row of the extra table; 0: no such pool"),
         int64("rows", "query rows: batch * q_len, at least 1"),
-        int64("parts", "parts of the work: 1 to 1023"),
-        int64("tile_shift", "log2 of the attention kernel's tile tokens"),
-        int64("segment_cost", "a segment's cost besides its tiles, in tiles"),
-        int64("combine_cost", "the combine's cost, in tiles: rows are kept whole where that costs no more"),
-        int64("whole_rows", "1: every boundary at a row's start, so no row is cut (batch-invariant rows)"),
+        nested("schedule", SCHEDULE, "how the list is dealt"),
         pointer("parts_out", "struct WorkPart*", "[parts]"),
         pointer("split_rows", "struct SplitRow*", "[parts]"),
     ],
@@ -86,7 +97,7 @@ class SchedulerSpec(NamedTuple):
         )
 
     def defines(self) -> dict[str, int]:
-        return {"ROW_LOADS": ROW_LOADS}
+        return SCHEDULE_DEFINES
 
     def describe(self) -> str:
         return f"decode scheduler, {self.threads} threads"

@@ -29,6 +29,7 @@ from ..jit import Template, included_headers
 from ..launch import TENSOR_MAP_BYTES, Bf16TensorMap
 from ..params import raw_bytes
 from .decode_backend import ATTEND_PARAMS, Attention, DecodeBackend
+from .decode_scheduler import SCHEDULE_DEFINES
 
 if TYPE_CHECKING:
     from .library import KernelLibrary
@@ -119,6 +120,7 @@ class WgmmaAttentionSpec(NamedTuple):
             "SMEM_BYTES": shared_bytes(self.head_tile),
             "CLUSTER": self.cluster,
             "DIM_PARTS": self.dim_parts,
+            **SCHEDULE_DEFINES,
         }
 
     def describe(self) -> str:

@@ -1,0 +1,265 @@
+// The scheduling of a decode call's work list (nvfp4_mla_work.cuh) by one block of THREADS
+// threads: from the rows' live lengths, the rows' tiles dealt into `parts` parts of equal cost,
+// and the rows split between parts with their partial slots, or whole rows a part where that
+// costs no part more than the cut list's bound and the combine's cost (always with whole_rows).
+// The scheduler kernel (nvfp4_mla_scheduler.cu) runs it for a list that calls reuse; an attention
+// kernel runs it in each block for a list of its own call. ops/decode_scheduler.py holds its CPU
+// model (the same integer results); docs/kernels/scheduler.md describes the steps.
+#pragma once
+
+#include "nvfp4_mla_ptx.cuh"
+#include "nvfp4_mla_work.cuh"
+
+static_assert(THREADS % 32 == 0 && THREADS <= 1024,
+              "whole warps, a thread a boundary between parts: up to THREADS - 1 parts");
+
+namespace schedule_detail {
+
+constexpr int WARPS = THREADS / 32;
+constexpr int LOADS = ROW_LOADS;  // decode_scheduler.ROW_LOADS: rows whose costs a thread keeps
+
+// A row's cost: its live tiles (at least one) and the cost of a segment besides its tiles. In 32
+// bits: the host caps a table's width at 2^24 entries.
+struct Rows {
+    const void *swa_lens, *extra_lens;
+    i64 swa_lens_int64, extra_lens_int64, swa_k, extra_k;
+    u32 tile_shift, segment_cost;
+
+    __device__ __forceinline__ u32 cost(i64 row) const {
+        const u32 live = static_cast<u32>(live_count(swa_lens, swa_lens_int64, swa_k, row)) +
+            static_cast<u32>(live_count(extra_lens, extra_lens_int64, extra_k, row));
+        return live_tiles(live, tile_shift) + segment_cost;
+    }
+
+    // The costs of rows r .. r + LOADS - 1 (0 from r_end on), their lengths loaded together: a
+    // thread's rows are a contiguous run, and one at a time their loads would wait in turn.
+    __device__ __forceinline__ void load(i64 r, i64 r_end, u32 (&costs)[LOADS]) const {
+#pragma unroll
+        for (int i = 0; i < LOADS; ++i) costs[i] = r + i < r_end ? cost(r + i) : 0u;
+    }
+};
+
+// No 64-bit division here: it is a call, whose stack frame ptxas reports as a spill on sm_80.
+// ceil(a / d) for a >= 0 and 0 < d < 2^16: a long division in 16-bit digits, each step in 32 bits.
+__device__ __forceinline__ i64 ceil_div_small_divisor(i64 a, u32 d) {
+    u64 q = 0;
+    u32 r = 0;
+#pragma unroll
+    for (int shift = 48; shift >= 0; shift -= 16) {
+        const u32 x = (r << 16) | static_cast<u32>((static_cast<u64>(a) >> shift) & 0xFFFFu);
+        q = (q << 16) | (x / d);
+        r = x % d;
+    }
+    return static_cast<i64>(q) + (r != 0);
+}
+
+// ceil(a / b) for a >= 0, b > 0 and a quotient of at most 2^11 (a boundary's index: at most
+// parts): in 32 bits where both fit, else the smallest q with q b >= a, by bisection.
+__device__ __forceinline__ i64 boundary_at(i64 a, i64 b) {
+    if (((a | b) >> 31) == 0) return (static_cast<u32>(a) + static_cast<u32>(b) - 1) / static_cast<u32>(b);
+    if (a == 0) return 0;
+    i64 below = 0;  // the largest q found with q b < a
+    for (i64 step = i64(1) << 10; step > 0; step >>= 1)
+        if ((below + step) * b < a) below += step;
+    return below + 1;
+}
+
+// The block's inclusive scan under `op` of one value a thread; `total` gets the last thread's.
+// `warp_totals` holds 32 values, and each call needs its own.
+template <typename T, typename Op>
+__device__ __forceinline__ T block_inclusive_scan(T v, T* warp_totals, Op op, T& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 1; o < 32; o <<= 1) {
+        const T x = __shfl_up_sync(NVFP4_FULL_MASK, v, o);
+        if (lane >= o) v = op(x, v);
+    }
+    if (lane == 31) warp_totals[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        T w = lane < WARPS ? warp_totals[lane] : T(0);
+        for (int o = 1; o < WARPS; o <<= 1) {
+            const T x = __shfl_up_sync(NVFP4_FULL_MASK, w, o);
+            if (lane >= o) w = op(x, w);
+        }
+        if (lane < WARPS) warp_totals[lane] = w;
+    }
+    __syncthreads();
+    total = warp_totals[WARPS - 1];
+    return warp > 0 ? op(warp_totals[warp - 1], v) : v;
+}
+
+struct Sum {
+    template <typename T>
+    __device__ T operator()(T a, T b) const {
+        return a + b;
+    }
+};
+struct Max {
+    template <typename T>
+    __device__ T operator()(T a, T b) const {
+        return a > b ? a : b;
+    }
+};
+
+}  // namespace schedule_detail
+
+// The shared memory of a block's scheduling. Boundary q (0 <= q <= parts) begins part q and ends
+// part q - 1.
+struct ScheduleScratch {
+    // The first boundary inside a row, marked with the row and the cost its row begins at; -1: no
+    // row's first.
+    int mark_row[THREADS];
+    i64 mark_start[THREADS];
+    // Each boundary's row and tile.
+    int bound_row[THREADS], bound_tile[THREADS];
+    // Each boundary's row's first cost: where the boundary lies when rows are kept whole.
+    i64 bound_start[THREADS];
+    // Up to boundary q: the cuts (a boundary inside a row, at a tile no earlier boundary took) in
+    // the low 16 bits, and the split rows (those cuts that are their row's first) in the high 16.
+    u32 counts[THREADS];
+    i64 cost_totals[schedule_detail::WARPS];
+    int mark_totals[schedule_detail::WARPS];
+    i64 longest_totals[schedule_detail::WARPS];
+    u32 count_totals[schedule_detail::WARPS];
+};
+
+// The list of a call's rows in s.parts parts (at most THREADS - 1), every thread of the block
+// taking part (it holds __syncthreads). Returns part threadIdx.x (valid below s.parts); writes the
+// split rows at `split_rows` unless it is null. The lengths may come from the stream's previous
+// kernel: the caller has waited for it.
+__device__ __forceinline__ WorkPart schedule_parts(const Schedule& s, const void* swa_lens, i64 swa_lens_int64,
+                                                   i64 swa_k, const void* extra_lens, i64 extra_lens_int64, i64 extra_k,
+                                                   i64 rows, ScheduleScratch& x, SplitRow* split_rows) {
+    using namespace schedule_detail;
+    const Rows costs_of = {swa_lens,
+                           extra_lens,
+                           swa_lens_int64,
+                           extra_lens_int64,
+                           swa_k,
+                           extra_k,
+                           static_cast<u32>(s.tile_shift),
+                           static_cast<u32>(s.segment_cost)};
+    const int tid = threadIdx.x, parts = static_cast<int>(s.parts);
+    x.mark_row[tid] = -1;
+
+    // A thread's rows: a contiguous run, so the prefix of the costs is one scan. Up to LOADS rows
+    // a thread, their costs stay in registers for the second pass.
+    const i64 per_thread = (rows + THREADS - 1) / THREADS;
+    const i64 r0 = min(rows, tid * per_thread), r1 = min(rows, r0 + per_thread);
+    i64 mine = 0;
+    u32 cost[LOADS];
+    for (i64 r = r0; r < r1; r += LOADS) {
+        costs_of.load(r, r1, cost);
+#pragma unroll
+        for (int i = 0; i < LOADS; ++i) mine += cost[i];
+    }
+    i64 total;
+    i64 start = block_inclusive_scan(mine, x.cost_totals, Sum(), total) - mine;
+
+    // Part q takes the costs [q payload, (q + 1) payload): boundary q lies at cost q payload, in the
+    // row whose costs hold it, or at the end. Each row marks its first boundary.
+    const i64 payload = ceil_div_small_divisor(total, static_cast<u32>(parts));
+    i64 q = boundary_at(start, payload);  // the first boundary at or past `start`
+    for (i64 r = r0; r < r1; r += LOADS) {
+        if (per_thread > LOADS) costs_of.load(r, r1, cost);
+#pragma unroll
+        for (int i = 0; i < LOADS; ++i) {
+            const i64 end = start + cost[i];
+            if (q * payload < end) {
+                x.mark_row[q] = static_cast<int>(r + i);
+                x.mark_start[q] = start;
+                q = boundary_at(end, payload);
+            }
+            start = end;
+        }
+    }
+    __syncthreads();
+
+    // A boundary's row is the latest mark at or before it; its tile is counted after the row's
+    // segment cost.
+    int row = static_cast<int>(rows), tile = 0, latest_mark;
+    const int marked =
+        block_inclusive_scan(tid <= parts && x.mark_row[tid] >= 0 ? tid : -1, x.mark_totals, Max(), latest_mark);
+    const i64 at = tid * payload;
+    i64 row_start = total;
+    if (tid <= parts && at < total) {
+        row = x.mark_row[marked];
+        row_start = x.mark_start[marked];
+        tile = static_cast<int>(max(at - row_start - s.segment_cost, i64(0)));
+    }
+    x.bound_start[tid] = row_start;
+    __syncthreads();
+
+    // Whole rows (every boundary moved back to its row's start, so no row is cut) where the costliest
+    // part they make costs at most a cut list's bound (the payload and a segment) and the combine's
+    // cost, or always with whole_rows.
+    i64 longest;
+    block_inclusive_scan(tid < parts ? x.bound_start[tid + 1] - row_start : i64(0), x.longest_totals, Max(), longest);
+    if (s.whole_rows || longest <= payload + s.segment_cost + s.combine_cost) tile = 0;
+    x.bound_row[tid] = row;
+    x.bound_tile[tid] = tile;
+    __syncthreads();
+
+    u32 mark = 0;  // 1: a cut; 1 << 16 too: its row's first
+    if (tid > 0 && tid <= parts && tile > 0) {
+        const int before_row = x.bound_row[tid - 1], before_tile = x.bound_tile[tid - 1];
+        if (before_row != row || before_tile != tile) mark = before_row == row && before_tile > 0 ? 1u : 0x10001u;
+    }
+    u32 all;
+    const u32 upto = block_inclusive_scan(mark, x.count_totals, Sum(), all);
+    x.counts[tid] = upto;
+    __syncthreads();
+
+    // Split row s, whose first cut is cut j (both counted from 0), has the slots j + s on: before
+    // it, s rows and j cuts made j + s segments of split rows.
+    const int cuts = static_cast<int>(upto & 0xFFFFu), splits = static_cast<int>(upto >> 16);
+    if (split_rows != nullptr) {
+        if (mark >> 16) split_rows[splits - 1] = {row, cuts + splits - 2};
+        const int num_split_rows = static_cast<int>(all >> 16);
+        const int slots = static_cast<int>((all & 0xFFFFu) + (all >> 16));
+        for (int r = num_split_rows + tid; r < parts; r += THREADS) split_rows[r] = {-1, slots};
+    }
+    WorkPart w = {};
+    if (tid < parts) {
+        const int next_row = x.bound_row[tid + 1], next_tile = x.bound_tile[tid + 1];
+        const u32 next = x.counts[tid + 1];
+        w.begin_row = row, w.begin_tile = tile, w.end_row = next_row, w.end_tile = next_tile;
+        // Past a cut: the slot after that cut's. At a row's start: a whole row, or the first slot of
+        // the split row whose first cut ends this part.
+        w.begin_slot = tile > 0 ? cuts + splits - 1 : (next_row == row && next_tile > 0 ? cuts + splits : -1);
+        w.end_slot = next_row > row && next_tile > 0 ? static_cast<int>((next & 0xFFFFu) + (next >> 16)) - 2 : -1;
+    }
+    return w;
+}
+
+// An attention kernel's own list (Params::own_list): each block deals the whole list after the
+// wait and takes its part; block 0 also writes the list at `work`, where the combine reads the
+// split rows. `scratch`: shared memory the block writes nothing else to until the caller's next
+// barrier, with room for SCHEDULE_BYTES. Not inlined: inlined, the attention kernels ran slower
+// also on calls that do not take this path (docs/performance_history.md).
+constexpr int SCHEDULE_BYTES = sizeof(ScheduleScratch) + sizeof(WorkPart);
+
+__device__ __noinline__ WorkPart schedule_own_part(const Schedule s, const void* swa_lens, i64 swa_lens_int64,
+                                                   i64 swa_k, const void* extra_lens, i64 extra_lens_int64, i64 extra_k,
+                                                   i64 rows, const void* work, u8* scratch, u32 part) {
+    ScheduleScratch& x = *reinterpret_cast<ScheduleScratch*>(scratch);
+    WorkPart* const mine = reinterpret_cast<WorkPart*>(scratch + sizeof(ScheduleScratch));
+    // The workspace the host passes as the list (const for the blocks that only read it).
+    WorkPart* const list = blockIdx.x == 0 ? static_cast<WorkPart*>(const_cast<void*>(work)) : nullptr;
+    const u32 parts = static_cast<u32>(s.parts);
+    const WorkPart w = schedule_parts(s, swa_lens, swa_lens_int64, swa_k, extra_lens, extra_lens_int64, extra_k, rows,
+                                      x, list ? reinterpret_cast<SplitRow*>(list + parts) : nullptr);
+    if (threadIdx.x < parts) {
+        if (list) list[threadIdx.x] = w;
+        if (threadIdx.x == part) *mine = w;
+    }
+    __syncthreads();
+    return *mine;
+}
+
+// The same for an attention kernel's Params.
+template <typename AttendParams>
+__device__ __forceinline__ WorkPart schedule_own_part(const AttendParams& p, u8* scratch, u32 part) {
+    return schedule_own_part(p.schedule, p.swa.lens, p.swa.lens_int64, p.swa.k, p.extra.lens, p.extra.lens_int64,
+                             p.extra.k, p.rows, p.work, scratch, part);
+}
