@@ -24,6 +24,7 @@ def main() -> None:
     one = torch.zeros(1, device="cuda")
     print(f"add_ {TIMER.graph(lambda x: x.add_(1), [one]) * 1e6:.2f} us")
     work = torch.zeros(ds.work_ints(PARTS), dtype=torch.int32, device="cuda")
+    schedule = ds.schedule_fields(PARTS, TILE, 1, 1, False)
     for rows in (1, 64, 256, 512, 1024, 2048, 4096, 16384):
         lens = torch.randint(0, EXTRA_K + 1, (rows,), dtype=torch.int32, device="cuda")
         times = []
@@ -32,7 +33,7 @@ def main() -> None:
 
             def call(lens: torch.Tensor, launcher=launcher, rows=rows) -> None:
                 stream = current_raw_stream(device)
-                ds.launch(launcher, stream, work.data_ptr(), PARTS, rows, SWA_K, None, EXTRA_K, lens, TILE, 1, 1, False)
+                ds.launch(launcher, stream, work.data_ptr(), rows, SWA_K, None, EXTRA_K, lens, schedule)
 
             times.append(f"{threads} threads {TIMER.graph(call, [lens]) * 1e6:.2f} us")
         print(f"{rows} rows: " + ", ".join(times) + f"; taken: {ds.spec_for(rows, PARTS).threads} threads")

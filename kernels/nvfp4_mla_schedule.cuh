@@ -16,26 +16,57 @@ static_assert(THREADS % 32 == 0 && THREADS <= 1024,
 namespace schedule_detail {
 
 constexpr int WARPS = THREADS / 32;
-constexpr int LOADS = ROW_LOADS;  // decode_scheduler.ROW_LOADS: rows whose costs a thread keeps
+constexpr int LOADS = ROW_LOADS;  // decode_scheduler.ROW_LOADS: rows whose lengths a thread loads at once
+
+// The machine code here stays small (loops not unrolled, one scan type, the lengths' loads without
+// branches): an attention block runs it once a call, and the smaller it is the less it costs the
+// call (docs/kernels/scheduler.md).
+
+// The rows' lengths, as both kinds of Params hold them.
+struct Rows {
+    const void *swa_lens, *extra_lens;
+    i64 swa_lens_int64, extra_lens_int64, swa_k, extra_k, rows;
+};
+
+// A table's live counts as the scheduling reads them, with no branch on whether it has lengths or
+// of which type (the compiler would copy the loads' loop for each case, and load a high word before
+// its low one): row r's low word at words[r * stride], its high word at words[r * stride +
+// high_word] where high_word is 1 (int64), else the low word's sign. Without lengths (or k = 0)
+// words is a thread's own INT_MAX, at stride 0: clamped to k.
+struct TableLengths {
+    const int* words;
+    i64 stride, high_word, k;
+
+    __device__ __forceinline__ u32 live(i64 row) const {
+        const int* const w = words + row * stride;
+        const int low = w[0], other = w[high_word];
+        const int int64_mask = -static_cast<int>(high_word);
+        return static_cast<u32>(clamp_length(low, (other & int64_mask) | ((low >> 31) & ~int64_mask), k));
+    }
+};
+
+__device__ __forceinline__ TableLengths table_lengths(const void* lens, i64 lens_int64, i64 k, const int* unlimited) {
+    if (k == 0 || lens == nullptr) return {unlimited, 0, 0, k};
+    return {static_cast<const int*>(lens), 1 + lens_int64, lens_int64, k};
+}
 
 // A row's cost: its live tiles (at least one) and the cost of a segment besides its tiles. In 32
 // bits: the host caps a table's width at 2^24 entries.
-struct Rows {
-    const void *swa_lens, *extra_lens;
-    i64 swa_lens_int64, extra_lens_int64, swa_k, extra_k;
+struct Costs {
+    TableLengths swa, extra;
     u32 tile_shift, segment_cost;
 
-    __device__ __forceinline__ u32 cost(i64 row) const {
-        const u32 live = static_cast<u32>(live_count(swa_lens, swa_lens_int64, swa_k, row)) +
-            static_cast<u32>(live_count(extra_lens, extra_lens_int64, extra_k, row));
-        return live_tiles(live, tile_shift) + segment_cost;
+    __device__ __forceinline__ u32 of(i64 row) const {
+        return live_tiles(swa.live(row) + extra.live(row), tile_shift) + segment_cost;
     }
 
-    // The costs of rows r .. r + LOADS - 1 (0 from r_end on), their lengths loaded together: a
+    // The costs of rows r .. r + LOADS - 1 below r_end, summed, their lengths loaded together: a
     // thread's rows are a contiguous run, and one at a time their loads would wait in turn.
-    __device__ __forceinline__ void load(i64 r, i64 r_end, u32 (&costs)[LOADS]) const {
+    __device__ __forceinline__ u32 sum(i64 r, i64 r_end) const {
+        u32 total = 0;
 #pragma unroll
-        for (int i = 0; i < LOADS; ++i) costs[i] = r + i < r_end ? cost(r + i) : 0u;
+        for (int i = 0; i < LOADS; ++i) total += r + i < r_end ? of(r + i) : 0u;
+        return total;
     }
 };
 
@@ -44,7 +75,7 @@ struct Rows {
 __device__ __forceinline__ i64 ceil_div_small_divisor(i64 a, u32 d) {
     u64 q = 0;
     u32 r = 0;
-#pragma unroll
+#pragma unroll 1
     for (int shift = 48; shift >= 0; shift -= 16) {
         const u32 x = (r << 16) | static_cast<u32>((static_cast<u64>(a) >> shift) & 0xFFFFu);
         q = (q << 16) | (x / d);
@@ -59,47 +90,41 @@ __device__ __forceinline__ i64 boundary_at(i64 a, i64 b) {
     if (((a | b) >> 31) == 0) return (static_cast<u32>(a) + static_cast<u32>(b) - 1) / static_cast<u32>(b);
     if (a == 0) return 0;
     i64 below = 0;  // the largest q found with q b < a
+#pragma unroll 1
     for (i64 step = i64(1) << 10; step > 0; step >>= 1)
         if ((below + step) * b < a) below += step;
     return below + 1;
 }
 
-// The block's inclusive scan under `op` of one value a thread; `total` gets the last thread's.
-// `warp_totals` holds 32 values, and each call needs its own.
-template <typename T, typename Op>
-__device__ __forceinline__ T block_inclusive_scan(T v, T* warp_totals, Op op, T& total) {
+// The block's inclusive scan of one value a thread, by sum or (take_max) maximum, and the last
+// thread's. `warp_totals` holds WARPS values, and each call needs its own. One function for every
+// scan: one copy of its code.
+struct Scan {
+    i64 upto, total;
+};
+
+__device__ __forceinline__ Scan block_inclusive_scan(i64 v, i64* warp_totals, bool take_max) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const auto op = [take_max](i64 a, i64 b) { return take_max ? max(a, b) : a + b; };
+#pragma unroll 1
     for (int o = 1; o < 32; o <<= 1) {
-        const T x = __shfl_up_sync(NVFP4_FULL_MASK, v, o);
+        const i64 x = __shfl_up_sync(NVFP4_FULL_MASK, v, o);
         if (lane >= o) v = op(x, v);
     }
     if (lane == 31) warp_totals[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        T w = lane < WARPS ? warp_totals[lane] : T(0);
+        i64 w = lane < WARPS ? warp_totals[lane] : i64(0);
+#pragma unroll 1
         for (int o = 1; o < WARPS; o <<= 1) {
-            const T x = __shfl_up_sync(NVFP4_FULL_MASK, w, o);
+            const i64 x = __shfl_up_sync(NVFP4_FULL_MASK, w, o);
             if (lane >= o) w = op(x, w);
         }
         if (lane < WARPS) warp_totals[lane] = w;
     }
     __syncthreads();
-    total = warp_totals[WARPS - 1];
-    return warp > 0 ? op(warp_totals[warp - 1], v) : v;
+    return {warp > 0 ? op(warp_totals[warp - 1], v) : v, warp_totals[WARPS - 1]};
 }
-
-struct Sum {
-    template <typename T>
-    __device__ T operator()(T a, T b) const {
-        return a + b;
-    }
-};
-struct Max {
-    template <typename T>
-    __device__ T operator()(T a, T b) const {
-        return a > b ? a : b;
-    }
-};
 
 }  // namespace schedule_detail
 
@@ -117,69 +142,58 @@ struct ScheduleScratch {
     // Up to boundary q: the cuts (a boundary inside a row, at a tile no earlier boundary took) in
     // the low 16 bits, and the split rows (those cuts that are their row's first) in the high 16.
     u32 counts[THREADS];
-    i64 cost_totals[schedule_detail::WARPS];
-    int mark_totals[schedule_detail::WARPS];
-    i64 longest_totals[schedule_detail::WARPS];
-    u32 count_totals[schedule_detail::WARPS];
+    int unlimited[THREADS];                      // a thread's length of a table without lengths (TableLengths)
+    i64 scan_totals[4][schedule_detail::WARPS];  // the four scans' warp totals
 };
 
 // The list of a call's rows in s.parts parts (at most THREADS - 1), every thread of the block
 // taking part (it holds __syncthreads). Returns part threadIdx.x (valid below s.parts); writes the
 // split rows at `split_rows` unless it is null. The lengths may come from the stream's previous
 // kernel: the caller has waited for it.
-__device__ __forceinline__ WorkPart schedule_parts(const Schedule& s, const void* swa_lens, i64 swa_lens_int64,
-                                                   i64 swa_k, const void* extra_lens, i64 extra_lens_int64, i64 extra_k,
-                                                   i64 rows, ScheduleScratch& x, SplitRow* split_rows) {
+__device__ __forceinline__ WorkPart schedule_parts(const Schedule& s, const schedule_detail::Rows& rows_in,
+                                                   ScheduleScratch& x, SplitRow* split_rows) {
     using namespace schedule_detail;
-    const Rows costs_of = {swa_lens,
-                           extra_lens,
-                           swa_lens_int64,
-                           extra_lens_int64,
-                           swa_k,
-                           extra_k,
-                           static_cast<u32>(s.tile_shift),
-                           static_cast<u32>(s.segment_cost)};
     const int tid = threadIdx.x, parts = static_cast<int>(s.parts);
     x.mark_row[tid] = -1;
+    x.unlimited[tid] = 0x7FFFFFFF;
+    const Costs costs_of = {
+        table_lengths(rows_in.swa_lens, rows_in.swa_lens_int64, rows_in.swa_k, &x.unlimited[tid]),
+        table_lengths(rows_in.extra_lens, rows_in.extra_lens_int64, rows_in.extra_k, &x.unlimited[tid]),
+        static_cast<u32>(s.tile_shift), static_cast<u32>(s.segment_cost)};
+    const i64 rows = rows_in.rows;
 
-    // A thread's rows: a contiguous run, so the prefix of the costs is one scan. Up to LOADS rows
-    // a thread, their costs stay in registers for the second pass.
+    // A thread's rows: a contiguous run, so the prefix of the costs is one scan. Their lengths
+    // are loaded LOADS rows at a time, then again row by row in the second pass (from the L1).
     const i64 per_thread = (rows + THREADS - 1) / THREADS;
     const i64 r0 = min(rows, tid * per_thread), r1 = min(rows, r0 + per_thread);
     i64 mine = 0;
-    u32 cost[LOADS];
-    for (i64 r = r0; r < r1; r += LOADS) {
-        costs_of.load(r, r1, cost);
-#pragma unroll
-        for (int i = 0; i < LOADS; ++i) mine += cost[i];
-    }
-    i64 total;
-    i64 start = block_inclusive_scan(mine, x.cost_totals, Sum(), total) - mine;
+#pragma unroll 1
+    for (i64 r = r0; r < r1; r += LOADS) mine += costs_of.sum(r, r1);
+    const Scan costs = block_inclusive_scan(mine, x.scan_totals[0], false);
+    const i64 total = costs.total;
+    i64 start = costs.upto - mine;
 
     // Part q takes the costs [q payload, (q + 1) payload): boundary q lies at cost q payload, in the
     // row whose costs hold it, or at the end. Each row marks its first boundary.
     const i64 payload = ceil_div_small_divisor(total, static_cast<u32>(parts));
     i64 q = boundary_at(start, payload);  // the first boundary at or past `start`
-    for (i64 r = r0; r < r1; r += LOADS) {
-        if (per_thread > LOADS) costs_of.load(r, r1, cost);
-#pragma unroll
-        for (int i = 0; i < LOADS; ++i) {
-            const i64 end = start + cost[i];
-            if (q * payload < end) {
-                x.mark_row[q] = static_cast<int>(r + i);
-                x.mark_start[q] = start;
-                q = boundary_at(end, payload);
-            }
-            start = end;
+#pragma unroll 1
+    for (i64 r = r0; r < r1; ++r) {
+        const i64 end = start + costs_of.of(r);
+        if (q * payload < end) {
+            x.mark_row[q] = static_cast<int>(r);
+            x.mark_start[q] = start;
+            q = boundary_at(end, payload);
         }
+        start = end;
     }
     __syncthreads();
 
     // A boundary's row is the latest mark at or before it; its tile is counted after the row's
     // segment cost.
-    int row = static_cast<int>(rows), tile = 0, latest_mark;
-    const int marked =
-        block_inclusive_scan(tid <= parts && x.mark_row[tid] >= 0 ? tid : -1, x.mark_totals, Max(), latest_mark);
+    int row = static_cast<int>(rows), tile = 0;
+    const int marked = static_cast<int>(
+        block_inclusive_scan(tid <= parts && x.mark_row[tid] >= 0 ? tid : -1, x.scan_totals[1], true).upto);
     const i64 at = tid * payload;
     i64 row_start = total;
     if (tid <= parts && at < total) {
@@ -193,8 +207,8 @@ __device__ __forceinline__ WorkPart schedule_parts(const Schedule& s, const void
     // Whole rows (every boundary moved back to its row's start, so no row is cut) where the costliest
     // part they make costs at most a cut list's bound (the payload and a segment) and the combine's
     // cost, or always with whole_rows.
-    i64 longest;
-    block_inclusive_scan(tid < parts ? x.bound_start[tid + 1] - row_start : i64(0), x.longest_totals, Max(), longest);
+    const i64 longest =
+        block_inclusive_scan(tid < parts ? x.bound_start[tid + 1] - row_start : i64(0), x.scan_totals[2], true).total;
     if (s.whole_rows || longest <= payload + s.segment_cost + s.combine_cost) tile = 0;
     x.bound_row[tid] = row;
     x.bound_tile[tid] = tile;
@@ -205,8 +219,8 @@ __device__ __forceinline__ WorkPart schedule_parts(const Schedule& s, const void
         const int before_row = x.bound_row[tid - 1], before_tile = x.bound_tile[tid - 1];
         if (before_row != row || before_tile != tile) mark = before_row == row && before_tile > 0 ? 1u : 0x10001u;
     }
-    u32 all;
-    const u32 upto = block_inclusive_scan(mark, x.count_totals, Sum(), all);
+    const Scan counted = block_inclusive_scan(mark, x.scan_totals[3], false);
+    const u32 upto = static_cast<u32>(counted.upto), all = static_cast<u32>(counted.total);
     x.counts[tid] = upto;
     __syncthreads();
 
@@ -239,16 +253,14 @@ __device__ __forceinline__ WorkPart schedule_parts(const Schedule& s, const void
 // also on calls that do not take this path (docs/performance_history.md).
 constexpr int SCHEDULE_BYTES = sizeof(ScheduleScratch) + sizeof(WorkPart);
 
-__device__ __noinline__ WorkPart schedule_own_part(const Schedule s, const void* swa_lens, i64 swa_lens_int64,
-                                                   i64 swa_k, const void* extra_lens, i64 extra_lens_int64, i64 extra_k,
-                                                   i64 rows, const void* work, u8* scratch, u32 part) {
+__device__ __noinline__ WorkPart schedule_own_part(const Schedule s, const schedule_detail::Rows rows, const void* work,
+                                                   u8* scratch, u32 part) {
     ScheduleScratch& x = *reinterpret_cast<ScheduleScratch*>(scratch);
     WorkPart* const mine = reinterpret_cast<WorkPart*>(scratch + sizeof(ScheduleScratch));
     // The workspace the host passes as the list (const for the blocks that only read it).
     WorkPart* const list = blockIdx.x == 0 ? static_cast<WorkPart*>(const_cast<void*>(work)) : nullptr;
     const u32 parts = static_cast<u32>(s.parts);
-    const WorkPart w = schedule_parts(s, swa_lens, swa_lens_int64, swa_k, extra_lens, extra_lens_int64, extra_k, rows,
-                                      x, list ? reinterpret_cast<SplitRow*>(list + parts) : nullptr);
+    const WorkPart w = schedule_parts(s, rows, x, list ? reinterpret_cast<SplitRow*>(list + parts) : nullptr);
     if (threadIdx.x < parts) {
         if (list) list[threadIdx.x] = w;
         if (threadIdx.x == part) *mine = w;
@@ -260,6 +272,7 @@ __device__ __noinline__ WorkPart schedule_own_part(const Schedule s, const void*
 // The same for an attention kernel's Params.
 template <typename AttendParams>
 __device__ __forceinline__ WorkPart schedule_own_part(const AttendParams& p, u8* scratch, u32 part) {
-    return schedule_own_part(p.schedule, p.swa.lens, p.swa.lens_int64, p.swa.k, p.extra.lens, p.extra.lens_int64,
-                             p.extra.k, p.rows, p.work, scratch, part);
+    const schedule_detail::Rows rows = {p.swa.lens, p.extra.lens, p.swa.lens_int64, p.extra.lens_int64, p.swa.k,
+                                        p.extra.k,  p.rows};
+    return schedule_own_part(p.schedule, rows, p.work, scratch, part);
 }

@@ -9,11 +9,18 @@
 
 #include "nvfp4_numerics.cuh"
 
+// A length from its low word and its high word (an int64's; an int32's sign), clamped to [0, k].
+__device__ __forceinline__ i64 clamp_length(int low, int high, i64 k) {
+    const i64 n = static_cast<i64>((static_cast<u64>(static_cast<u32>(high)) << 32) | static_cast<u32>(low));
+    return max(i64(0), min(n, k));
+}
+
 // Live entries of a row of a pool's table: lens clamped to [0, k], or k without lens.
 __device__ __forceinline__ i64 live_count(const void* lens, i64 lens_int64, i64 k, i64 row) {
     if (k == 0 || lens == nullptr) return k;
-    const i64 n = lens_int64 ? static_cast<const i64*>(lens)[row] : static_cast<const int*>(lens)[row];
-    return n < 0 ? 0 : (n > k ? k : n);
+    const int* const words = static_cast<const int*>(lens) + (row << lens_int64);
+    const int low = words[0];
+    return clamp_length(low, lens_int64 ? words[1] : low >> 31, k);
 }
 
 // A row's tiles: its live entries (at most 2^25, the host's cap on the tables' widths) in tiles of

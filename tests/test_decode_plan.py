@@ -182,7 +182,7 @@ def test_a_plan_serves_many_calls_with_the_bits_of_one_call(seed, heads):
 def test_a_call_with_lengths_deals_the_models_list_in_its_attention(monkeypatch, seed, rows):
     """Without a step's plan, a call with lengths launches no scheduler where its attention blocks
     hold a thread a part boundary: their block 0 writes the CPU model's list at the start of the
-    workspace (past 1,536 rows, 4 a thread of 384, the blocks load the costs again), and the
+    workspace (past 1,536 rows, 4 a thread of 384, a thread loads its rows in turn), and the
     outputs are those of a plan's list. With more parts than an attention block's threads, the
     scheduler deals it."""
     from nvfp4_mla.ops import decode_launch, decode_planner

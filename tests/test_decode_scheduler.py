@@ -159,8 +159,8 @@ def _run(lib, threads, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, 
     work = torch.full((ds.work_ints(parts) + 64,), canary, dtype=torch.int32, device="cuda")
     launcher = lib.launcher(torch.cuda.current_device(), lib.spec(ds.SchedulerSpec(threads)))
     stream = current_raw_stream(torch.cuda.current_device())
-    args = (parts, rows, swa_k, swa_lens, extra_k, extra_lens, tile, cost, combine, whole_rows)
-    ds.launch(launcher, stream, work.data_ptr(), *args)
+    schedule = ds.schedule_fields(parts, tile, cost, combine, whole_rows)
+    ds.launch(launcher, stream, work.data_ptr(), rows, swa_k, swa_lens, extra_k, extra_lens, schedule)
     return work
 
 
@@ -168,7 +168,7 @@ def _run(lib, threads, rows, parts, swa_k, swa_lens, extra_k, extra_lens, tile, 
 @pytest.mark.parametrize("rows", [1, 5, 256, 1031, 16384])
 def test_device_list_is_the_model(rows, seed):
     """Every build that holds the parts, whatever the rows (past ROW_LOADS rows a thread a build
-    loads the costs again)."""
+    loads its rows' lengths in turn)."""
     rng = random.Random(seed)
     lib = KernelLibrary()
     for parts in (1, 2, 66, 132, ds.MAX_PARTS):
@@ -224,7 +224,8 @@ def test_graph_replays_follow_changed_lengths(seed):
     with torch.cuda.graph(graph):
         lens.copy_(source)
         stream = current_raw_stream(torch.cuda.current_device())
-        ds.launch(launcher, stream, work.data_ptr(), parts, rows, 128, None, k, lens, 64, 4, 1, False)
+        schedule = ds.schedule_fields(parts, 64, 4, 1, False)
+        ds.launch(launcher, stream, work.data_ptr(), rows, 128, None, k, lens, schedule)
     for _ in range(4):
         values = [rng.choice([0, 1, 100, k, rng.randrange(k + 1)]) for _ in range(rows)]
         source.copy_(torch.tensor(values, dtype=torch.int32))

@@ -16,7 +16,7 @@ import torch
 from .. import abi
 from ..launch import current_raw_stream, new_output
 from . import decode_scheduler
-from .decode_planner import COMBINE_COST, SEGMENT_COST, DecodePlan
+from .decode_planner import DecodePlan
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -145,18 +145,4 @@ def launch_scheduler(
     """The scheduler's launch: the work list of ``plan`` at ``work`` from the rows' lengths."""
     scheduler = plan.scheduler
     assert scheduler is not None
-    decode_scheduler.launch(
-        scheduler,
-        stream,
-        work,
-        plan.parts,
-        rows,
-        k_swa,
-        swa_lens,
-        k_extra,
-        extra_lens,
-        plan.tile_tokens,
-        SEGMENT_COST,
-        COMBINE_COST,
-        plan.whole_rows,
-    )
+    decode_scheduler.launch(scheduler, stream, work, rows, k_swa, swa_lens, k_extra, extra_lens, plan.schedule)

@@ -105,7 +105,7 @@ class DecodePlan(NamedTuple):
     # A call with lengths and no step's list: its attention kernel deals its own list (no scheduler
     # launch before it), where a block has a thread a boundary between parts.
     own_list: bool
-    schedule: tuple[int, int, int, int, int]  # the attention's Schedule: parts, tile shift, costs, whole rows
+    schedule: tuple[int, int, int, int, int]  # its Schedule (decode_scheduler.schedule_fields)
 
 
 def plan(
@@ -206,6 +206,6 @@ def plan(
         slots,
         work,
         known is None and parts < attention.launcher.threads,
-        (parts, attention.tile_tokens.bit_length() - 1, SEGMENT_COST, COMBINE_COST, int(batch_invariant)),
+        decode_scheduler.schedule_fields(parts, attention.tile_tokens, SEGMENT_COST, COMBINE_COST, batch_invariant),
     )
     return lib.remember(key, found)

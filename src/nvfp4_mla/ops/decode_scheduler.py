@@ -38,9 +38,9 @@ if TYPE_CHECKING:
     from ..launch import Launcher
 
 SOURCE = "nvfp4_mla_scheduler.cu"
-# The builds' threads: a thread a part boundary, and up to ROW_LOADS rows a thread, whose costs its
-# registers keep between the two passes (more: loaded again). Fewer threads, fewer warps through
-# the block's scans and barriers; a call takes the fewest that hold its parts and rows.
+# The builds' threads: a thread a part boundary, and up to ROW_LOADS rows a thread, whose lengths it
+# loads at once (more: in turn). Fewer threads, fewer warps through the block's scans and
+# barriers; a call takes the fewest that hold its parts and rows.
 BUILD_THREADS = (256, 1024)
 ROW_LOADS = 4
 # The -D constants of every kernel that schedules (kernels/nvfp4_mla_schedule.cuh).
@@ -109,7 +109,7 @@ def specs() -> tuple[SchedulerSpec, ...]:
 
 def spec_for(rows: int, parts: int) -> SchedulerSpec:
     """The build of the fewest threads with a thread a boundary (``parts + 1``) and every row's
-    cost in registers; past them all, the largest (it loads the costs again)."""
+    lengths in one load a thread; past them all, the largest (its threads load in turn)."""
     for threads in BUILD_THREADS:
         if parts < threads and rows <= ROW_LOADS * threads:
             return SchedulerSpec(threads)
@@ -274,24 +274,28 @@ def segments(part: WorkPart, tiles: Sequence[int]) -> Iterator[Segment]:
 # ---------------------------------------------------------------- the launch
 
 
+def schedule_fields(
+    parts: int, tile_tokens: int, segment_cost: int, combine_cost: int, whole_rows: bool
+) -> tuple[int, int, int, int, int]:
+    """The values of a :data:`SCHEDULE` block, in its order."""
+    return (parts, tile_tokens.bit_length() - 1, segment_cost, combine_cost, int(whole_rows))
+
+
 def launch(
     launcher: Launcher,
     stream: int,
     work: int,
-    parts: int,
     rows: int,
     swa_k: int,
     swa_lens: torch.Tensor | None,
     extra_k: int,
     extra_lens: torch.Tensor | None,
-    tile_tokens: int,
-    segment_cost: int,
-    combine_cost: int,
-    whole_rows: bool,
+    schedule: tuple[int, int, int, int, int],
 ) -> None:
-    """Writes the work list of ``rows`` rows in ``parts`` parts at ``work`` (the address of
-    :func:`work_ints` int32 values) on ``stream``, as :func:`schedule` makes it; the lengths are
-    contiguous ``[rows]`` int32 or int64 on the GPU, or None."""
+    """Writes the work list of ``rows`` rows at ``work`` (the address of :func:`work_ints` int32
+    values) on ``stream``, as :func:`schedule` makes it; the lengths are contiguous ``[rows]`` int32
+    or int64 on the GPU, or None; ``schedule``: :func:`schedule_fields`."""
+    parts = schedule[0]
     launcher.launch(
         1,
         1,
@@ -305,11 +309,7 @@ def launch(
         swa_k,
         extra_k,
         rows,
-        parts,
-        tile_tokens.bit_length() - 1,
-        segment_cost,
-        combine_cost,
-        int(whole_rows),
+        *schedule,
         work,
         work + parts * PART_INTS * 4,
     )
