@@ -13,7 +13,7 @@
 #define CLUSTER_DIMS
 #endif
 
-static_assert(SCHEDULE_BYTES <= 2 * KV_BYTES, "a block's own list is dealt in its K/V buffers");
+static_assert(SCHEDULE_BYTES <= sizeof(SharedStorage::q), "a block's own list is dealt in its Q buffer");
 
 extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1)
     nvfp4_mla_decode_sm90(const __grid_constant__ Params p) {
@@ -44,18 +44,16 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1)
     // (docs/performance.md#programmatic-dependent-launch).
     // The host's list was written before the call: its part loads under the wait. The
     // scheduler's comes from the stream's previous kernel: after it; so do the lengths a block
-    // deals its own list from, in the K/V buffers before their first tile (then both blocks of a
-    // cluster meet: the peer's producer writes into them).
+    // deals its own list from, in its Q buffer, which only its own first Q copy writes (a peer's
+    // producer may already store into its K/V buffers): the block's threads meet before that copy.
     const bool early = p.static_list != 0;
     if (p.num_splits <= EARLY_DEPENDENTS_MAX_SPLITS) launch_dependents();
     if (!early) wait_for_prior_grids();
-    const WorkPart work = p.own_list ? schedule_own_part(p, smem + SM_KV, part_index) : load_part(p.work, part_index);
+    const WorkPart work = p.own_list ? schedule_own_part(p, smem + SM_Q, part_index) : load_part(p.work, part_index);
     if (early) wait_for_prior_grids();  // the setup above touched no memory a kernel before this one writes
     if (p.own_list) {
-        if constexpr (CLUSTER == 2)
-            cluster_sync();
-        else
-            __syncthreads();
+        fence_proxy_async();  // the dealing's stores, before the tensor copy's into the same bytes
+        __syncthreads();
     }
     const auto tiles_of = [&](int row) { return row_tiles(p, row, TILE_SHIFT); };
 

@@ -18,9 +18,9 @@ namespace schedule_detail {
 constexpr int WARPS = THREADS / 32;
 constexpr int LOADS = ROW_LOADS;  // decode_scheduler.ROW_LOADS: rows whose lengths a thread loads at once
 
-// The machine code here stays small (loops not unrolled, one scan type, the lengths' loads without
-// branches): an attention block runs it once a call, and the smaller it is the less it costs the
-// call (docs/kernels/scheduler.md).
+// An attention block runs this once a call before its first tile, so it is a short chain of
+// dependent steps (five barriers; ballots, not block scans, where the values are bits) in little
+// machine code (loops not unrolled, the lengths' loads without branches): docs/kernels/scheduler.md.
 
 // The rows' lengths, as both kinds of Params hold them.
 struct Rows {
@@ -30,24 +30,21 @@ struct Rows {
 
 // A table's live counts as the scheduling reads them, with no branch on whether it has lengths or
 // of which type (the compiler would copy the loads' loop for each case, and load a high word before
-// its low one): row r's low word at words[r * stride], its high word at words[r * stride +
-// high_word] where high_word is 1 (int64), else the low word's sign. Without lengths (or k = 0)
+// its low one): row r's words at words[r * stride] (clamp_length). Without lengths (or k = 0)
 // words is a thread's own INT_MAX, at stride 0: clamped to k.
 struct TableLengths {
     const int* words;
-    i64 stride, high_word, k;
+    int stride, high_word;
+    i64 k;
 
-    __device__ __forceinline__ u32 live(i64 row) const {
-        const int* const w = words + row * stride;
-        const int low = w[0], other = w[high_word];
-        const int int64_mask = -static_cast<int>(high_word);
-        return static_cast<u32>(clamp_length(low, (other & int64_mask) | ((low >> 31) & ~int64_mask), k));
+    __device__ __forceinline__ u32 live(int row) const {
+        return static_cast<u32>(clamp_length(words + row * stride, high_word, k));
     }
 };
 
 __device__ __forceinline__ TableLengths table_lengths(const void* lens, i64 lens_int64, i64 k, const int* unlimited) {
     if (k == 0 || lens == nullptr) return {unlimited, 0, 0, k};
-    return {static_cast<const int*>(lens), 1 + lens_int64, lens_int64, k};
+    return {static_cast<const int*>(lens), 1 + static_cast<int>(lens_int64), static_cast<int>(lens_int64), k};
 }
 
 // A row's cost: its live tiles (at least one) and the cost of a segment besides its tiles. In 32
@@ -56,13 +53,13 @@ struct Costs {
     TableLengths swa, extra;
     u32 tile_shift, segment_cost;
 
-    __device__ __forceinline__ u32 of(i64 row) const {
+    __device__ __forceinline__ u32 of(int row) const {
         return live_tiles(swa.live(row) + extra.live(row), tile_shift) + segment_cost;
     }
 
     // The costs of rows r .. r + LOADS - 1 below r_end, summed, their lengths loaded together: a
     // thread's rows are a contiguous run, and one at a time their loads would wait in turn.
-    __device__ __forceinline__ u32 sum(i64 r, i64 r_end) const {
+    __device__ __forceinline__ u32 sum(int r, int r_end) const {
         u32 total = 0;
 #pragma unroll
         for (int i = 0; i < LOADS; ++i) total += r + i < r_end ? of(r + i) : 0u;
@@ -71,8 +68,13 @@ struct Costs {
 };
 
 // No 64-bit division here: it is a call, whose stack frame ptxas reports as a spill on sm_80.
-// ceil(a / d) for a >= 0 and 0 < d < 2^16: a long division in 16-bit digits, each step in 32 bits.
+// ceil(a / d) for a >= 0 and 0 < d < 2^16: one 32-bit division where a fits, else a long division
+// in 16-bit digits, each step in 32 bits.
 __device__ __forceinline__ i64 ceil_div_small_divisor(i64 a, u32 d) {
+    if ((a >> 32) == 0) {
+        const u32 q = static_cast<u32>(a) / d;
+        return q + (static_cast<u32>(a) != q * d);
+    }
     u64 q = 0;
     u32 r = 0;
 #pragma unroll 1
@@ -96,35 +98,41 @@ __device__ __forceinline__ i64 boundary_at(i64 a, i64 b) {
     return below + 1;
 }
 
-// The block's inclusive scan of one value a thread, by sum or (take_max) maximum, and the last
-// thread's. `warp_totals` holds WARPS values, and each call needs its own. One function for every
-// scan: one copy of its code.
+// A warp's inclusive sum of one value a lane.
+__device__ __forceinline__ i64 warp_inclusive_sum(i64 v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll 1
+    for (int o = 1; o < 32; o <<= 1) {
+        const i64 x = __shfl_up_sync(NVFP4_FULL_MASK, v, o);
+        if (lane >= o) v += x;
+    }
+    return v;
+}
+
+// The block's inclusive sum of one value a thread, and the whole sum, through one barrier: each
+// warp sums the warps' totals (`warp_totals`, WARPS values) itself.
 struct Scan {
     i64 upto, total;
 };
 
-__device__ __forceinline__ Scan block_inclusive_scan(i64 v, i64* warp_totals, bool take_max) {
+__device__ __forceinline__ Scan block_inclusive_sum(i64 v, i64* warp_totals) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const auto op = [take_max](i64 a, i64 b) { return take_max ? max(a, b) : a + b; };
-#pragma unroll 1
-    for (int o = 1; o < 32; o <<= 1) {
-        const i64 x = __shfl_up_sync(NVFP4_FULL_MASK, v, o);
-        if (lane >= o) v = op(x, v);
-    }
+    v = warp_inclusive_sum(v);
     if (lane == 31) warp_totals[warp] = v;
     __syncthreads();
-    if (warp == 0) {
-        i64 w = lane < WARPS ? warp_totals[lane] : i64(0);
-#pragma unroll 1
-        for (int o = 1; o < WARPS; o <<= 1) {
-            const i64 x = __shfl_up_sync(NVFP4_FULL_MASK, w, o);
-            if (lane >= o) w = op(x, w);
-        }
-        if (lane < WARPS) warp_totals[lane] = w;
-    }
-    __syncthreads();
-    return {warp > 0 ? op(warp_totals[warp - 1], v) : v, warp_totals[WARPS - 1]};
+    const i64 totals = warp_inclusive_sum(lane < WARPS ? warp_totals[lane] : i64(0));
+    const i64 before = __shfl_sync(NVFP4_FULL_MASK, totals, max(warp - 1, 0));
+    return {warp > 0 ? before + v : v, __shfl_sync(NVFP4_FULL_MASK, totals, WARPS - 1)};
 }
+
+// The lanes of a warp up to and including this one.
+__device__ __forceinline__ u32 lanes_up_to_mine() { return (2u << (threadIdx.x & 31)) - 1u; }
+
+// A boundary: its row, its tile, and where its row's costs begin.
+struct Bound {
+    int row, tile;
+    i64 row_start;
+};
 
 }  // namespace schedule_detail
 
@@ -135,15 +143,10 @@ struct ScheduleScratch {
     // row's first.
     int mark_row[THREADS];
     i64 mark_start[THREADS];
-    // Each boundary's row and tile.
-    int bound_row[THREADS], bound_tile[THREADS];
-    // Each boundary's row's first cost: where the boundary lies when rows are kept whole.
-    i64 bound_start[THREADS];
-    // Up to boundary q: the cuts (a boundary inside a row, at a tile no earlier boundary took) in
-    // the low 16 bits, and the split rows (those cuts that are their row's first) in the high 16.
-    u32 counts[THREADS];
-    int unlimited[THREADS];                      // a thread's length of a table without lengths (TableLengths)
-    i64 scan_totals[4][schedule_detail::WARPS];  // the four scans' warp totals
+    int unlimited[THREADS];                    // a thread's length of a table without lengths (TableLengths)
+    i64 warp_costs[schedule_detail::WARPS];    // each warp's sum of its threads' costs
+    u32 mark_ballots[schedule_detail::WARPS];  // each warp's marked boundaries, a bit a thread
+    u32 cut_counts[schedule_detail::WARPS];    // each warp's cuts and first cuts (as `counted` below)
 };
 
 // The list of a call's rows in s.parts parts (at most THREADS - 1), every thread of the block
@@ -153,23 +156,23 @@ struct ScheduleScratch {
 __device__ __forceinline__ WorkPart schedule_parts(const Schedule& s, const schedule_detail::Rows& rows_in,
                                                    ScheduleScratch& x, SplitRow* split_rows) {
     using namespace schedule_detail;
-    const int tid = threadIdx.x, parts = static_cast<int>(s.parts);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, parts = static_cast<int>(s.parts);
     x.mark_row[tid] = -1;
     x.unlimited[tid] = 0x7FFFFFFF;
     const Costs costs_of = {
         table_lengths(rows_in.swa_lens, rows_in.swa_lens_int64, rows_in.swa_k, &x.unlimited[tid]),
         table_lengths(rows_in.extra_lens, rows_in.extra_lens_int64, rows_in.extra_k, &x.unlimited[tid]),
         static_cast<u32>(s.tile_shift), static_cast<u32>(s.segment_cost)};
-    const i64 rows = rows_in.rows;
+    const int rows = static_cast<int>(rows_in.rows);  // the list's rows are int
 
-    // A thread's rows: a contiguous run, so the prefix of the costs is one scan. Their lengths
+    // A thread's rows: a contiguous run, so the prefix of the costs is one block sum. Their lengths
     // are loaded LOADS rows at a time, then again row by row in the second pass (from the L1).
-    const i64 per_thread = (rows + THREADS - 1) / THREADS;
-    const i64 r0 = min(rows, tid * per_thread), r1 = min(rows, r0 + per_thread);
+    const int per_thread = (rows + THREADS - 1) / THREADS;
+    const int r0 = min(rows, tid * per_thread), r1 = min(rows, r0 + per_thread);
     i64 mine = 0;
 #pragma unroll 1
-    for (i64 r = r0; r < r1; r += LOADS) mine += costs_of.sum(r, r1);
-    const Scan costs = block_inclusive_scan(mine, x.scan_totals[0], false);
+    for (int r = r0; r < r1; r += LOADS) mine += costs_of.sum(r, r1);
+    const Scan costs = block_inclusive_sum(mine, x.warp_costs);
     const i64 total = costs.total;
     i64 start = costs.upto - mine;
 
@@ -178,70 +181,81 @@ __device__ __forceinline__ WorkPart schedule_parts(const Schedule& s, const sche
     const i64 payload = ceil_div_small_divisor(total, static_cast<u32>(parts));
     i64 q = boundary_at(start, payload);  // the first boundary at or past `start`
 #pragma unroll 1
-    for (i64 r = r0; r < r1; ++r) {
+    for (int r = r0; r < r1; ++r) {
         const i64 end = start + costs_of.of(r);
         if (q * payload < end) {
-            x.mark_row[q] = static_cast<int>(r);
+            x.mark_row[q] = r;
             x.mark_start[q] = start;
-            q = boundary_at(end, payload);
+            if (r + 1 < r1) q = boundary_at(end, payload);  // the next row's first boundary
         }
         start = end;
     }
     __syncthreads();
 
-    // A boundary's row is the latest mark at or before it; its tile is counted after the row's
-    // segment cost.
-    int row = static_cast<int>(rows), tile = 0;
-    const int marked = static_cast<int>(
-        block_inclusive_scan(tid <= parts && x.mark_row[tid] >= 0 ? tid : -1, x.scan_totals[1], true).upto);
-    const i64 at = tid * payload;
-    i64 row_start = total;
-    if (tid <= parts && at < total) {
-        row = x.mark_row[marked];
-        row_start = x.mark_start[marked];
-        tile = static_cast<int>(max(at - row_start - s.segment_cost, i64(0)));
-    }
-    x.bound_start[tid] = row_start;
+    // A boundary's row is the latest mark at or before it: in this thread's warp, or else in the
+    // latest earlier warp with a mark (boundary 0 always has one), from the warps' ballots.
+    const u32 marks = __ballot_sync(NVFP4_FULL_MASK, tid <= parts && x.mark_row[tid] >= 0);
+    if (lane == 0) x.mark_ballots[warp] = marks;
     __syncthreads();
+    const u32 warp_marks = lane < WARPS ? x.mark_ballots[lane] : 0u;
+    const u32 earlier_warps = __ballot_sync(NVFP4_FULL_MASK, warp_marks != 0) & ((1u << warp) - 1u);
+    const int earlier = earlier_warps != 0 ? 31 - __clz(earlier_warps) : 0;
+    const u32 earlier_marks = __shfl_sync(NVFP4_FULL_MASK, warp_marks, earlier);
+    const u32 mine_up_to = marks & lanes_up_to_mine();
+    const int marked = mine_up_to != 0 ? warp * 32 + 31 - __clz(mine_up_to) : earlier * 32 + 31 - __clz(earlier_marks);
+
+    // Boundaries tid and tid + 1 (this thread's part's ends), each with its latest mark; a tile is
+    // counted after its row's segment cost.
+    const auto bound_at = [&](int b, int mark) -> Bound {
+        const i64 at = b * payload;
+        if (b > parts || at >= total) return {rows, 0, total};
+        const i64 row_start = x.mark_start[mark];
+        return {x.mark_row[mark], static_cast<int>(max(at - row_start - s.segment_cost, i64(0))), row_start};
+    };
+    Bound here = bound_at(tid, marked);
+    Bound next = bound_at(tid + 1, tid < parts && x.mark_row[tid + 1] >= 0 ? tid + 1 : marked);
 
     // Whole rows (every boundary moved back to its row's start, so no row is cut) where the costliest
     // part they make costs at most a cut list's bound (the payload and a segment) and the combine's
     // cost, or always with whole_rows.
-    const i64 longest =
-        block_inclusive_scan(tid < parts ? x.bound_start[tid + 1] - row_start : i64(0), x.scan_totals[2], true).total;
-    if (s.whole_rows || longest <= payload + s.segment_cost + s.combine_cost) tile = 0;
-    x.bound_row[tid] = row;
-    x.bound_tile[tid] = tile;
-    __syncthreads();
+    const i64 bound = payload + s.segment_cost + s.combine_cost;
+    if (s.whole_rows || !__syncthreads_or(tid < parts && next.row_start - here.row_start > bound))
+        here.tile = next.tile = 0;
 
-    u32 mark = 0;  // 1: a cut; 1 << 16 too: its row's first
-    if (tid > 0 && tid <= parts && tile > 0) {
-        const int before_row = x.bound_row[tid - 1], before_tile = x.bound_tile[tid - 1];
-        if (before_row != row || before_tile != tile) mark = before_row == row && before_tile > 0 ? 1u : 0x10001u;
-    }
-    const Scan counted = block_inclusive_scan(mark, x.scan_totals[3], false);
-    const u32 upto = static_cast<u32>(counted.upto), all = static_cast<u32>(counted.total);
-    x.counts[tid] = upto;
+    // Boundary tid + 1 is a cut where it lies inside a row at a tile no earlier boundary took, and
+    // its row's first cut where boundary tid is not inside that row. Counted up to each boundary:
+    // the cuts in the low 16 bits, the first cuts (the split rows) in the high 16.
+    u32 cut = 0;  // 1: a cut; 0x10001: its row's first
+    if (tid < parts && next.tile > 0 && (here.row != next.row || here.tile != next.tile))
+        cut = here.row == next.row && here.tile > 0 ? 1u : 0x10001u;
+    const u32 cuts_of_warp = __ballot_sync(NVFP4_FULL_MASK, cut != 0);
+    const u32 firsts_of_warp = __ballot_sync(NVFP4_FULL_MASK, cut >> 16);
+    if (lane == 0) x.cut_counts[warp] = __popc(cuts_of_warp) | (__popc(firsts_of_warp) << 16);
     __syncthreads();
+    const u32 warp_counted = lane < WARPS ? x.cut_counts[lane] : 0u;
+    const u32 all = __reduce_add_sync(NVFP4_FULL_MASK, warp_counted);
+    const u32 counted_next = __reduce_add_sync(NVFP4_FULL_MASK, lane < warp ? warp_counted : 0u) +
+        __popc(cuts_of_warp & lanes_up_to_mine()) +
+        (__popc(firsts_of_warp & lanes_up_to_mine()) << 16);  // up to boundary tid + 1
+    const u32 counted = counted_next - cut;                   // up to boundary tid
+    const int cuts = static_cast<int>(counted & 0xFFFFu), splits = static_cast<int>(counted >> 16);
+    const int cuts_next = static_cast<int>(counted_next & 0xFFFFu), splits_next = static_cast<int>(counted_next >> 16);
 
     // Split row s, whose first cut is cut j (both counted from 0), has the slots j + s on: before
     // it, s rows and j cuts made j + s segments of split rows.
-    const int cuts = static_cast<int>(upto & 0xFFFFu), splits = static_cast<int>(upto >> 16);
     if (split_rows != nullptr) {
-        if (mark >> 16) split_rows[splits - 1] = {row, cuts + splits - 2};
+        if (cut >> 16) split_rows[splits_next - 1] = {next.row, cuts_next + splits_next - 2};
         const int num_split_rows = static_cast<int>(all >> 16);
         const int slots = static_cast<int>((all & 0xFFFFu) + (all >> 16));
         for (int r = num_split_rows + tid; r < parts; r += THREADS) split_rows[r] = {-1, slots};
     }
     WorkPart w = {};
     if (tid < parts) {
-        const int next_row = x.bound_row[tid + 1], next_tile = x.bound_tile[tid + 1];
-        const u32 next = x.counts[tid + 1];
-        w.begin_row = row, w.begin_tile = tile, w.end_row = next_row, w.end_tile = next_tile;
+        w.begin_row = here.row, w.begin_tile = here.tile, w.end_row = next.row, w.end_tile = next.tile;
         // Past a cut: the slot after that cut's. At a row's start: a whole row, or the first slot of
         // the split row whose first cut ends this part.
-        w.begin_slot = tile > 0 ? cuts + splits - 1 : (next_row == row && next_tile > 0 ? cuts + splits : -1);
-        w.end_slot = next_row > row && next_tile > 0 ? static_cast<int>((next & 0xFFFFu) + (next >> 16)) - 2 : -1;
+        w.begin_slot = here.tile > 0 ? cuts + splits - 1 : (next.row == here.row && next.tile > 0 ? cuts + splits : -1);
+        w.end_slot = next.row > here.row && next.tile > 0 ? cuts_next + splits_next - 2 : -1;
     }
     return w;
 }

@@ -9,8 +9,13 @@
 
 #include "nvfp4_numerics.cuh"
 
-// A length from its low word and its high word (an int64's; an int32's sign), clamped to [0, k].
-__device__ __forceinline__ i64 clamp_length(int low, int high, i64 k) {
+// A length from its words, clamped to [0, k]: the low word at words[0] and, for int64 lengths
+// (high_word 1), the high word at words[1]; for int32 ones (high_word 0) the low word's sign. One
+// load a word and a select, no branch: the scheduling reads every row's lengths through it.
+__device__ __forceinline__ i64 clamp_length(const int* words, int high_word, i64 k) {
+    const int low = words[0], other = words[high_word];
+    const int int64_mask = -high_word;
+    const int high = (other & int64_mask) | ((low >> 31) & ~int64_mask);
     const i64 n = static_cast<i64>((static_cast<u64>(static_cast<u32>(high)) << 32) | static_cast<u32>(low));
     return max(i64(0), min(n, k));
 }
@@ -18,9 +23,7 @@ __device__ __forceinline__ i64 clamp_length(int low, int high, i64 k) {
 // Live entries of a row of a pool's table: lens clamped to [0, k], or k without lens.
 __device__ __forceinline__ i64 live_count(const void* lens, i64 lens_int64, i64 k, i64 row) {
     if (k == 0 || lens == nullptr) return k;
-    const int* const words = static_cast<const int*>(lens) + (row << lens_int64);
-    const int low = words[0];
-    return clamp_length(low, lens_int64 ? words[1] : low >> 31, k);
+    return clamp_length(static_cast<const int*>(lens) + (row << lens_int64), static_cast<int>(lens_int64), k);
 }
 
 // A row's tiles: its live entries (at most 2^25, the host's cap on the tables' widths) in tiles of

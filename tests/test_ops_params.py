@@ -135,7 +135,6 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
         "test",
         Recorder("attend"),  # type: ignore[arg-type]
         64,
-        tile_tokens,
         parts * 4,
         1 if lengths else 3,  # without lengths, the list may deal the width split's splits
         2,
@@ -143,13 +142,12 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
         (lambda address: address.to_bytes(8, "little") * 16) if hopper else None,
         parts=parts,
         scheduler=Recorder("scheduler") if lengths else None,  # type: ignore[arg-type]
-        whole_rows=False,
         combine_blocks=decode_combine.PACKED.blocks(split_rows, heads),
         workspace=list_values + slots * heads * 514,
         slots=slots,
         work=work,
         own_list=own_list,
-        schedule=(parts, tile_tokens.bit_length() - 1, decode.SEGMENT_COST, decode.COMBINE_COST, 0),
+        schedule=decode_scheduler.schedule_fields(parts, tile_tokens, decode.SEGMENT_COST, decode.COMBINE_COST, False),
     )
     q = torch.zeros(2, 1, heads, 512, dtype=torch.bfloat16)
     swa_cache, slot_table = torch.zeros(4, 64, 384, dtype=torch.uint8), torch.zeros(2, 1, 9, dtype=torch.int64)

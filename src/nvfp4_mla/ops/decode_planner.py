@@ -87,7 +87,6 @@ class DecodePlan(NamedTuple):
     backend: str
     attend: Launcher
     head_tile: int
-    tile_tokens: int  # live entries a tile of the work list
     blocks: int  # of the attention launch
     num_splits: int  # the host's list: the splits of a row it was dealt from; else 1
     dim_parts: int  # of a row's output dims, a block each
@@ -95,7 +94,6 @@ class DecodePlan(NamedTuple):
     q_map: Callable[[int], bytes] | None  # q's address -> the tensor map that ends the attention Params
     parts: int  # of the work list
     scheduler: Launcher | None  # writes the work list of a call with lengths; None: the host's list
-    whole_rows: bool  # no row cut between parts (batch-invariant rows)
     combine_blocks: int  # of the combine launch
     # fp32 values of a call's workspace: the work list (a list the scheduler writes), then the
     # partial outputs of `slots` slots of num_heads rows, then their (m, l)
@@ -106,6 +104,16 @@ class DecodePlan(NamedTuple):
     # launch before it), where a block has a thread a boundary between parts.
     own_list: bool
     schedule: tuple[int, int, int, int, int]  # its Schedule (decode_scheduler.schedule_fields)
+
+    @property
+    def tile_tokens(self) -> int:
+        """Live entries a tile of the work list."""
+        return 1 << self.schedule[1]
+
+    @property
+    def whole_rows(self) -> bool:
+        """No row is cut between parts (batch-invariant rows)."""
+        return bool(self.schedule[4])
 
 
 def plan(
@@ -192,7 +200,6 @@ def plan(
         backend.name,
         attention.launcher,
         attention.head_tile,
-        attention.tile_tokens,
         parts * per_part,
         num_splits,
         attention.dim_parts,
@@ -200,7 +207,6 @@ def plan(
         None if attention.q_map is None else attention.q_map(num_heads, rows),
         parts,
         None if known is not None else lib.launcher(gpu.index, lib.spec(decode_scheduler.spec_for(rows, parts))),
-        batch_invariant,
         combine_blocks,
         list_values + slots * num_heads * (abi.HEAD_DIM + 2),
         slots,
