@@ -45,7 +45,7 @@ if wants sanitizers; then  # the reader and the attention kernel: invalid slots,
     step memcheck-rd "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
         --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_reader_gpu.py tests/test_decode_gpu.py \
         -k "invalid or lonely or nan or two_pools or random or split"
-    for tool in memcheck racecheck synccheck; do  # the decode scheduling: its shared boundaries and scans, in the
+    for tool in memcheck racecheck synccheck; do  # the decode scheduling: its shared marks, ballots and barriers, in the
         # scheduler and in the attention kernels' blocks
         step "$tool-s" "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" \
             --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_decode_scheduler.py \

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 SOURCE = "nvfp4_mla_scheduler.cu"
 # The builds' threads: a thread a part boundary, and up to ROW_LOADS rows a thread, whose lengths it
-# loads at once (more: in turn). Fewer threads, fewer warps through the block's scans and
-# barriers; a call takes the fewest that hold its parts and rows.
+# loads at once (more: in turn). Fewer threads, fewer warps through the block's barriers; a call
+# takes the fewest that hold its parts and rows.
 BUILD_THREADS = (256, 1024)
 ROW_LOADS = 4
 # The -D constants of every kernel that schedules (kernels/nvfp4_mla_schedule.cuh).
