@@ -76,6 +76,12 @@ def test_model_partitions_and_balances(rows, seed):
                     assert ds.schedule(tiles, parts, segment_cost, combine_cost, whole_rows) == found, name
 
 
+def test_schedule_fields_follow_the_layout():
+    """The launch passes a ScheduleFields as the SCHEDULE block: the same names in the same order."""
+    assert ds.ScheduleFields._fields == tuple(field.name for field in ds.SCHEDULE.fields)
+    assert ds.schedule_fields(66, 64, 1, 2, True) == ds.ScheduleFields(66, 6, 1, 2, 1)
+
+
 def test_model_by_hand():
     # Costs 4, 1, 1 in two parts of 3: row 0 is cut at its tile 3.
     found = ds.schedule([4, 1, 1], 2, 0, 0)

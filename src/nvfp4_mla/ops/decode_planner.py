@@ -103,17 +103,17 @@ class DecodePlan(NamedTuple):
     # A call with lengths and no step's list: its attention kernel deals its own list (no scheduler
     # launch before it), where a block has a thread a boundary between parts.
     own_list: bool
-    schedule: tuple[int, int, int, int, int]  # its Schedule (decode_scheduler.schedule_fields)
+    schedule: decode_scheduler.ScheduleFields  # how its list is dealt
 
     @property
     def tile_tokens(self) -> int:
         """Live entries a tile of the work list."""
-        return 1 << self.schedule[1]
+        return 1 << self.schedule.tile_shift
 
     @property
     def whole_rows(self) -> bool:
         """No row is cut between parts (batch-invariant rows)."""
-        return bool(self.schedule[4])
+        return bool(self.schedule.whole_rows)
 
 
 def plan(

@@ -274,11 +274,21 @@ def segments(part: WorkPart, tiles: Sequence[int]) -> Iterator[Segment]:
 # ---------------------------------------------------------------- the launch
 
 
+class ScheduleFields(NamedTuple):
+    """The values of a :data:`SCHEDULE` block, named and ordered as its fields."""
+
+    parts: int
+    tile_shift: int
+    segment_cost: int
+    combine_cost: int
+    whole_rows: int
+
+
 def schedule_fields(
     parts: int, tile_tokens: int, segment_cost: int, combine_cost: int, whole_rows: bool
-) -> tuple[int, int, int, int, int]:
-    """The values of a :data:`SCHEDULE` block, in its order."""
-    return (parts, tile_tokens.bit_length() - 1, segment_cost, combine_cost, int(whole_rows))
+) -> ScheduleFields:
+    """The :data:`SCHEDULE` block of a list of ``parts`` parts in tiles of ``tile_tokens`` entries."""
+    return ScheduleFields(parts, tile_tokens.bit_length() - 1, segment_cost, combine_cost, int(whole_rows))
 
 
 def launch(
@@ -290,12 +300,12 @@ def launch(
     swa_lens: torch.Tensor | None,
     extra_k: int,
     extra_lens: torch.Tensor | None,
-    schedule: tuple[int, int, int, int, int],
+    schedule: ScheduleFields,
 ) -> None:
     """Writes the work list of ``rows`` rows at ``work`` (the address of :func:`work_ints` int32
     values) on ``stream``, as :func:`schedule` makes it; the lengths are contiguous ``[rows]`` int32
     or int64 on the GPU, or None; ``schedule``: :func:`schedule_fields`."""
-    parts = schedule[0]
+    parts = schedule.parts
     launcher.launch(
         1,
         1,
