@@ -2,8 +2,8 @@
 (``sparse_mla_decode`` with ``extra_lens``, the scheduler in the call), graph-replayed (the
 benchmark's timer: ``triton.testing.do_bench_cudagraph``, median), with the segment cost and the
 combine's cost that the scheduler balances by and keeps rows whole by set to each candidate
-(``decode_launch.SEGMENT_COST`` and ``COMBINE_COST``, which the scheduler's launch reads at each
-call, so one plan serves every candidate).
+(``decode_planner.SEGMENT_COST`` and ``COMBINE_COST``, which a plan's Schedule takes when it is
+made: each candidate plans on a library of its own).
 
 The batches: 1 to 256 rows (sizes between the yardsticks' too), 16, 64 and 128 heads, over 128
 window + 2,048 compressed selections whose live counts follow ``bench decode --ragged``'s
@@ -24,7 +24,7 @@ from decode_plan_ab import start
 import nvfp4_mla
 from nvfp4_mla.bench import decode_arms, decode_ragged
 from nvfp4_mla.bench.timing import DeviceTimer
-from nvfp4_mla.ops import decode_launch, decode_planner, decode_scheduler
+from nvfp4_mla.ops import decode_planner, decode_scheduler
 
 TIMER = DeviceTimer(reps=1, graph_s=3e-3)  # graph-replayed only
 # (segment cost, combine cost): the shipped pair first, then the others.
@@ -61,12 +61,16 @@ def main() -> None:
                     listed = decode_scheduler.schedule(tiles, plan.parts, segment_cost, combine_cost)
                     cells.append(sum(row >= 0 for row, _ in listed.split_rows))
                 for segment_cost, combine_cost in CANDIDATES:
-                    decode_launch.SEGMENT_COST, decode_launch.COMBINE_COST = segment_cost, combine_cost
+                    decode_planner.SEGMENT_COST, decode_planner.COMBINE_COST = segment_cost, combine_cost
+                    candidate = nvfp4_mla.KernelLibrary()  # its plans take this pair
 
-                    def call(inputs: decode_arms.Inputs, lens: torch.Tensor = lens) -> object:
+                    def call(
+                        inputs: decode_arms.Inputs, lens: torch.Tensor = lens, lib: nvfp4_mla.KernelLibrary = candidate
+                    ) -> object:
                         return decode_arms.fused(pools, inputs, library=lib, extra_lens=lens)
 
                     cells.append(f"{TIMER.graph(call, [x]) * 1e6:.2f}")
+                decode_planner.SEGMENT_COST, decode_planner.COMBINE_COST = SHIPPED
                 print(",".join(map(str, cells)), flush=True)
 
 

@@ -337,6 +337,35 @@ def test_half_rows_where_twice_the_items_fit_at_once(parts, items, max_blocks, w
 
 
 @pytest.mark.parametrize(
+    ("parts", "items", "width_dim_parts", "want"),
+    [
+        ((1, 2), 1, 2, 2),
+        ((1, 2), 11, 1, 2),  # 128 heads, 5 rows (or 64 heads, 11): within a twelfth of the H200's 132 blocks
+        ((1, 2), 12, 1, 1),  # past it: the width split's
+        ((1, 2), 16, 2, 2),
+        ((1,), 1, 1, 1),  # a backend with whole rows only
+    ],
+)
+def test_lengths_take_half_rows_for_few_items(parts, items, width_dim_parts, want):
+    assert decode_schedule.lengths_dim_parts(parts, items, 132, width_dim_parts) == want
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "rows", "with_lengths", "without"),
+    [(128, 2, 2, 1), (128, 5, 2, 1), (128, 6, 1, 1), (64, 11, 2, 1), (64, 12, 1, 1)],
+)
+def test_a_call_with_lengths_of_few_rows_takes_half_rows(monkeypatch, num_heads, rows, with_lengths, without):
+    """Over 128 + 2,048 entries the width split keeps whole rows at these row counts; with lengths
+    the list deals the live tiles into every part, and few rows take half rows."""
+    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[90])
+    library = nvfp4_mla.KernelLibrary(_StandInKernels())  # type: ignore[arg-type]  # a stand-in cache
+    assert decode.plan(library, 0, num_heads, rows, 128, 2048).dim_parts == with_lengths
+    head_tiles, pairs = -(-num_heads // 64), num_heads <= 64  # one head tile: the halves as a pair
+    width = decode_schedule.choose_split_and_parts((1, 2), rows * head_tiles, 34, 132, 132, rows * num_heads, pairs)
+    assert width[2] == without
+
+
+@pytest.mark.parametrize(
     ("parts", "blocks", "num_tiles", "head_rows", "want"),
     [
         ((1, 2), 2, 10, 128, (10, 1, 2)),  # batch 1, 128 heads, 640 tokens: half rows at the same split

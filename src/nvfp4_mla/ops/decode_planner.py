@@ -24,7 +24,7 @@ from ..device import Device, device_info
 from ..launch import Launcher
 from . import decode_combine, decode_mma, decode_scheduler, decode_sm90
 from .decode_backend import OVERRIDES, DecodeBackend, arch_capability
-from .decode_schedule import COMBINE_COST, choose_dim_parts, choose_split_and_parts
+from .decode_schedule import COMBINE_COST, choose_dim_parts, choose_split_and_parts, lengths_dim_parts
 from .library import KernelLibrary
 
 # A segment's cost besides its tiles, in tiles (its query load and output rows): the scheduler
@@ -131,12 +131,12 @@ def plan(
     ``k_extra`` entries, with length tensors (``lengths``) or without (every entry counts).
     ``lib``'s decode fields override the backend, head tile, parts and dim parts.
 
-    The dim parts are the width split's (:mod:`.decode_schedule`, at the tables' widths), or
-    ``lib.decode_dim_parts``. With length tensors the scheduler writes the list on the GPU each
-    call: its parts fill the GPU at once (or ``lib.decode_parts``). Without, every row has the
-    tables' entries: the list is made here once and kept on the device, the width split's
-    (row, split) items dealt into parts, or with ``lib.decode_parts`` as the scheduler deals
-    them.
+    The dim parts are the width split's (:mod:`.decode_schedule`, at the tables' widths), with
+    length tensors half rows for few rows (``lengths_dim_parts``), or ``lib.decode_dim_parts``.
+    With length tensors the scheduler writes the list on the GPU each call: its parts fill the
+    GPU at once (or ``lib.decode_parts``). Without, every row has the tables' entries: the list
+    is made here once and kept on the device, the width split's (row, split) items dealt into
+    parts, or with ``lib.decode_parts`` as the scheduler deals them.
 
     ``batch_invariant``: the backend is the one selected for :data:`INVARIANT_ROWS` rows and no
     row is cut between parts, so a row's tiles are summed by one block in tile order, by a kernel
@@ -169,6 +169,8 @@ def plan(
         num_splits, tiles_per_split, dim_parts = choose_split_and_parts(
             dims, rows * head_tiles, tiles, resident, attention.max_blocks, rows * num_heads, attention.halves_pair
         )
+        if lengths:
+            dim_parts = lengths_dim_parts(dims, rows * head_tiles, attention.max_blocks, dim_parts)
     dim_parts = lib.decode_dim_parts or dim_parts
     if dim_parts != 1:
         attention = backend.attention(lib, gpu, num_heads, dim_parts)

@@ -22,6 +22,11 @@ _PARTIAL_ROW_COST = 1.6e-4
 _PAIRED_HALF_TILE_COST = 0.68
 # The share of a launch's blocks that half rows may fill: past it, whole rows were as fast.
 HALF_ROWS_SHARE = 0.8
+# With length tensors, half rows up to this share of a launch's blocks in (row, head tile) items:
+# the list deals a call's live tiles into every part the GPU holds, so a few rows are cut into
+# many short pieces, each writing a partial output; half rows halve the parts and each piece's
+# partial bytes (docs/performance.md#decode-backend-rule).
+LENGTHS_HALF_ROWS_SHARE = 1 / 12
 
 
 def cheapest_split(
@@ -52,6 +57,13 @@ def choose_dim_parts(parts: tuple[int, ...], items: int, max_blocks: int) -> int
     :data:`HALF_ROWS_SHARE` of its launch's ``max_blocks`` (1-4 query rows: there a block's output
     rows, not its tiles, take most of its time, and other SMs would idle), else whole rows."""
     return 2 if 2 in parts and 2 * items <= HALF_ROWS_SHARE * max_blocks else 1
+
+
+def lengths_dim_parts(parts: tuple[int, ...], items: int, max_blocks: int, width_dim_parts: int) -> int:
+    """The dim parts of a call with length tensors whose width split takes ``width_dim_parts``:
+    two where the backend has them (``parts``) and the ``items`` (query row, head tile) are at
+    most :data:`LENGTHS_HALF_ROWS_SHARE` of the launch's ``max_blocks``, else the width split's."""
+    return 2 if 2 in parts and items <= LENGTHS_HALF_ROWS_SHARE * max_blocks else width_dim_parts
 
 
 def choose_split_and_parts(
