@@ -351,6 +351,20 @@ def test_lengths_take_half_rows_for_few_items(parts, items, width_dim_parts, wan
 
 
 @pytest.mark.parametrize(
+    ("parts", "items", "num_tiles", "want"),
+    [
+        ((1, 2), 16, 10, True),  # 8 rows of 128 heads over 640 entries: 1.2 tiles a whole-rows block
+        ((1, 2), 16, 18, True),  # over 1,152 entries: 2.2 tiles
+        ((1, 2), 32, 10, False),  # 16 rows over 640: 2.4 tiles
+        ((1, 2), 16, 34, False),  # 8 rows over 2,176: 4.1 tiles
+        ((1,), 2, 10, False),  # a backend with whole rows only
+    ],
+)
+def test_few_rows_without_lengths_are_dealt_in_half_rows(parts, items, num_tiles, want):
+    assert decode_schedule.deals_half_rows(parts, items, num_tiles, 132) == want
+
+
+@pytest.mark.parametrize(
     ("num_heads", "rows", "with_lengths", "without"),
     [(128, 2, 2, 1), (128, 5, 2, 1), (128, 6, 1, 1), (64, 11, 2, 1), (64, 12, 1, 1)],
 )

@@ -1117,6 +1117,38 @@ def test_full_lengths_give_the_bits_of_no_lengths(seed):
                 check(run(q, pools, sinks=sinks, library=library), want, what)
 
 
+def test_few_rows_without_lengths_are_dealt_like_full_lengths(seed):
+    """Where the width split keeps whole rows but a whole-rows block would have little work (4 rows
+    of 128 heads over 128 + 1,024 entries: 1.1 tiles a block on 132 SMs), a call without lengths
+    deals its rows in half rows as the scheduler deals a call with lengths, which takes half rows
+    there too: with every entry live the two calls walk the same list, so they give the same bits."""
+    gpu = device_info(torch.cuda.current_device())
+    if not decode.BACKENDS["wgmma_sm90"].supports(gpu.capability):
+        pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {gpu.arch}")
+    g = torch.Generator().manual_seed(seed)
+    heads, batch, k_extra = 128, 4, 1024
+    swa, extra = Pool(16, 64, g), Pool(32, 64, g)
+    q = queries(batch, 1, heads, g)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    swa_slots = swa.slots((batch, 1, 128), g, invalid=0.05)
+    extra_slots = extra.slots((batch, 1, k_extra), g, torch.int32, invalid=0.05)
+    bare = [(swa, swa_slots, None), (extra, extra_slots, None)]
+    full = [
+        (swa, swa_slots, torch.full((batch, 1), 128, dtype=torch.int32, device=DEVICE)),
+        (extra, extra_slots, torch.full((batch, 1), k_extra, dtype=torch.int32, device=DEVICE)),
+    ]
+    library = nvfp4_mla.KernelLibrary()
+    plan = decode.plan(library, gpu.index, heads, batch, 128, k_extra, lengths=False)
+    if gpu.sms == 132:
+        assert (plan.backend, plan.dim_parts, plan.num_splits, plan.parts) == ("wgmma_sm90", 2, 1, 33)
+    tiles = [decode_scheduler.live_tiles(128, k_extra, plan.tile_tokens)] * batch
+    want_list = decode_scheduler.schedule(tiles, plan.parts, decode.SEGMENT_COST, decode.COMBINE_COST).ints()
+    assert plan.work is not None and plan.work.tolist() == want_list
+    got, with_lengths = run(q, bare, sinks=sinks, library=library), run(q, full, sinks=sinks, library=library)
+    assert bits_equal(got[0], with_lengths[0]) and bits_equal(got[1], with_lengths[1])
+    check(got, exact(q, bare, sinks=sinks), "4 rows of 128 heads dealt in half rows")
+
+
 @pytest.mark.parametrize("heads", [16, 128])
 def test_two_streams_at_once_and_two_graphs_in_turn(backend, seed, heads):
     """A call's only state past its launch is its workspace (from torch's caching allocator, on

@@ -24,7 +24,13 @@ from ..device import Device, device_info
 from ..launch import Launcher
 from . import decode_combine, decode_mma, decode_scheduler, decode_sm90
 from .decode_backend import OVERRIDES, DecodeBackend, arch_capability
-from .decode_schedule import COMBINE_COST, choose_dim_parts, choose_split_and_parts, lengths_dim_parts
+from .decode_schedule import (
+    COMBINE_COST,
+    choose_dim_parts,
+    choose_split_and_parts,
+    deals_half_rows,
+    lengths_dim_parts,
+)
 from .library import KernelLibrary
 
 # A segment's cost besides its tiles, in tiles (its query load and output rows): the scheduler
@@ -136,7 +142,9 @@ def plan(
     With length tensors the scheduler writes the list on the GPU each call: its parts fill the
     GPU at once (or ``lib.decode_parts``). Without, every row has the tables' entries: the list
     is made here once and kept on the device, the width split's (row, split) items dealt into
-    parts, or with ``lib.decode_parts`` as the scheduler deals them.
+    parts, or as the scheduler deals them: in half rows where the width split keeps whole rows
+    but a whole-rows block would have little work (``deals_half_rows``), or with
+    ``lib.decode_parts``.
 
     ``batch_invariant``: the backend is the one selected for :data:`INVARIANT_ROWS` rows and no
     row is cut between parts, so a row's tiles are summed by one block in tile order, by a kernel
@@ -171,13 +179,20 @@ def plan(
         )
         if lengths:
             dim_parts = lengths_dim_parts(dims, rows * head_tiles, attention.max_blocks, dim_parts)
-    dim_parts = lib.decode_dim_parts or dim_parts
+    # Without lengths, where the width split keeps whole rows but a whole-rows block would have
+    # little work: the rows in half rows, dealt as a call with lengths deals them.
+    half_rows_dealt = (
+        not (lengths or batch_invariant or lib.decode_parts or lib.decode_dim_parts)
+        and dim_parts == 1
+        and deals_half_rows(dims, rows * head_tiles, tiles, attention.max_blocks)
+    )
+    dim_parts = lib.decode_dim_parts or (2 if half_rows_dealt else dim_parts)
     if dim_parts != 1:
         attention = backend.attention(lib, gpu, num_heads, dim_parts)
     per_part = head_tiles * attention.dim_parts
     most_parts = min(max(attention.max_blocks // per_part, 1), MAX_LIST_PARTS)
     known = None
-    if not lengths and lib.decode_parts is None:
+    if not lengths and lib.decode_parts is None and not half_rows_dealt:
         parts = min(rows * num_splits, most_parts)
         known = decode_scheduler.split_schedule(rows, num_splits, tiles_per_split, parts)
     else:

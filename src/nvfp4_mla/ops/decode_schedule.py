@@ -27,6 +27,11 @@ HALF_ROWS_SHARE = 0.8
 # many short pieces, each writing a partial output; half rows halve the parts and each piece's
 # partial bytes (docs/performance.md#decode-backend-rule).
 LENGTHS_HALF_ROWS_SHARE = 1 / 12
+# Without length tensors, where the width split keeps whole rows and a whole-rows block would take
+# at most this many tiles of the call's work: half rows dealt as a call with lengths is (fewer,
+# longer parts than the width split's, at half the partial bytes a piece), where full rows broke
+# even (docs/performance.md#split-cost-model).
+DEALT_HALF_ROWS_TILES = 2.25
 
 
 def cheapest_split(
@@ -57,6 +62,14 @@ def choose_dim_parts(parts: tuple[int, ...], items: int, max_blocks: int) -> int
     :data:`HALF_ROWS_SHARE` of its launch's ``max_blocks`` (1-4 query rows: there a block's output
     rows, not its tiles, take most of its time, and other SMs would idle), else whole rows."""
     return 2 if 2 in parts and 2 * items <= HALF_ROWS_SHARE * max_blocks else 1
+
+
+def deals_half_rows(parts: tuple[int, ...], items: int, num_tiles: int, max_blocks: int) -> bool:
+    """Whether a call without length tensors, whose width split keeps whole rows, deals its rows as
+    a call with lengths is dealt (every part the GPU holds), in half rows: where the backend has
+    them (``parts``) and a block of whole rows would take at most :data:`DEALT_HALF_ROWS_TILES`
+    of the ``items`` (query row, head tile) times ``num_tiles`` tiles, spread over ``max_blocks``."""
+    return 2 in parts and items * num_tiles <= DEALT_HALF_ROWS_TILES * max_blocks
 
 
 def lengths_dim_parts(parts: tuple[int, ...], items: int, max_blocks: int, width_dim_parts: int) -> int:
