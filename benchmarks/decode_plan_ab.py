@@ -1,9 +1,10 @@
 """The decode's plans for calls without length tensors, side by side on the yardstick sweep's
-shapes (docs/yardstick_sweep_h200.csv): the width split the planner takes (``t_default``) against
-the scheduler's dealing of the same rows over as many parts as fill the GPU, as a call with
-lengths is dealt, in whole rows (``t_sched1``) and half rows (``t_sched2``, where the backend has
-them). Graph-replayed (the benchmark's timer: ``triton.testing.do_bench_cudagraph``, median); one CSV row a shape on
-stdout. Measures what the width split's cost model (``ops.decode_schedule``) is worth.
+shapes (docs/yardstick_sweep_h200.csv): the plan the planner takes (``t_default``: the width split,
+or the dealt half rows of ``decode_schedule.deals_half_rows``) against the scheduler's dealing of
+the same rows over as many parts as fill the GPU, as a call with lengths is dealt, in whole rows
+(``t_sched1``) and half rows (``t_sched2``, where the backend has them). Graph-replayed (the
+benchmark's timer: ``triton.testing.do_bench_cudagraph``, median); one CSV row a shape on stdout.
+Measures what the width split's cost model (``ops.decode_schedule``) is worth.
 
     python benchmarks/decode_plan_ab.py [--every N]
 """
