@@ -2,12 +2,12 @@
 (``sparse_mla_decode`` with ``extra_lens``: the list dealt on the GPU into every part the GPU
 holds) with the Hopper kernel's dim parts forced to 1 and to 2, graph-replayed (the benchmark's
 timer: ``triton.testing.do_bench_cudagraph``, median). ``plan_dim`` is what the planner takes
-(``ops.decode_schedule.lengths_dim_parts``). Measures the share of the launch's blocks up to
-which half rows pay (``LENGTHS_HALF_ROWS_SHARE``).
+(``ops.decode_schedule.lengths_dim_parts``). Measures the work a whole-rows block may take for
+half rows to pay (``LENGTHS_HALF_ROWS_TILES``).
 
-The batches: every row count from 1 to 16 at 128 heads over 128 window + 2,048 and + 512
-compressed selections, 1-8 rows at 96 heads, 6-16 rows at 64 heads, then 1-256 rows at 64 and
-128 heads over + 2,048; live counts as ``benchmarks/scheduler_costs.py`` draws them (the
+The batches: every row count from 1 to 16 at 128 heads over 128 window + 2,048 compressed
+selections and from 1 to 20 over + 512, 1-8 rows at 96 heads, 6-16 rows at 64 heads, then 1-256
+rows at 64 and 128 heads over + 2,048; live counts as ``benchmarks/scheduler_costs.py`` draws them (the
 ``--ragged`` distributions and ``log``). One CSV row a batch on stdout.
 
     python benchmarks/decode_half_rows.py [--every N]   # N: time every Nth batch
@@ -27,7 +27,7 @@ from nvfp4_mla.ops import decode_planner
 TIMER = DeviceTimer(reps=1, graph_s=3e-3)  # graph-replayed only
 FEW = (
     [(128, rows, 2048) for rows in range(1, 17)]
-    + [(128, rows, 512) for rows in range(1, 9)]
+    + [(128, rows, 512) for rows in range(1, 21)]
     + [(96, rows, 2048) for rows in range(1, 9)]
     + [(64, rows, 2048) for rows in range(6, 17, 2)]
 )

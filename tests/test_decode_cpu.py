@@ -199,8 +199,9 @@ def _check_list_plan(plan, num_heads, rows, parts, dim_parts):
     [
         (64, 1, "wgmma_sm90", 2, 2),  # one head tile in half rows: a cluster of the two halves
         (128, 1, "wgmma_sm90", 2, 2),
-        (100, 7, "wgmma_sm90", 1, 2),  # 2 head tiles: the width split takes 5 splits of whole rows
-        (256, 3, "wgmma_sm90", 1, 2),
+        (100, 7, "wgmma_sm90", 2, 2),  # 2 head tiles, 14 items of 10 tiles: 1.1 tiles a whole-rows block
+        (256, 3, "wgmma_sm90", 2, 2),
+        (128, 20, "wgmma_sm90", 1, 2),  # 40 items of 10 tiles: 3.03 tiles a whole-rows block
         (192, 20, "wgmma_sm90", 1, 1),  # 3 head tiles: no cluster; 120 half-row items would not fit
         (64, 64, "wgmma_sm90", 2, 2),  # the cost model's paired halves
         (128, 64, "wgmma_sm90", 1, 2),
@@ -212,7 +213,8 @@ def _check_list_plan(plan, num_heads, rows, parts, dim_parts):
 def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_parts, cluster):
     """The rule's Hopper plans: as many parts as the GPU holds the blocks of at once (whole
     clusters) over a part's blocks, in the dim parts of the width split at the tables' widths
-    (``choose_split_and_parts``); the workspace holds the list of any lengths (the CPU model's
+    (``choose_split_and_parts``), or half rows where a whole-rows block would have little work
+    (``lengths_dim_parts``); the workspace holds the list of any lengths (the CPU model's
     lists of every kind of lengths take at most the plan's slots and split rows)."""
     plan, library = _list_plan(monkeypatch, num_heads, rows)
     assert plan.backend == backend
@@ -337,17 +339,19 @@ def test_half_rows_where_twice_the_items_fit_at_once(parts, items, max_blocks, w
 
 
 @pytest.mark.parametrize(
-    ("parts", "items", "width_dim_parts", "want"),
+    ("parts", "items", "num_tiles", "width_dim_parts", "want"),
     [
-        ((1, 2), 1, 2, 2),
-        ((1, 2), 11, 1, 2),  # 128 heads, 5 rows (or 64 heads, 11): within a twelfth of the H200's 132 blocks
-        ((1, 2), 12, 1, 1),  # past it: the width split's
-        ((1, 2), 16, 2, 2),
-        ((1,), 1, 1, 1),  # a backend with whole rows only
+        ((1, 2), 1, 34, 2, 2),
+        ((1, 2), 11, 34, 1, 2),  # 5 rows of 128 heads over 2,176 entries: 2.8 tiles a whole-rows block
+        ((1, 2), 12, 34, 1, 1),  # 6 rows: 3.1 tiles, the width split's
+        ((1, 2), 38, 10, 1, 2),  # 19 rows over 640 entries: 2.9 tiles
+        ((1, 2), 40, 10, 1, 1),
+        ((1, 2), 40, 10, 2, 2),
+        ((1,), 1, 10, 1, 1),  # a backend with whole rows only
     ],
 )
-def test_lengths_take_half_rows_for_few_items(parts, items, width_dim_parts, want):
-    assert decode_schedule.lengths_dim_parts(parts, items, 132, width_dim_parts) == want
+def test_lengths_take_half_rows_for_little_work(parts, items, num_tiles, width_dim_parts, want):
+    assert decode_schedule.lengths_dim_parts(parts, items, num_tiles, 132, width_dim_parts) == want
 
 
 @pytest.mark.parametrize(

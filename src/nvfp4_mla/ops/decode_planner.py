@@ -178,7 +178,7 @@ def plan(
             dims, rows * head_tiles, tiles, resident, attention.max_blocks, rows * num_heads, attention.halves_pair
         )
         if lengths:
-            dim_parts = lengths_dim_parts(dims, rows * head_tiles, attention.max_blocks, dim_parts)
+            dim_parts = lengths_dim_parts(dims, rows * head_tiles, tiles, attention.max_blocks, dim_parts)
     # Without lengths, where the width split keeps whole rows but a whole-rows block would have
     # little work: the rows in half rows, dealt as a call with lengths deals them.
     half_rows_dealt = (

@@ -22,11 +22,11 @@ _PARTIAL_ROW_COST = 1.6e-4
 _PAIRED_HALF_TILE_COST = 0.68
 # The share of a launch's blocks that half rows may fill: past it, whole rows were as fast.
 HALF_ROWS_SHARE = 0.8
-# With length tensors, half rows up to this share of a launch's blocks in (row, head tile) items:
-# the list deals a call's live tiles into every part the GPU holds, so a few rows are cut into
-# many short pieces, each writing a partial output; half rows halve the parts and each piece's
-# partial bytes (docs/performance.md#decode-backend-rule).
-LENGTHS_HALF_ROWS_SHARE = 1 / 12
+# With length tensors, half rows where a whole-rows block would take at most this many tiles of
+# the rows' full-width work: the list deals a call's live tiles into every part the GPU holds, so
+# a few rows are cut into many short pieces, each writing a partial output; half rows halve the
+# parts and each piece's partial bytes (docs/performance.md#decode-backend-rule).
+LENGTHS_HALF_ROWS_TILES = 3
 # Without length tensors, where the width split keeps whole rows and a whole-rows block would take
 # at most this many tiles of the call's work: half rows dealt as a call with lengths is (fewer,
 # longer parts than the width split's, at half the partial bytes a piece), where full rows broke
@@ -72,11 +72,12 @@ def deals_half_rows(parts: tuple[int, ...], items: int, num_tiles: int, max_bloc
     return 2 in parts and items * num_tiles <= DEALT_HALF_ROWS_TILES * max_blocks
 
 
-def lengths_dim_parts(parts: tuple[int, ...], items: int, max_blocks: int, width_dim_parts: int) -> int:
+def lengths_dim_parts(parts: tuple[int, ...], items: int, num_tiles: int, max_blocks: int, width_dim_parts: int) -> int:
     """The dim parts of a call with length tensors whose width split takes ``width_dim_parts``:
-    two where the backend has them (``parts``) and the ``items`` (query row, head tile) are at
-    most :data:`LENGTHS_HALF_ROWS_SHARE` of the launch's ``max_blocks``, else the width split's."""
-    return 2 if 2 in parts and items <= LENGTHS_HALF_ROWS_SHARE * max_blocks else width_dim_parts
+    two where the backend has them (``parts``) and a block of whole rows would take at most
+    :data:`LENGTHS_HALF_ROWS_TILES` of the ``items`` (query row, head tile) times ``num_tiles``
+    tiles (the tables' widths), spread over ``max_blocks``; else the width split's."""
+    return 2 if 2 in parts and items * num_tiles <= LENGTHS_HALF_ROWS_TILES * max_blocks else width_dim_parts
 
 
 def choose_split_and_parts(
