@@ -64,20 +64,25 @@ def choose_dim_parts(parts: tuple[int, ...], items: int, max_blocks: int) -> int
     return 2 if 2 in parts and 2 * items <= HALF_ROWS_SHARE * max_blocks else 1
 
 
+def _little_work(parts: tuple[int, ...], items: int, num_tiles: int, max_blocks: int, most_tiles: float) -> bool:
+    """The backend has half rows (``parts``) and a block of whole rows would take at most
+    ``most_tiles`` of the ``items`` (query row, head tile) times ``num_tiles`` tiles (the tables'
+    widths), spread over ``max_blocks``."""
+    return 2 in parts and items * num_tiles <= most_tiles * max_blocks
+
+
 def deals_half_rows(parts: tuple[int, ...], items: int, num_tiles: int, max_blocks: int) -> bool:
     """Whether a call without length tensors, whose width split keeps whole rows, deals its rows as
-    a call with lengths is dealt (every part the GPU holds), in half rows: where the backend has
-    them (``parts``) and a block of whole rows would take at most :data:`DEALT_HALF_ROWS_TILES`
-    of the ``items`` (query row, head tile) times ``num_tiles`` tiles, spread over ``max_blocks``."""
-    return 2 in parts and items * num_tiles <= DEALT_HALF_ROWS_TILES * max_blocks
+    a call with lengths is dealt (every part the GPU holds), in half rows: where a whole-rows block
+    would have :data:`DEALT_HALF_ROWS_TILES` tiles or fewer (``_little_work``)."""
+    return _little_work(parts, items, num_tiles, max_blocks, DEALT_HALF_ROWS_TILES)
 
 
 def lengths_dim_parts(parts: tuple[int, ...], items: int, num_tiles: int, max_blocks: int, width_dim_parts: int) -> int:
     """The dim parts of a call with length tensors whose width split takes ``width_dim_parts``:
-    two where the backend has them (``parts``) and a block of whole rows would take at most
-    :data:`LENGTHS_HALF_ROWS_TILES` of the ``items`` (query row, head tile) times ``num_tiles``
-    tiles (the tables' widths), spread over ``max_blocks``; else the width split's."""
-    return 2 if 2 in parts and items * num_tiles <= LENGTHS_HALF_ROWS_TILES * max_blocks else width_dim_parts
+    two where a whole-rows block would have :data:`LENGTHS_HALF_ROWS_TILES` tiles or fewer
+    (``_little_work``), else the width split's."""
+    return 2 if _little_work(parts, items, num_tiles, max_blocks, LENGTHS_HALF_ROWS_TILES) else width_dim_parts
 
 
 def choose_split_and_parts(
