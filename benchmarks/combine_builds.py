@@ -59,7 +59,8 @@ def row(
 
 
 def main() -> None:
-    every, pools, g = start(__doc__)
+    args, pools, g = start(__doc__)
+    every = args.every
     default, libraries = nvfp4_mla.KernelLibrary(), [forced(b) for b in CANDIDATES]
     print("B,ql,H,k,lens,split_rows,pairs,partials,taken," + ",".join(name(b) for b in CANDIDATES), flush=True)
     for heads in (64, 128):

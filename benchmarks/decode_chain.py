@@ -59,7 +59,8 @@ class EmptyKernel:
 
 
 def main() -> None:
-    every, pools, g = start(__doc__)
+    args, pools, g = start(__doc__)
+    every = args.every
     if torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("programmatic dependent launch needs sm_90 or newer")
     empty = EmptyKernel()

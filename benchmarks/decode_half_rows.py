@@ -35,7 +35,8 @@ MANY = [(heads, rows, 2048) for rows in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96,
 
 
 def main() -> None:
-    every, pools, g = start(__doc__)
+    args, pools, g = start(__doc__)
+    every = args.every
     default = nvfp4_mla.KernelLibrary()
     forced = {dims: nvfp4_mla.KernelLibrary(decode_backend="wgmma_sm90", decode_dim_parts=dims) for dims in (1, 2)}
     print("B,H,extra_k,lens,live_full,plan_dim,t_dim1,t_dim2", flush=True)

@@ -39,18 +39,22 @@ def graph_us(pools: decode_arms.Pools, x: decode_arms.Inputs, lib: nvfp4_mla.Ker
     return TIMER.graph(lambda inputs: decode_arms.fused(pools, inputs, library=lib), [x]) * 1e6
 
 
-def start(doc: str) -> tuple[int, decode_arms.Pools, torch.Generator]:
-    """A sweep script's start: its ``--every N`` (time every Nth shape or batch), the pools on GPU 0, a
-    seeded generator."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+def start(
+    doc: str, parser: argparse.ArgumentParser | None = None
+) -> tuple[argparse.Namespace, decode_arms.Pools, torch.Generator]:
+    """A sweep script's start: its arguments (``parser``'s, if given, and ``--every N``: time every
+    Nth shape or batch), the pools on GPU 0, a seeded generator."""
+    if parser is None:
+        parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--every", type=int, default=1, help="time every Nth shape (or batch size)")
-    every = parser.parse_args().every
+    args = parser.parse_args()
     torch.cuda.set_device(0)
-    return every, decode_arms.Pools("cuda"), torch.Generator().manual_seed(0)
+    return args, decode_arms.Pools("cuda"), torch.Generator().manual_seed(0)
 
 
 def main() -> None:
-    every, pools, g = start(__doc__)
+    args, pools, g = start(__doc__)
+    every = args.every
     default = nvfp4_mla.KernelLibrary()
     swa_k = decode_arms.SWA_K
     print("B,ql,H,k,backend,splits,parts,dim,t_default,parts1,t_sched1,parts2,t_sched2", flush=True)

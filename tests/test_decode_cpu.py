@@ -214,8 +214,9 @@ def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_pa
     """The rule's Hopper plans: as many parts as the GPU holds the blocks of at once (whole
     clusters) over a part's blocks, in the dim parts of the width split at the tables' widths
     (``choose_split_and_parts``), or half rows where a whole-rows block would have little work
-    (``lengths_dim_parts``); the workspace holds the list of any lengths (the CPU model's
-    lists of every kind of lengths take at most the plan's slots and split rows)."""
+    (``lengths_dim_parts``), dealt at the build's segment cost; the workspace holds the list of
+    any lengths (the CPU model's lists of every kind of lengths take at most the plan's slots and
+    split rows)."""
     plan, library = _list_plan(monkeypatch, num_heads, rows)
     assert plan.backend == backend
     head_tile = decode_sm90.NARROW_HEAD_TILE if backend == "wgmma_sm90_narrow" else decode_sm90.HEAD_TILE
@@ -225,6 +226,11 @@ def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_pa
     _check_list_plan(plan, num_heads, rows, parts, dim_parts)
     assert plan.blocks <= 132 < plan.blocks + per_part  # the GPU filled at once
     assert plan.attend.spec == decode_sm90.WgmmaAttentionSpec.of(cluster, dim_parts, head_tile)
+    if backend == "wgmma_sm90_narrow":
+        assert plan.schedule.costs == (decode_sm90.NARROW_SEGMENT_COST, decode.COMBINE_COST)
+    else:  # whole rows in clusters: a tile of each block's half is cheaper against a segment's cost
+        segment_cost = decode_sm90.CLUSTER_SEGMENT_COST if (cluster, dim_parts) == (2, 1) else 1
+        assert plan.schedule.costs == (segment_cost, decode.COMBINE_COST)
     split_rows = min(plan.parts - 1, rows)
     fits = [b for b in decode_combine.BUILDS if b.blocks(split_rows, num_heads) <= _COMBINE_PER_SM[b] * 132]
     assert plan.combine.spec == (fits or [decode_combine.PACKED])[0]  # the first build that fits at once
@@ -236,7 +242,7 @@ def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_pa
         [1 if r != rows // 2 else 10 for r in range(rows)],
         [rng.randint(1, 10) for _ in range(rows)],
     ):
-        listed = decode_scheduler.schedule(tiles, plan.parts, decode.SEGMENT_COST, decode.COMBINE_COST)
+        listed = decode_scheduler.schedule(tiles, plan.parts, *plan.schedule.costs)
         split = [row for row, _ in listed.split_rows if row >= 0]
         assert plan.combine.spec.blocks(len(split), num_heads) <= plan.combine_blocks
         assert listed.split_rows[-1][1] <= plan.slots
@@ -257,6 +263,7 @@ def test_the_mma_sync_kernel_walks_the_list_too(monkeypatch, capability, num_hea
     plan, _ = _list_plan(monkeypatch, num_heads, rows, kernels, capability, **forced)
     head_tiles = -(-num_heads // head_tile)
     assert (plan.backend, plan.head_tile, plan.tile_tokens) == ("mma_sync", head_tile, decode_mma.BLOCK_N)
+    assert plan.schedule.costs == (1, decode.COMBINE_COST)
     parts = min(3 * FAKE_GPUS[capability].sms // head_tiles, decode.MAX_LIST_PARTS)
     _check_list_plan(plan, num_heads, rows, parts, 1)
 
@@ -277,7 +284,7 @@ def test_a_batch_invariant_plan_cuts_no_row(monkeypatch, capability, num_heads):
         assert plan.parts <= rows and plan.blocks == plan.parts * -(-num_heads // plan.head_tile) * plan.dim_parts
         assert plan.workspace == -(-decode_scheduler.work_ints(plan.parts) // 4) * 4  # the list alone
         tiles = [random.Random(rows).randint(1, 20) for _ in range(rows)]
-        listed = decode_scheduler.schedule(tiles, plan.parts, decode.SEGMENT_COST, decode.COMBINE_COST, plan.whole_rows)
+        listed = decode_scheduler.schedule(tiles, plan.parts, *plan.schedule.costs, plan.whole_rows)
         assert all(row < 0 for row, _ in listed.split_rows)
     assert len(kernels) == 1, kernels
     if capability == 90:  # the backend a large batch takes

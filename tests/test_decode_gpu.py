@@ -34,7 +34,7 @@ import nvfp4_mla
 import nvfp4_mla.reference.decode as exact_decode
 from nvfp4_mla import abi, validation
 from nvfp4_mla.device import device_info
-from nvfp4_mla.ops import decode, decode_combine, decode_mma, decode_scheduler, decode_sm90
+from nvfp4_mla.ops import decode, decode_combine, decode_mma, decode_planner, decode_scheduler, decode_sm90
 from nvfp4_mla.testing import dirty_allocator, make_cache
 from nvfp4_mla.testing.kernels import VirtualArchKernels
 
@@ -641,13 +641,13 @@ def test_every_backend_with_every_split(seed, heads):
             check(run(q, pools, sinks=sinks, library=library), want, f"{name}, heads {heads}, cut {n} ways")
 
 
-def one_row_cut_most_ways(tile_tokens: int) -> int:
+def one_row_cut_most_ways(tile_tokens: int, segment_cost: int) -> int:
     """Live tokens of one row (tiles of ``tile_tokens``) that the work list in MAX_LIST_PARTS parts
     cuts into the combine's most partials of a row (MAX_PARTIALS), by the CPU model of the
-    scheduler."""
+    scheduler at the kernel's ``segment_cost``."""
     parts = decode.MAX_LIST_PARTS
     for tiles in range(parts, 64 * parts):
-        listed = decode_scheduler.schedule([tiles], parts, decode.SEGMENT_COST, decode.COMBINE_COST)
+        listed = decode_scheduler.schedule([tiles], parts, segment_cost, decode.COMBINE_COST)
         segments = sum(1 for part in listed.parts for _ in decode_scheduler.segments(part, [tiles]))
         if segments == decode_combine.MAX_PARTIALS:
             return tiles * tile_tokens
@@ -690,10 +690,10 @@ def test_the_combine_builds_give_the_same_bits(seed):
     device = q.get_device()
     gpu = device_info(device)
     for name in [n for n, b in decode.BACKENDS.items() if b.supports(gpu.capability)]:
-        tile_tokens = plan_of(q, pools, nvfp4_mla.KernelLibrary(decode_backend=name)).tile_tokens
+        attention = decode.BACKENDS[name].attention(nvfp4_mla.KernelLibrary(decode_backend=name), gpu, 64, 1)
         g = torch.Generator().manual_seed(seed + 1)
         swa, extra = Pool(8, 64, g), Pool(64, 64, g)
-        extra_k = one_row_cut_most_ways(tile_tokens) - 128
+        extra_k = one_row_cut_most_ways(attention.tile_tokens, attention.segment_cost) - 128
         swa_lens = torch.full((1, 1), 128, dtype=torch.int32, device=DEVICE)  # every entry live
         extra_lens = torch.full((1, 1), extra_k, dtype=torch.int64, device=DEVICE)
         one = [
@@ -703,7 +703,7 @@ def test_the_combine_builds_give_the_same_bits(seed):
         q_one, sinks_one = queries(1, 1, 64, g), torch.randn(64, generator=g).to(DEVICE)
         forced = {"decode_backend": name, "decode_parts": decode.MAX_LIST_PARTS}
         plan = plan_of(q_one, one, nvfp4_mla.KernelLibrary(**forced))  # type: ignore[arg-type]
-        assert plan.parts == decode.MAX_LIST_PARTS
+        assert plan.parts == decode.MAX_LIST_PARTS and plan.schedule.segment_cost == attention.segment_cost
         assert plan.combine_blocks == decode_combine.SPREAD_PREFETCH.blocks(1, 64)
         want_one = exact(q_one, one, sinks=sinks_one)
         what = f"{name}: a row cut {decode_combine.MAX_PARTIALS} ways"
@@ -744,6 +744,14 @@ def test_wgmma_clusters_give_the_bits_of_single_blocks(seed, heads, dim_parts):
         check(got, want, f"clusters, heads {heads}, {dim_parts} dim parts, {parts} parts")
 
 
+@pytest.fixture
+def one_list(monkeypatch):
+    """Every build deals a call's list at the same costs (each has its own segment cost), so that
+    a kernel's forms (whole or half rows, in clusters or not) walk the same list."""
+    monkeypatch.setattr(decode_planner, "list_costs", lambda attention: (1, decode.COMBINE_COST))
+
+
+@pytest.mark.usefixtures("one_list")
 @pytest.mark.parametrize(
     ("name", "heads"),
     [*[("wgmma_sm90", heads) for heads in (16, 64, 100, 128)], *[("wgmma_sm90_narrow", heads) for heads in (16, 40)]],
@@ -819,9 +827,10 @@ def test_a_work_list_of_mostly_empty_parts(seed, name, heads):
         library = nvfp4_mla.KernelLibrary(decode_backend=name, decode_parts=parts)
         plan = plan_of(q, pools, library)
         assert plan.parts == parts and (plan.combine is None) == (parts == 1)
-        listed = decode_scheduler.schedule(tiles, parts, decode.SEGMENT_COST, decode.COMBINE_COST)
+        segment_cost = plan.schedule.segment_cost
+        listed = decode_scheduler.schedule(tiles, parts, segment_cost, plan.schedule.combine_cost)
         busy = sum(any(True for _ in decode_scheduler.segments(part, tiles)) for part in listed.parts)
-        assert busy <= sum(tiles) + 3 * decode.SEGMENT_COST  # every other part is empty
+        assert busy <= sum(tiles) + 3 * segment_cost  # every other part is empty
         got = run(q, pools, sinks=sinks, library=library)
         check(got, want, f"{name}, heads {heads}, {parts} parts, {busy} of them with segments")
     again = run(q, pools, sinks=sinks, library=library)
@@ -845,12 +854,12 @@ def test_rows_kept_whole_where_cutting_costs_more(backend, seed, heads):
     want = exact(q, with_lens, sinks=sinks)
     forced = {} if backend is None else {"decode_backend": backend.decode_backend}
     kept = 0
-    for rows, parts in ((4, 5), (6, 7), (7, 8), (7, 9)):
+    for rows, parts in ((4, 5), (6, 7), (7, 8), (7, 9), (6, 8)):
         library = nvfp4_mla.KernelLibrary(**forced, decode_parts=parts)
         plan = plan_of(q[:rows], with_lens, library)
         tiles = [decode_scheduler.live_tiles(640, 0, plan.tile_tokens)] * rows
-        listed = decode_scheduler.schedule(tiles, parts, decode.SEGMENT_COST, decode.COMBINE_COST)
-        cut = decode_scheduler.schedule(tiles, parts, decode.SEGMENT_COST, 0)
+        listed = decode_scheduler.schedule(tiles, parts, *plan.schedule.costs)
+        cut = decode_scheduler.schedule(tiles, parts, plan.schedule.segment_cost, 0)
         whole = all(row < 0 for row, _ in listed.split_rows)
         kept += whole and any(row >= 0 for row, _ in cut.split_rows)
         picked = [(p, s[:rows], None if lens is None else lens[:rows]) for p, s, lens in with_lens]
@@ -862,6 +871,7 @@ def test_rows_kept_whole_where_cutting_costs_more(backend, seed, heads):
     assert kept, "no case was kept whole by the combine's cost alone"
 
 
+@pytest.mark.usefixtures("one_list")
 @pytest.mark.parametrize("heads", [16, 64, 100, 128])
 def test_wgmma_half_rows_give_the_bits_of_whole_rows(seed, heads):
     """The Hopper kernel with each row's output dims in two halves (a block each: the same S,
@@ -1142,7 +1152,7 @@ def test_few_rows_without_lengths_are_dealt_like_full_lengths(seed):
     if gpu.sms == 132:
         assert (plan.backend, plan.dim_parts, plan.num_splits, plan.parts) == ("wgmma_sm90", 2, 1, 33)
     tiles = [decode_scheduler.live_tiles(128, k_extra, plan.tile_tokens)] * batch
-    want_list = decode_scheduler.schedule(tiles, plan.parts, decode.SEGMENT_COST, decode.COMBINE_COST).ints()
+    want_list = decode_scheduler.schedule(tiles, plan.parts, *plan.schedule.costs).ints()
     assert plan.work is not None and plan.work.tolist() == want_list
     got, with_lengths = run(q, bare, sinks=sinks, library=library), run(q, full, sinks=sinks, library=library)
     assert bits_equal(got[0], with_lengths[0]) and bits_equal(got[1], with_lengths[1])

@@ -220,7 +220,7 @@ def test_a_call_with_lengths_deals_the_models_list_in_its_attention(monkeypatch,
             assert len(scheduled) == int(not launches.own_list), repr(launches)
             assert launches.own_list == (launches.parts < launches.attend.threads)
             tiles = ds.row_tiles(rows, k_swa, swa_lens, k_extra, extra_lens, launches.tile_tokens)
-            want = ds.schedule(tiles, launches.parts, decode.SEGMENT_COST, decode.COMBINE_COST).ints()
+            want = ds.schedule(tiles, launches.parts, *launches.schedule.costs).ints()
             (workspace,) = [w for w in workspaces if w.shape == (launches.workspace,)]
             assert workspace[: len(want)].view(torch.int32).tolist() == want, (heads, launches.backend)
             planned = call(q, pools, sinks, plan=plan_of(pools, heads, lib))

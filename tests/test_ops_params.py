@@ -14,6 +14,7 @@ from nvfp4_mla.ops.reader import READ_PARAMS, ReaderSpec
 SPECS = [spec for arch in jit.ARCHS for spec in registry.catalogue(arch)]
 LAYOUTS = list({id(s.template.params): s.template.params for s in SPECS}.values())
 READER = ReaderSpec(64, True, False, True)
+COSTS = (3, 5)  # a plan's segment and combine costs: distinct, so that fields swapped in packing show
 
 
 class _Reordered(NamedTuple):
@@ -147,7 +148,7 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
         slots=slots,
         work=work,
         own_list=own_list,
-        schedule=decode_scheduler.schedule_fields(parts, tile_tokens, decode.SEGMENT_COST, decode.COMBINE_COST, False),
+        schedule=decode_scheduler.schedule_fields(parts, tile_tokens, *COSTS, False),
     )
     q = torch.zeros(2, 1, heads, 512, dtype=torch.bfloat16)
     swa_cache, slot_table = torch.zeros(4, 64, 384, dtype=torch.uint8), torch.zeros(2, 1, 9, dtype=torch.int64)
@@ -169,7 +170,7 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
     assert got["work"] == at and got["static_list"] == int(not lengths) and got["own_list"] == int(own_list)
     shift = tile_tokens.bit_length() - 1
     schedule = [got[f"schedule.{name}"] for name in decode_scheduler.SCHEDULE.names]
-    assert schedule == [parts, shift, decode.SEGMENT_COST, decode.COMBINE_COST, 0]
+    assert schedule == [parts, shift, *COSTS, 0]
     assert not hopper or got["q_map"] == q.data_ptr().to_bytes(8, "little") * 16
     assert got["partial_o"] == start + 4 * list_values and got["partial_o"] % 16 == start % 16
     assert got["partial_ml"] == got["partial_o"] + slots * heads * 512 * 4
@@ -202,5 +203,5 @@ def test_a_decode_launch_packs_each_value_into_its_named_field(monkeypatch, leng
         )
         assert (scheduled["rows"], scheduled["schedule.parts"], scheduled["schedule.tile_shift"]) == (2, parts, shift)
         costs = tuple(scheduled[f"schedule.{name}"] for name in ("segment_cost", "combine_cost", "whole_rows"))
-        assert costs == (decode.SEGMENT_COST, decode.COMBINE_COST, 0)
+        assert costs == (*COSTS, 0)
         assert scheduled["parts_out"] == at and scheduled["split_rows"] == combined["split_rows"]

@@ -82,6 +82,9 @@ class Attention(NamedTuple):
     # Kernels whose Params end with a tensor map of q: (num_heads, rows) -> that map for q's
     # address (the bytes of the last field).
     q_map: Callable[[int, int], Callable[[int], bytes]] | None = None
+    # What a segment of the work list costs a block besides its tiles (its query load and output
+    # rows), in this kernel's tile-times: the scheduler balances parts by it.
+    segment_cost: int = 1
 
 
 # The KernelLibrary fields a backend may accept (DecodeBackend.overrides). Every backend takes

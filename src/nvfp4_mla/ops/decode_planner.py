@@ -23,7 +23,7 @@ from .. import abi
 from ..device import Device, device_info
 from ..launch import Launcher
 from . import decode_combine, decode_mma, decode_scheduler, decode_sm90
-from .decode_backend import OVERRIDES, DecodeBackend, arch_capability
+from .decode_backend import OVERRIDES, Attention, DecodeBackend, arch_capability
 from .decode_schedule import (
     COMBINE_COST,
     choose_dim_parts,
@@ -33,11 +33,6 @@ from .decode_schedule import (
 )
 from .library import KernelLibrary
 
-# A segment's cost besides its tiles, in tiles (its query load and output rows): the scheduler
-# balances the parts by tiles plus this a segment. It keeps rows whole where that costs a part no
-# more than the combine's cost (COMBINE_COST, the width split's) past a cut list's bound. Both
-# timed against other values on ragged batches (benchmarks/scheduler_costs.py).
-SEGMENT_COST = 1
 # The most parts of a work list: one row may be cut at every boundary, and the combine merges up to
 # MAX_PARTIALS partials a row.
 MAX_LIST_PARTS = min(decode_combine.MAX_PARTIALS, decode_scheduler.MAX_PARTS)
@@ -47,6 +42,14 @@ BACKENDS: dict[str, DecodeBackend] = {b.name: b for b in (*decode_sm90.BACKENDS,
 # The row count a batch-invariant plan selects its backend for, whatever the call's: the backend's
 # kernel, hence a row's bits, then depend on the heads and the tables' widths alone.
 INVARIANT_ROWS = 1 << 24
+
+
+def list_costs(attention: Attention) -> tuple[int, int]:
+    """``(segment cost, combine cost)`` of a work list walked by ``attention``: the scheduler
+    balances the parts by tiles plus the kernel's segment cost a segment, and keeps rows whole
+    where that costs a part no more than the combine's cost (the width split's ``COMBINE_COST``)
+    past a cut list's bound (both measured: docs/performance.md#the-decode-scheduler)."""
+    return attention.segment_cost, COMBINE_COST
 
 
 def select_backend(gpu: Device, num_heads: int, rows: int, tokens: int) -> DecodeBackend:
@@ -192,6 +195,7 @@ def plan(
     per_part = head_tiles * attention.dim_parts
     most_parts = min(max(attention.max_blocks // per_part, 1), MAX_LIST_PARTS)
     known = None
+    segment_cost, combine_cost = list_costs(attention)
     if not lengths and lib.decode_parts is None and not half_rows_dealt:
         parts = min(rows * num_splits, most_parts)
         known = decode_scheduler.split_schedule(rows, num_splits, tiles_per_split, parts)
@@ -199,7 +203,7 @@ def plan(
         num_splits = 1  # the kernel's early dependent launch: the list's splits are not the width's
         parts = lib.decode_parts or (min(rows, most_parts) if batch_invariant else most_parts)
         if not lengths:
-            known = decode_scheduler.schedule([tiles] * rows, parts, SEGMENT_COST, COMBINE_COST, batch_invariant)
+            known = decode_scheduler.schedule([tiles] * rows, parts, segment_cost, combine_cost, batch_invariant)
     # A boundary between parts cuts at most one row; whole rows: none.
     split_rows = 0 if batch_invariant else min(parts - 1, rows)
     slots = parts - 1 + split_rows if split_rows else 0  # cuts, plus a slot more a split row
@@ -229,6 +233,6 @@ def plan(
         slots,
         work,
         known is None and parts < attention.launcher.threads,
-        decode_scheduler.schedule_fields(parts, attention.tile_tokens, SEGMENT_COST, COMBINE_COST, batch_invariant),
+        decode_scheduler.schedule_fields(parts, attention.tile_tokens, segment_cost, combine_cost, batch_invariant),
     )
     return lib.remember(key, found)

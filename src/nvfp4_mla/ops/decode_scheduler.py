@@ -188,14 +188,19 @@ def row_tiles(
     return [live_tiles(s, e, tile_tokens) for s, e in zip(live(swa_k, swa_lens), live(extra_k, extra_lens))]
 
 
-def schedule(
-    tiles: Sequence[int], parts: int, segment_cost: int, combine_cost: int, whole_rows: bool = False
-) -> Schedule:
-    """The work list of rows of ``tiles`` tiles each (at least one) in ``parts`` parts, a segment
-    costing ``segment_cost`` tiles besides its own, as the scheduler kernel writes it. Rows are
-    kept whole (each boundary moved back to the start of its row, so no row is cut) where the
-    costliest part that makes costs at most the payload, a segment and ``combine_cost`` (what the
-    combine of cut rows costs), and always with ``whole_rows``."""
+class CutBounds(NamedTuple):
+    """The boundaries of a cut list (each ``(row, tile, the row's first cost)``, the last ``(rows,
+    0, total)``), its ``payload`` (a part's costs) and the costliest part that moving every boundary
+    back to its row's start makes (``longest``)."""
+
+    bounds: list[tuple[int, int, int]]
+    payload: int
+    longest: int
+
+
+def cut_bounds(tiles: Sequence[int], parts: int, segment_cost: int) -> CutBounds:
+    """The :class:`CutBounds` of rows of ``tiles`` tiles each in ``parts`` parts, a segment costing
+    ``segment_cost`` tiles besides its own."""
     rows = len(tiles)
     starts = list(accumulate((t + segment_cost for t in tiles), initial=0))  # row r's costs: [starts[r], starts[r + 1])
     total = starts[-1]
@@ -211,6 +216,18 @@ def schedule(
             row = bisect_right(starts, at) - 1
             bounds.append((row, max(at - starts[row] - segment_cost, 0), starts[row]))
     longest = max(after[2] - before[2] for before, after in pairwise(bounds))
+    return CutBounds(bounds, payload, longest)
+
+
+def schedule(
+    tiles: Sequence[int], parts: int, segment_cost: int, combine_cost: int, whole_rows: bool = False
+) -> Schedule:
+    """The work list of rows of ``tiles`` tiles each (at least one) in ``parts`` parts, a segment
+    costing ``segment_cost`` tiles besides its own, as the scheduler kernel writes it. Rows are
+    kept whole (each boundary moved back to the start of its row, so no row is cut) where the
+    costliest part that makes costs at most the payload, a segment and ``combine_cost`` (what the
+    combine of cut rows costs), and always with ``whole_rows``."""
+    bounds, payload, longest = cut_bounds(tiles, parts, segment_cost)
     whole = whole_rows or longest <= payload + segment_cost + combine_cost
     return list_of_bounds([(row, 0 if whole else tile) for row, tile, _ in bounds])
 
@@ -282,6 +299,11 @@ class ScheduleFields(NamedTuple):
     segment_cost: int
     combine_cost: int
     whole_rows: int
+
+    @property
+    def costs(self) -> tuple[int, int]:
+        """``(segment_cost, combine_cost)``, as :func:`schedule` takes them."""
+        return self.segment_cost, self.combine_cost
 
 
 def schedule_fields(

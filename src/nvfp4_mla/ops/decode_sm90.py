@@ -47,6 +47,12 @@ Q_SLAB_DIMS = 64  # dims of q a tensor copy loads (128-byte rows, the swizzle's 
 PARAMS = ATTEND_PARAMS.extended(raw_bytes("q_map", TENSOR_MAP_BYTES, 64, "CUtensorMap of q (q_tensor_map)"))
 PARTS = (1, 2)  # an item's output rows: whole, or in two halves (a block each)
 NARROW_HEAD_TILE = 16  # the NARROW build: 16 heads a block as wgmma's N, one consumer, two producers
+# A segment's cost besides its tiles in the build's tile-times (Attention.segment_cost), as
+# benchmarks/segment_cost.py measures it on one part, rounded: whole rows in clusters (each block
+# dequantizes half of every tile, so a tile takes less time than a segment's query and outputs)
+# and the NARROW build take 2, the other builds 1.
+CLUSTER_SEGMENT_COST = 2
+NARROW_SEGMENT_COST = 2
 
 # The shapes each build takes. The 64-head build wins from WGMMA_MIN_HEADS heads at every row
 # count. Up to NARROW_HEAD_TILE heads the NARROW build wins from NARROW_MIN_ROWS rows, and from 2
@@ -173,7 +179,10 @@ def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int
     resident = launcher.resident_blocks
     max_blocks = max(resident - resident % cluster, cluster)
     halves_pair = cluster_of(num_heads, 2) == 2 and cluster_of(num_heads) == 1
-    return Attention(launcher, spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts, halves_pair, q_tensor_map)
+    segment_cost = CLUSTER_SEGMENT_COST if cluster == 2 and spec.dim_parts == 1 else 1
+    return Attention(
+        launcher, spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts, halves_pair, q_tensor_map, segment_cost
+    )
 
 
 def narrow_attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int) -> Attention:
@@ -182,7 +191,8 @@ def narrow_attention(lib: KernelLibrary, device: Device, num_heads: int, dim_par
     spec = lib.spec(NARROW_SPEC)
     launcher = lib.launcher(device.index, spec)
     q_map = functools.partial(q_tensor_map, head_tile=NARROW_HEAD_TILE)
-    return Attention(launcher, NARROW_HEAD_TILE, BLOCK_N, max(launcher.resident_blocks, 1), 1, False, q_map)
+    blocks = max(launcher.resident_blocks, 1)
+    return Attention(launcher, NARROW_HEAD_TILE, BLOCK_N, blocks, 1, False, q_map, NARROW_SEGMENT_COST)
 
 
 def prefers(num_heads: int, rows: int, tokens: int) -> bool:
