@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import zlib
+from typing import Any
 
 import torch
 
@@ -135,7 +136,8 @@ def decode(results):
         field = "decode_splits" if splits else "decode_parts"
         for heads in (16, 64, 128):
             for n in (1, 5):
-                library = nvfp4_mla.KernelLibrary(decode_backend=name, **{field: n})
+                forced: dict[str, Any] = {field: n}
+                library = nvfp4_mla.KernelLibrary(decode_backend=name, **forced)
                 call(f"decode {name} {heads} heads cut {n} ways", 3, 2, heads, 512, library)
     for rows in (1, 2, 3, 4, 64):
         for heads in (16, 64, 128):
