@@ -82,6 +82,15 @@ def test_schedule_fields_follow_the_layout():
     assert ds.schedule_fields(66, 64, 1, 2, True) == ds.ScheduleFields(66, 6, 1, 2, 1)
 
 
+def test_cut_bounds_by_hand():
+    # Costs 4, 4, 4 (3 tiles and a segment each) in two parts of 6: boundary 1 at cost 6, inside
+    # row 1 (costs 4..8) at its tile 1; moved back to row 1's start, the second part costs 8.
+    found = ds.cut_bounds([3, 3, 3], 2, 1)
+    assert found == ds.CutBounds([(0, 0, 0), (1, 1, 4), (3, 0, 12)], 6, 8)
+    assert ds.schedule([3, 3, 3], 2, 1, 0).split_rows[0] == (1, 0)  # 8 > 6 + 1 + 0: cut
+    assert ds.schedule([3, 3, 3], 2, 1, 1).split_rows[0] == (-1, 0)  # 8 <= 6 + 1 + 1: whole
+
+
 def test_model_by_hand():
     # Costs 4, 1, 1 in two parts of 3: row 0 is cut at its tile 3.
     found = ds.schedule([4, 1, 1], 2, 0, 0)
