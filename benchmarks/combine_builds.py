@@ -5,11 +5,14 @@ build (``KernelLibrary(tune=...)``), graph-replayed (the benchmark's timer:
 128 + 2,048 selections). One CSV row a shape on stdout: the combine's split rows and (m, l) pairs
 (split rows x heads), the partials a split row (the host's list; blank with lengths), the build
 that ``decode_combine.launcher`` takes, and each build's time. Measures the launcher's rule.
+``--most-rows R``: only the sweep's shapes of at most R query rows (batch x q_len), no ragged batch.
 
-    python benchmarks/combine_builds.py [--every N]
+    python benchmarks/combine_builds.py [--every N] [--most-rows R]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from decode_plan_ab import start, sweep_shapes
@@ -22,7 +25,7 @@ from nvfp4_mla.ops.decode_combine import BUILDS, CombineSpec
 
 TIMER = DeviceTimer(reps=1, graph_s=10e-3)  # graph-replayed only
 # The shipped builds, then other forms of the kernel (warps a head, prefetched, loads in flight).
-CANDIDATES = (*BUILDS, CombineSpec(1, 4, 16), CombineSpec(2, 4, 16), CombineSpec(1, 2, 16))
+CANDIDATES = (*BUILDS, CombineSpec(2, 4, 16), CombineSpec(1, 2, 16))
 
 
 def forced(build: CombineSpec) -> nvfp4_mla.KernelLibrary:
@@ -59,18 +62,22 @@ def row(
 
 
 def main() -> None:
-    args, pools, g = start(__doc__)
-    every = args.every
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--most-rows", type=int, default=0, help="only sweep shapes of at most this many query rows")
+    args, pools, g = start(__doc__, parser)
+    every, most_rows = args.every, args.most_rows
     default, libraries = nvfp4_mla.KernelLibrary(), [forced(b) for b in CANDIDATES]
     print("B,ql,H,k,lens,split_rows,pairs,partials,taken," + ",".join(name(b) for b in CANDIDATES), flush=True)
-    for heads in (64, 128):
+    ragged_heads = () if most_rows else (64, 128)
+    for heads in ragged_heads:
         for batch in (32, 64, 128):
             for dist in decode_ragged.RAGGED_DISTRIBUTIONS:
                 x = decode_arms.Inputs(batch, 1, heads, decode_ragged.RAGGED_EXTRA_K, g, pools)
                 lens = decode_ragged.ragged_lengths(dist, batch, decode_ragged.RAGGED_EXTRA_K, g).cuda()
                 k = decode_arms.SWA_K + decode_ragged.RAGGED_EXTRA_K
                 row(pools, x, default, libraries, [batch, 1, heads, k, dist], lens)
-    for batch, q_len, heads, k in sweep_shapes()[::every]:
+    shapes = [s for s in sweep_shapes() if not most_rows or s[0] * s[1] <= most_rows]
+    for batch, q_len, heads, k in shapes[::every]:
         x = decode_arms.Inputs(batch, q_len, heads, k - decode_arms.SWA_K, g, pools)
         row(pools, x, default, libraries, [batch, q_len, heads, k, ""], None)
 
