@@ -12,10 +12,8 @@ that ``decode_combine.launcher`` takes, and each build's time. Measures the laun
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from decode_plan_ab import start, sweep_shapes
+from decode_plan_ab import start, sweep_parser, sweep_shapes
 
 import nvfp4_mla
 from nvfp4_mla.bench import decode_arms, decode_ragged
@@ -62,7 +60,7 @@ def row(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = sweep_parser(__doc__)
     parser.add_argument("--most-rows", type=int, default=0, help="only sweep shapes of at most this many query rows")
     args, pools, g = start(__doc__, parser)
     every, most_rows = args.every, args.most_rows

@@ -39,13 +39,17 @@ def graph_us(pools: decode_arms.Pools, x: decode_arms.Inputs, lib: nvfp4_mla.Ker
     return TIMER.graph(lambda inputs: decode_arms.fused(pools, inputs, library=lib), [x]) * 1e6
 
 
+def sweep_parser(doc: str) -> argparse.ArgumentParser:
+    """A sweep script's argument parser, its module docstring as the help; :func:`start` adds ``--every``."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def start(
     doc: str, parser: argparse.ArgumentParser | None = None
 ) -> tuple[argparse.Namespace, decode_arms.Pools, torch.Generator]:
     """A sweep script's start: its arguments (``parser``'s, if given, and ``--every N``: time every
     Nth shape or batch), the pools on GPU 0, a seeded generator."""
-    if parser is None:
-        parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = parser or sweep_parser(doc)
     parser.add_argument("--every", type=int, default=1, help="time every Nth shape (or batch size)")
     args = parser.parse_args()
     torch.cuda.set_device(0)

@@ -19,12 +19,11 @@ whole.
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Callable
 
 import torch
-from decode_plan_ab import start
+from decode_plan_ab import start, sweep_parser
 
 import nvfp4_mla
 from nvfp4_mla.bench import decode_arms, decode_ragged
@@ -61,7 +60,7 @@ def fixed_costs(pair: tuple[int, int]) -> Callable[[Attention], tuple[int, int]]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = sweep_parser(__doc__)
     parser.add_argument("--pairs", default=OTHERS, help="segment:combine cost pairs besides the planner's")
     parser.add_argument("--batches", default=BATCHES, help="batch sizes")
     args, pools, g = start(__doc__, parser)
@@ -81,8 +80,8 @@ def main() -> None:
                 tiles = decode_scheduler.row_tiles(batch, swa_k, None, extra_k, lens, plan.tile_tokens)
                 cells: list[object] = [batch, heads, dist, f"{int(lens.sum()) / (batch * extra_k):.3f}"]
                 segment_cost = plan.schedule.segment_cost
-                _, payload, longest = decode_scheduler.cut_bounds(tiles, plan.parts, segment_cost)
-                cut = decode_scheduler.schedule(tiles, plan.parts, segment_cost, -(1 << 20))
+                bounds, payload, longest = decode_scheduler.cut_bounds(tiles, plan.parts, segment_cost)
+                cut = decode_scheduler.list_of_bounds([(row, tile) for row, tile, _ in bounds])
                 cells += [plan.parts, plan.tile_tokens, segment_cost, longest - payload - segment_cost]
                 cells.append(cut.split_rows[-1][1])
                 for costs in [plan.schedule.costs, *pairs]:

@@ -52,18 +52,7 @@ def time_us(
     extra_lens = torch.tensor(lens, dtype=torch.int32, device="cuda").view(-1, 1)
 
     def call(inputs: decode_arms.Inputs) -> object:
-        return nvfp4_mla.sparse_mla_decode(
-            inputs.q,
-            pools.caches[0],
-            inputs.slots[0],
-            swa_lens=swa_lens,
-            extra_cache=pools.caches[1],
-            extra_slots=inputs.slots[1],
-            extra_lens=extra_lens,
-            sm_scale=decode_arms.SM_SCALE,
-            sinks=inputs.sinks,
-            library=lib,
-        )
+        return decode_arms.fused(pools, inputs, library=lib, extra_lens=extra_lens, swa_lens=swa_lens)
 
     return TIMER.graph(call, [x]) * 1e6
 

@@ -827,10 +827,9 @@ def test_a_work_list_of_mostly_empty_parts(seed, name, heads):
         library = nvfp4_mla.KernelLibrary(decode_backend=name, decode_parts=parts)
         plan = plan_of(q, pools, library)
         assert plan.parts == parts and (plan.combine is None) == (parts == 1)
-        segment_cost = plan.schedule.segment_cost
-        listed = decode_scheduler.schedule(tiles, parts, segment_cost, plan.schedule.combine_cost)
+        listed = decode_scheduler.schedule(tiles, parts, *plan.schedule.costs)
         busy = sum(any(True for _ in decode_scheduler.segments(part, tiles)) for part in listed.parts)
-        assert busy <= sum(tiles) + 3 * segment_cost  # every other part is empty
+        assert busy <= sum(tiles) + 3 * plan.schedule.segment_cost  # every other part is empty
         got = run(q, pools, sinks=sinks, library=library)
         check(got, want, f"{name}, heads {heads}, {parts} parts, {busy} of them with segments")
     again = run(q, pools, sinks=sinks, library=library)

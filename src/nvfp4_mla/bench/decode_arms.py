@@ -69,13 +69,16 @@ def fused(
     extra_lens: torch.Tensor | None = None,
     plan: nvfp4_mla.SparseMlaDecodePlan | None = None,
     batch_invariant: bool | None = None,
+    swa_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This kernel on the NVFP4 caches (on ``library``: default the process's), with the extra
-    pool's live counts ``extra_lens``, a step's ``plan`` and ``batch_invariant`` where given."""
+    """This kernel on the NVFP4 caches (on ``library``: default the process's), with the pools'
+    live counts ``swa_lens`` and ``extra_lens``, a step's ``plan`` and ``batch_invariant`` where
+    given."""
     return nvfp4_mla.sparse_mla_decode(
         x.q,
         pools.caches[0],
         x.slots[0],
+        swa_lens=swa_lens,
         extra_cache=pools.caches[1],
         extra_slots=x.slots[1],
         extra_lens=extra_lens,
