@@ -38,10 +38,8 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1)
         cluster_sync();
     else
         __syncthreads();
-    // The stream's next kernel (the combine, or the next call) may launch now, except after many
-    // splits of a row (the host's width split; 1 with a scheduled list): then the combine's blocks,
-    // each long, would pile onto the few SMs this grid leaves free and end last
-    // (docs/performance.md#programmatic-dependent-launch).
+    // The stream's next kernel (the combine, or the next call) may launch now, except after more
+    // than EARLY_DEPENDENTS_MAX_SPLITS splits of a row (decode_sm90.py says why).
     // The host's list was written before the call: its part loads under the wait. The
     // scheduler's comes from the stream's previous kernel: after it; so do the lengths a block
     // deals its own list from, in its Q buffer, which only its own first Q copy writes (a peer's

@@ -1,5 +1,6 @@
 // The Hopper decode kernel's build (nvfp4_mla_decode_sm90.cu): its constants, from the -D
-// options BLOCK_N, HEAD_TILE, SMEM_BYTES, CLUSTER, DIM_PARTS and THREADS; its shared-memory layout;
+// options BLOCK_N, HEAD_TILE, SMEM_BYTES, CLUSTER, DIM_PARTS, EARLY_DEPENDENTS_MAX_SPLITS and THREADS;
+// its shared-memory layout;
 // its barriers. docs/kernels/decode_sm90.md describes the block's work.
 #pragma once
 
@@ -35,7 +36,6 @@ constexpr int S_BLOCKS = BN / 8;                  // n-blocks of 8 tokens in S
 constexpr int O_BLOCKS = HALF_DIMS / 8;           // n-blocks of 8 dims in a consumer's O
 constexpr int DIM_BLOCKS = HEAD_DIM / 64;         // NARROW: m-blocks of 64 dims in O^T
 constexpr int RAW_ARRIVALS = 2 * 32;              // a raw unit's barrier: each thread of the warp, twice
-constexpr int EARLY_DEPENDENTS_MAX_SPLITS = 32;   // splits up to which the next kernel launches at the start
 // Registers a thread of each warpgroup after setmaxnreg. The block starts with 168 a thread
 // (__launch_bounds__(384, 1): 64 K registers over 384 threads, in steps of 8), and setmaxnreg.inc
 // only takes what the others' setmaxnreg.dec gave back: the three sum to at most 3 x 168. NARROW

@@ -131,14 +131,19 @@ def test_a_forced_head_tile_on_a_hopper_build_is_refused(monkeypatch):
 
 
 class _StandInLauncher(NamedTuple):
-    """A loaded kernel as the planner sees it: its spec and the blocks the GPU holds at once."""
+    """A loaded kernel as the planner sees it: its spec, the blocks the GPU holds at once and the GPU."""
 
     spec: Any
     resident_blocks: int
+    device: Device
 
     @property
     def threads(self) -> int:
         return self.spec.template.threads
+
+    @property
+    def dependent_launch(self) -> bool:
+        return self.spec.template.dependent_launch and self.device.capability >= 90
 
     def launch(self, *args: int) -> None:
         raise AssertionError("a plan is built, never launched, here")
@@ -148,12 +153,12 @@ _COMBINE_PER_SM = dict(zip(decode_combine.BUILDS, (4, 10, 5, 9)))  # the H200's
 
 
 class _StandInKernels:
-    """Stands in for a KernelCache on a fake GPU of ``sms`` SMs: a launcher of each spec asked for,
+    """Stands in for a KernelCache on a fake GPU (``gpu``): a launcher of each spec asked for,
     holding ``attention`` Hopper attention blocks an SM (one: their shared memory) and
     :data:`_COMBINE_PER_SM` blocks of each combine build."""
 
-    def __init__(self, sms: int = 132, attention: int = 1, mma: int = 1):
-        self.sms, self.attention, self.mma = sms, attention, mma
+    def __init__(self, gpu: Device = FAKE_GPUS[90], attention: int = 1, mma: int = 1):
+        self.gpu, self.attention, self.mma = gpu, attention, mma
 
     def launcher(self, device_index: int, spec: Any) -> _StandInLauncher:
         if isinstance(spec, decode_sm90.WgmmaAttentionSpec):
@@ -164,7 +169,7 @@ class _StandInKernels:
             per_sm = _COMBINE_PER_SM[spec]
         else:
             per_sm = 1
-        return _StandInLauncher(spec, self.sms * per_sm)
+        return _StandInLauncher(spec, self.gpu.sms * per_sm, self.gpu)
 
 
 def _list_plan(monkeypatch, num_heads, rows, kernels=None, capability=90, **forced):
@@ -259,7 +264,7 @@ def test_the_mma_sync_kernel_walks_the_list_too(monkeypatch, capability, num_hea
     if capability == 120 and head_tile == 64:
         forced["decode_head_tile"] = 32  # 64 heads a block do not fit sm_120's shared memory
         head_tile = 32
-    kernels = _StandInKernels(FAKE_GPUS[capability].sms, mma=3)
+    kernels = _StandInKernels(FAKE_GPUS[capability], mma=3)
     plan, _ = _list_plan(monkeypatch, num_heads, rows, kernels, capability, **forced)
     head_tiles = -(-num_heads // head_tile)
     assert (plan.backend, plan.head_tile, plan.tile_tokens) == ("mma_sync", head_tile, decode_mma.BLOCK_N)
@@ -290,6 +295,48 @@ def test_a_batch_invariant_plan_cuts_no_row(monkeypatch, capability, num_heads):
     if capability == 90:  # the backend a large batch takes
         want = decode.select_backend(FAKE_GPUS[90], num_heads, decode_planner.INVARIANT_ROWS, 640).name
         assert kernels == {(want, 16 if want == "wgmma_sm90_narrow" else 64)}
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "rows", "k_extra", "forced", "early_splits", "want"),
+    [
+        # 80 attention blocks leave 52 SMs: SPREAD_PREFETCH's 256 blocks would not fit there (4 an
+        # SM), BESIDE's 64 do (5 an SM).
+        (128, 2, 512, {}, 32, decode_combine.BESIDE),
+        (64, 4, 512, {}, 32, decode_combine.BESIDE),
+        (128, 1, 512, {}, 32, decode_combine.SPREAD_PREFETCH),  # 40 blocks: its 128 fit on the 92 free SMs
+        # The same call with the combine launched after the attention: its 10 splits past the early
+        # launch's, or the mma.sync kernel, which never lets the next kernel launch early.
+        (128, 2, 512, {}, 9, decode_combine.SPREAD_PREFETCH),
+        (128, 2, 512, {"decode_backend": "mma_sync"}, 32, decode_combine.SPREAD_PREFETCH),
+        # 120 NARROW blocks leave 12 SMs, under BESIDE_MIN_FREE_SHARE of the GPU, where BESIDE's 48
+        # blocks would fit.
+        (16, 12, 3072, {}, 32, decode_combine.SPREAD_PREFETCH),
+    ],
+)
+def test_the_combine_beside_the_attention(monkeypatch, num_heads, rows, k_extra, forced, early_splits, want):
+    """Where the combine's blocks start beside the attention's (the Hopper kernel's early launch),
+    the first build that fits the GPU gives way to ``BESIDE`` if its blocks would not all fit on the
+    SMs the attention leaves free and ``BESIDE``'s would (at least a fifth of the SMs free)."""
+    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[90])
+    monkeypatch.setattr(decode_sm90, "EARLY_DEPENDENTS_MAX_SPLITS", early_splits)
+    on_cpu = torch.tensor  # the host's list stays here: no GPU
+    monkeypatch.setattr(torch, "tensor", lambda data, dtype=None, device=None: on_cpu(data, dtype=dtype))
+    library = nvfp4_mla.KernelLibrary(_StandInKernels(), **forced)  # type: ignore[arg-type]  # a stand-in cache
+    plan = decode.plan(library, 0, num_heads, rows, 128, k_extra, False)
+    combine: Any = plan.combine  # a stand-in launcher
+    assert combine.spec == want
+    split_rows = plan.combine_blocks // want.blocks(1, num_heads)
+    assert split_rows * want.blocks(1, num_heads) == plan.combine_blocks and split_rows >= 1
+    assert combine.dependent_launch and (plan.num_splits > early_splits) == (early_splits < 32)
+    free_sms = 132 - plan.blocks
+    first_fit = decode_combine.SPREAD_PREFETCH
+    fits_beside = first_fit.blocks(split_rows, num_heads) <= _COMBINE_PER_SM[first_fit] * free_sms
+    if want is decode_combine.BESIDE:
+        assert not fits_beside and free_sms >= decode_combine.BESIDE_MIN_FREE_SHARE * 132
+        assert want.blocks(split_rows, num_heads) <= _COMBINE_PER_SM[want] * free_sms
+    elif early_splits > plan.num_splits and "decode_backend" not in forced:
+        assert fits_beside or free_sms < decode_combine.BESIDE_MIN_FREE_SHARE * 132
 
 
 def test_a_list_plan_has_at_most_max_list_parts(monkeypatch):

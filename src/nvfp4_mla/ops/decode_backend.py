@@ -85,6 +85,9 @@ class Attention(NamedTuple):
     # What a segment of the work list costs a block besides its tiles (its query load and output
     # rows), in this kernel's tile-times: the scheduler balances parts by it.
     segment_cost: int = 1
+    # Splits of a row up to which the kernel lets the stream's next kernel (the combine) launch at
+    # its start, its blocks beside the attention's; 0: never (the next kernel starts after it).
+    early_dependents_max_splits: int = 0
 
 
 # The KernelLibrary fields a backend may accept (DecodeBackend.overrides). Every backend takes

@@ -86,6 +86,14 @@ SPREAD = CombineSpec(4, 4, 16)
 PACKED_PREFETCH = CombineSpec(1, 4, 16)
 PACKED = CombineSpec(1, 1, 8)
 BUILDS = (SPREAD_PREFETCH, SPREAD, PACKED_PREFETCH, PACKED)
+# Where the combine's blocks start beside the attention's (programmatic dependent launch) and the
+# preferred build's blocks outnumber what the SMs the attention leaves free hold, the rest start on
+# the attention's SMs as its blocks leave, and hold the stream's next kernel off those SMs until
+# they end. BESIDE, whose blocks (four pairs each) fit there more often, is faster then, if at
+# least BESIDE_MIN_FREE_SHARE of the SMs are free: on fewer, it is slower than the spread blocks
+# (docs/performance.md#split-combine).
+BESIDE = PACKED_PREFETCH
+BESIDE_MIN_FREE_SHARE = 0.2
 
 
 def specs() -> tuple[CombineSpec, ...]:
@@ -93,15 +101,28 @@ def specs() -> tuple[CombineSpec, ...]:
     return BUILDS
 
 
-def launcher(lib: KernelLibrary, device_index: int, split_rows: int, num_heads: int) -> tuple[Launcher, int]:
+def launcher(
+    lib: KernelLibrary, device_index: int, split_rows: int, num_heads: int, free_sms: int = 0
+) -> tuple[Launcher, int]:
     """The combine of ``split_rows`` rows of ``num_heads`` heads and its grid: the first of
-    :data:`BUILDS` whose blocks fit the GPU at once, else the last (the most pairs at once). The
-    grid is the built spec's (after the library's ``tune``), so a tuned build never reads past the
-    list's split rows."""
-    for build in BUILDS:
+    :data:`BUILDS` whose blocks fit the GPU at once, else the last (the most pairs at once);
+    :data:`BESIDE` instead where that build's blocks would not fit on the ``free_sms`` SMs that the
+    attention leaves free while the combine's blocks start beside it (0: they start after it) and
+    its blocks would. The grid is the built spec's (after the library's ``tune``), so a tuned build
+    never reads past the list's split rows."""
+
+    def built(build: CombineSpec) -> tuple[Launcher, int, int]:
         spec = lib.spec(build)
         found = lib.launcher(device_index, spec)
-        blocks = spec.blocks(split_rows, num_heads)
+        per_sm = found.resident_blocks // found.device.sms
+        return found, spec.blocks(split_rows, num_heads), per_sm * free_sms
+
+    for build in BUILDS:
+        found, blocks, beside = built(build)
         if blocks <= found.resident_blocks:
             break
+    if blocks > beside and free_sms >= BESIDE_MIN_FREE_SHARE * found.device.sms and build is not BESIDE:
+        other, other_blocks, other_beside = built(BESIDE)
+        if other_blocks <= other_beside:
+            return other, other_blocks
     return found, blocks

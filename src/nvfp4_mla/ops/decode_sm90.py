@@ -53,6 +53,10 @@ NARROW_HEAD_TILE = 16  # the NARROW build: 16 heads a block as wgmma's N, one co
 # and the NARROW build take 2, the other builds 1.
 CLUSTER_SEGMENT_COST = 2
 NARROW_SEGMENT_COST = 2
+# Splits of a row (the host's width split; 1 with a dealt list) up to which the kernel lets the
+# stream's next kernel launch at its start: past them the combine's blocks, each long, would pile
+# onto the few SMs this grid leaves free (docs/performance.md#programmatic-dependent-launch).
+EARLY_DEPENDENTS_MAX_SPLITS = 32
 
 # The shapes each build takes. The 64-head build wins from WGMMA_MIN_HEADS heads at every row
 # count. Up to NARROW_HEAD_TILE heads the NARROW build wins from NARROW_MIN_ROWS rows, and from 2
@@ -126,6 +130,7 @@ class WgmmaAttentionSpec(NamedTuple):
             "SMEM_BYTES": shared_bytes(self.head_tile),
             "CLUSTER": self.cluster,
             "DIM_PARTS": self.dim_parts,
+            "EARLY_DEPENDENTS_MAX_SPLITS": EARLY_DEPENDENTS_MAX_SPLITS,
             **SCHEDULE_DEFINES,
         }
 
@@ -181,7 +186,15 @@ def attention(lib: KernelLibrary, device: Device, num_heads: int, dim_parts: int
     halves_pair = cluster_of(num_heads, 2) == 2 and cluster_of(num_heads) == 1
     segment_cost = CLUSTER_SEGMENT_COST if cluster == 2 and spec.dim_parts == 1 else 1
     return Attention(
-        launcher, spec.head_tile, BLOCK_N, max_blocks, spec.dim_parts, halves_pair, q_tensor_map, segment_cost
+        launcher,
+        spec.head_tile,
+        BLOCK_N,
+        max_blocks,
+        spec.dim_parts,
+        halves_pair,
+        q_tensor_map,
+        segment_cost,
+        EARLY_DEPENDENTS_MAX_SPLITS,
     )
 
 
@@ -192,7 +205,9 @@ def narrow_attention(lib: KernelLibrary, device: Device, num_heads: int, dim_par
     launcher = lib.launcher(device.index, spec)
     q_map = functools.partial(q_tensor_map, head_tile=NARROW_HEAD_TILE)
     blocks = max(launcher.resident_blocks, 1)
-    return Attention(launcher, NARROW_HEAD_TILE, BLOCK_N, blocks, 1, False, q_map, NARROW_SEGMENT_COST)
+    return Attention(
+        launcher, NARROW_HEAD_TILE, BLOCK_N, blocks, 1, False, q_map, NARROW_SEGMENT_COST, EARLY_DEPENDENTS_MAX_SPLITS
+    )
 
 
 def prefers(num_heads: int, rows: int, tokens: int) -> bool:
