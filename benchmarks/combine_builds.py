@@ -78,7 +78,6 @@ def main() -> None:
                 lens = decode_ragged.ragged_lengths(dist, batch, decode_ragged.RAGGED_EXTRA_K, g).cuda()
                 k = decode_arms.SWA_K + decode_ragged.RAGGED_EXTRA_K
                 row(pools, x, default, libraries, [batch, 1, heads, k, dist], lens)
-    shapes = [s for s in sweep_shapes() if not most_rows or s[0] * s[1] <= most_rows]
     if args.off_sweep:
         shapes = [
             (rows // q_len, q_len, heads, k)
@@ -88,6 +87,8 @@ def main() -> None:
             for q_len in (1, 2)
             if rows % q_len == 0
         ]
+    else:
+        shapes = [s for s in sweep_shapes() if not most_rows or s[0] * s[1] <= most_rows]
     for batch, q_len, heads, k in shapes[::every]:
         x = decode_arms.Inputs(batch, q_len, heads, k - decode_arms.SWA_K, g, pools)
         row(pools, x, default, libraries, [batch, q_len, heads, k, ""], None)
