@@ -1,7 +1,7 @@
 // The split combine of every sparse-decode backend: WARPS_A_HEAD warps per (split row of the work
 // list, head) merge the row's partial outputs in slot order (deterministic) and finish the row as the
 // attention kernels do (docs/kernels/combine.md); a block holds HEADS_A_BLOCK heads of one split row.
-// -D constants: MAX_SPLITS, PREFETCH, IN_FLIGHT, WARPS_A_HEAD; THREADS and the record ABI come from
+// -D constants: MAX_SPLITS, PREFETCH, IN_FLIGHT, TAIL_CHUNK, WARPS_A_HEAD; THREADS and the record ABI come from
 // jit.py/abi.py.
 #include "nvfp4_mla_params.cuh"  // Params: decode_combine.COMBINE_PARAMS
 #include "nvfp4_mla_ptx.cuh"
@@ -12,8 +12,9 @@ constexpr int WARPS = THREADS / 32;
 constexpr int HEAD_THREADS = 32 * WARPS_A_HEAD;
 constexpr int HEADS_A_BLOCK = WARPS / WARPS_A_HEAD;
 constexpr int VECS = HEAD_DIM / 4 / HEAD_THREADS;  // a thread's float4 of a head's row, HEAD_THREADS apart
-static_assert(WARPS % WARPS_A_HEAD == 0 && VECS * HEAD_THREADS * 4 == HEAD_DIM && IN_FLIGHT % VECS == 0,
-              "whole heads a block, whole float4 a thread");
+static_assert(WARPS % WARPS_A_HEAD == 0 && VECS * HEAD_THREADS * 4 == HEAD_DIM && IN_FLIGHT % VECS == 0 &&
+                  TAIL_CHUNK >= 1,
+              "whole heads a block, whole float4 a thread, a partial a chunk at least");
 
 // A block's row and its partials: the row's `count` partial entries start at entry `first` of the
 // workspace (an entry is a head's partial row and its (m, l)), `stride` entries apart.
@@ -33,8 +34,8 @@ __device__ __forceinline__ RowPartials row_partials(const Params& p, i64 i, i64 
 // order (every thread's sums in the same order, whatever the build). Each warp weighs the row's
 // partials itself, so no warp waits for another. The first PREFETCH partial rows are loaded with the
 // (m, l), so up to PREFETCH partials a warp waits for one round trip of loads, not two; past them a
-// thread keeps IN_FLIGHT float4 loads in flight. The host's builds and which a call takes:
-// decode_combine.launcher.
+// thread keeps IN_FLIGHT float4 loads in flight, then loads the last partials TAIL_CHUNK at a time.
+// The host's builds and which a call takes: decode_combine.launcher.
 extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(const Params p) {
     __shared__ float weights[WARPS][MAX_SPLITS], sums[WARPS][MAX_SPLITS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = threadIdx.x % HEAD_THREADS;
@@ -90,13 +91,34 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
 #pragma unroll
     for (int s = 0; s < PREFETCH; ++s)
         if (s < count) add(s, early[s]);
-    const float4* at = partial + PREFETCH * step;  // advanced, not multiplied: a 64-bit product a load costs registers
-#pragma unroll(IN_FLIGHT / VECS)
-    for (int s = PREFETCH; s < count; ++s, at += step) {
-        float4 x[VECS];
+    // Past the prefetched partials, whole batches of BATCH partials (IN_FLIGHT loads a thread) a
+    // round trip, then the rest in predicated chunks of CHUNK partials (a chunk as large as a batch
+    // costs registers). Pointers are advanced, not multiplied: a 64-bit product a load costs
+    // registers.
+    constexpr int BATCH = IN_FLIGHT / VECS, CHUNK = TAIL_CHUNK;
+    const float4* at = partial + PREFETCH * step;
+    int s = PREFETCH;
+#pragma unroll 1
+    for (; s + BATCH <= count; s += BATCH) {
+        float4 x[BATCH][VECS];
 #pragma unroll
-        for (int v = 0; v < VECS; ++v) x[v] = at[v * HEAD_THREADS];
-        add(s, x);
+        for (int b = 0; b < BATCH; ++b, at += step)
+#pragma unroll
+            for (int v = 0; v < VECS; ++v) x[b][v] = at[v * HEAD_THREADS];
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) add(s + b, x[b]);
+    }
+#pragma unroll 1
+    for (; s < count; s += CHUNK) {
+        float4 x[CHUNK][VECS];
+#pragma unroll
+        for (int c = 0; c < CHUNK; ++c, at += step)
+#pragma unroll
+            for (int v = 0; v < VECS; ++v)
+                x[c][v] = s + c < count ? at[v * HEAD_THREADS] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int c = 0; c < CHUNK; ++c)
+            if (s + c < count) add(s + c, x[c]);
     }
     const float lse = row_lse(m, l);
     const float factor = output_factor(l, lse, p.sinks, head);

@@ -654,9 +654,9 @@ def one_row_cut_most_ways(tile_tokens: int, segment_cost: int) -> int:
     raise AssertionError("no row length is cut into MAX_PARTIALS segments")
 
 
-# (warps a head, partials prefetched, loads in flight): the shipped builds and the kernel's other
-# forms, none spilling.
-FORMS = ((1, 0, 4), (2, 2, 8), (4, 0, 1), (4, 1, 4))
+# (warps a head, partials prefetched, loads in flight, the tail's partials at a time): the shipped
+# builds and the kernel's other forms, none spilling.
+FORMS = ((1, 0, 4, 1), (2, 2, 8, 2), (4, 0, 1, 1), (4, 1, 4, 3))
 BUILDS = [*decode_combine.BUILDS, *(decode_combine.CombineSpec(*f) for f in FORMS)]
 
 

@@ -36,11 +36,13 @@ COMBINE_PARAMS = ParamsLayout(
 class CombineSpec(NamedTuple):
     """A build of the split combine: ``warps_a_head`` warps merge a (split row, head), so a block
     holds ``4 // warps_a_head`` heads of a split row, loading the first ``prefetch`` partial rows
-    with the partials' (m, l), then ``in_flight`` float4 loads a thread at once."""
+    with the partials' (m, l), then ``in_flight`` float4 loads a thread at once while whole batches
+    of partials remain, then the rest ``tail_chunk`` partial rows at a time."""
 
     warps_a_head: int
     prefetch: int
     in_flight: int
+    tail_chunk: int = 1
     max_splits: int = MAX_PARTIALS
 
     def blocks(self, split_rows: int, num_heads: int) -> int:
@@ -65,23 +67,25 @@ class CombineSpec(NamedTuple):
             "MAX_SPLITS": self.max_splits,
             "PREFETCH": self.prefetch,
             "IN_FLIGHT": self.in_flight,
+            "TAIL_CHUNK": self.tail_chunk,
             "WARPS_A_HEAD": self.warps_a_head,
         }
 
     def describe(self) -> str:
         return (
             f"decode split combine, {self.warps_a_head} warps a head, {self.prefetch} splits prefetched, "
-            f"{self.in_flight} loads in flight"
+            f"{self.in_flight} loads in flight, the rest {self.tail_chunk} at a time"
         )
 
 
 # The builds, in the order a call prefers them: each holds more (split row, head) pairs at once than
 # the one before (docs/performance.md#split-combine). Four warps a pair, a thread a float4 of its 512
 # dims: SPREAD_PREFETCH loads 16 partial rows with the (m, l) (one round trip up to 16 partials; its
-# registers cost blocks an SM), SPREAD four (fewer registers, more blocks an SM). A warp a pair and
-# four pairs a block: PACKED_PREFETCH loads four partial rows with the (m, l), PACKED one (fewer
-# registers, more blocks an SM).
-SPREAD_PREFETCH = CombineSpec(4, 16, 16)
+# registers cost blocks an SM) and the partials past whole batches of 16 four at a time, SPREAD four
+# with the (m, l) (fewer registers, more blocks an SM) and the rest one at a time (four at a time
+# was slower). A warp a pair and four pairs a block: PACKED_PREFETCH loads four partial rows with
+# the (m, l), PACKED one (fewer registers, more blocks an SM).
+SPREAD_PREFETCH = CombineSpec(4, 16, 16, tail_chunk=4)
 SPREAD = CombineSpec(4, 4, 16)
 PACKED_PREFETCH = CombineSpec(1, 4, 16)
 PACKED = CombineSpec(1, 1, 8)
