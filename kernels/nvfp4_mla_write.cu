@@ -6,6 +6,7 @@
 // after them write the query.
 #include "nvfp4_numerics.cuh"
 #include "nvfp4_mla_params.cuh"  // Params: writer_spec.WRITE_PARAMS
+#include "nvfp4_mla_ptx.cuh"
 
 // THREADS, UNIT_THREADS and the record ABI (HEAD_DIM, NOPE_DIM, ROPE_PAIRS, DATA_BYTES,
 // NOPE_BYTES, SCALE_BYTES, NUM_GROUPS) come from nvfp4_mla/abi.py and jit.py as -D options too.
@@ -389,6 +390,9 @@ __device__ __forceinline__ void rotate_q_in_place(const Params& p, i64 first, in
 #endif
 
 extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_write(const Params p) {
+    // The stream's next kernel may launch now (a decode's attention after a layer's write: its setup
+    // runs under this kernel's end, then it waits for this kernel's memory before any read).
+    launch_dependents();
     const int c = threadIdx.x % UNIT_THREADS;
     const i64 unit_of_block = threadIdx.x / UNIT_THREADS;
     if (blockIdx.x < p.kv_blocks) {
