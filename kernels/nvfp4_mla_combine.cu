@@ -1,8 +1,8 @@
 // The split combine of every sparse-decode backend: WARPS_A_HEAD warps per (split row of the work
 // list, head) merge the row's partial outputs in slot order (deterministic) and finish the row as the
 // attention kernels do (docs/kernels/combine.md); a block holds HEADS_A_BLOCK heads of one split row.
-// -D constants: MAX_SPLITS, PREFETCH, IN_FLIGHT, TAIL_CHUNK, WARPS_A_HEAD; THREADS and the record ABI come from
-// jit.py/abi.py.
+// -D constants: MAX_SPLITS, PREFETCH, IN_FLIGHT, TAIL_CHUNK, WARPS_A_HEAD; THREADS and the record
+// ABI come from jit.py/abi.py.
 #include "nvfp4_mla_params.cuh"  // Params: decode_combine.COMBINE_PARAMS
 #include "nvfp4_mla_ptx.cuh"
 #include "nvfp4_mla_softmax.cuh"
@@ -92,10 +92,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
     for (int s = 0; s < PREFETCH; ++s)
         if (s < count) add(s, early[s]);
     // Past the prefetched partials, whole batches of BATCH partials (IN_FLIGHT loads a thread) a
-    // round trip, then the rest in predicated chunks of CHUNK partials (a chunk as large as a batch
-    // costs registers). Pointers are advanced, not multiplied: a 64-bit product a load costs
+    // round trip, then the rest in predicated chunks of TAIL_CHUNK partials (a chunk as large as a
+    // batch costs registers). Pointers are advanced, not multiplied: a 64-bit product a load costs
     // registers.
-    constexpr int BATCH = IN_FLIGHT / VECS, CHUNK = TAIL_CHUNK;
+    constexpr int BATCH = IN_FLIGHT / VECS;
     const float4* at = partial + PREFETCH * step;
     int s = PREFETCH;
 #pragma unroll 1
@@ -109,15 +109,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
         for (int b = 0; b < BATCH; ++b) add(s + b, x[b]);
     }
 #pragma unroll 1
-    for (; s < count; s += CHUNK) {
-        float4 x[CHUNK][VECS];
+    for (; s < count; s += TAIL_CHUNK) {
+        float4 x[TAIL_CHUNK][VECS];
 #pragma unroll
-        for (int c = 0; c < CHUNK; ++c, at += step)
+        for (int c = 0; c < TAIL_CHUNK; ++c, at += step)
 #pragma unroll
             for (int v = 0; v < VECS; ++v)
                 x[c][v] = s + c < count ? at[v * HEAD_THREADS] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-        for (int c = 0; c < CHUNK; ++c)
+        for (int c = 0; c < TAIL_CHUNK; ++c)
             if (s + c < count) add(s + c, x[c]);
     }
     const float lse = row_lse(m, l);

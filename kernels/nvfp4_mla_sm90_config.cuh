@@ -1,7 +1,7 @@
 // The Hopper decode kernel's build (nvfp4_mla_decode_sm90.cu): its constants, from the -D
-// options BLOCK_N, HEAD_TILE, SMEM_BYTES, CLUSTER, DIM_PARTS, EARLY_DEPENDENTS_MAX_SPLITS and THREADS;
-// its shared-memory layout;
-// its barriers. docs/kernels/decode_sm90.md describes the block's work.
+// options BLOCK_N, HEAD_TILE, SMEM_BYTES, CLUSTER, DIM_PARTS, EARLY_DEPENDENTS_MAX_SPLITS and
+// THREADS; its shared-memory layout; its barriers. docs/kernels/decode_sm90.md describes the
+// block's work.
 #pragma once
 
 #include "nvfp4_mla_params.cuh"

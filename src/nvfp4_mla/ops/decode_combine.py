@@ -100,6 +100,11 @@ BESIDE = PACKED_PREFETCH
 BESIDE_MIN_FREE_SHARE = 0.2
 
 
+def blocks_an_sm(launcher: Launcher) -> int:
+    """The blocks of ``launcher``'s kernel an SM holds at once (at least one)."""
+    return launcher.resident_blocks // launcher.device.sms
+
+
 def specs() -> tuple[CombineSpec, ...]:
     """Every build."""
     return BUILDS
@@ -118,8 +123,7 @@ def launcher(
     def built(build: CombineSpec) -> tuple[Launcher, int, int]:
         spec = lib.spec(build)
         found = lib.launcher(device_index, spec)
-        per_sm = found.resident_blocks // found.device.sms
-        return found, spec.blocks(split_rows, num_heads), per_sm * free_sms
+        return found, spec.blocks(split_rows, num_heads), blocks_an_sm(found) * free_sms
 
     for build in BUILDS:
         found, blocks, beside = built(build)

@@ -216,8 +216,8 @@ def plan(
         list_values = 0
     # The SMs the attention's blocks leave free while the combine's start beside them.
     beside = num_splits <= attention.early_dependents_max_splits and attention.launcher.dependent_launch
-    per_sm = attention.launcher.resident_blocks // gpu.sms  # at least 1: Launcher.resident_blocks
-    free_sms = max(gpu.sms - -(-parts * per_part // per_sm), 0) if beside else 0
+    attention_sms = -(-parts * per_part // decode_combine.blocks_an_sm(attention.launcher))
+    free_sms = max(gpu.sms - attention_sms, 0) if beside else 0
     combine, combine_blocks = (
         (None, 0) if not split_rows else decode_combine.launcher(lib, gpu.index, split_rows, num_heads, free_sms)
     )
