@@ -8,6 +8,11 @@ requests (docs/serving.md explains each piece):
 2. ``sparse_mla_decode`` attends over the request's sliding window plus its top-k rows of the
    compressed pool, in one call per layer.
 
+The step's work list is planned once: ``plan_sparse_mla_decode`` is made with the step's tables and
+length tensors, ``plan.update()`` runs at the step's start (one scheduler launch, inside the graph),
+and every layer's call passes ``plan=`` and deals no list of its own (``--one-call``: each call
+deals its own, for comparison).
+
 The batch is ragged: every request has its own context length, so its own number of live window
 entries (``swa_lens``) and of live top-k selections (``extra_lens``). On a GPU the whole step (all
 layers) is captured once in one CUDA graph; the lengths then change between replays without a new
@@ -15,7 +20,8 @@ capture, as they do from one decode step to the next.
 
 On a GPU it prints the step's time (graph-replayed), the attention's share of it, and the cache
 size against FlashMLA's FP8 layout. Without a usable GPU (or with ``--cpu``) it runs a small step
-on the pure-torch reference (``nvfp4_mla.reference``) and says so.
+on CPU tensors, where the same entries run the pure-torch reference (``nvfp4_mla.reference``), and
+says so.
 
     python examples/decode_step.py                       # 61 layers, batch 32, 16 heads a rank
     python examples/decode_step.py --layers 4 --batch 8  # a smaller step
@@ -30,8 +36,8 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
@@ -123,18 +129,18 @@ def load(inputs: StepInputs, values: dict[str, torch.Tensor]) -> None:
         getattr(inputs, name).copy_(value)
 
 
-def new_layer(ops: ModuleType, swa_pages: int, extra_pages: int, heads: int, device: str) -> Layer:
+def new_layer(swa_pages: int, extra_pages: int, heads: int, device: str) -> Layer:
     """A layer's two pools, filled with rows as prefill and earlier steps would have written them."""
 
     def pool(num_pages: int) -> torch.Tensor:
         rows = torch.randn(num_pages, PAGE_SIZE, HEAD_DIM, device=device).bfloat16()
-        return ops.nvfp4_quantize_pack_sparse_mla_cache(rows)  # HND [num_pages, 1, PAGE_SIZE, 384]
+        return nvfp4_mla.nvfp4_quantize_pack_sparse_mla_cache(rows)  # HND [num_pages, 1, PAGE_SIZE, 384]
 
     sinks = torch.randn(heads, device=device)
     return Layer(pool(swa_pages), pool(extra_pages), sinks)
 
 
-def layer_write(ops: ModuleType, layer: Layer, inputs: StepInputs, cos_sin: torch.Tensor) -> torch.Tensor:
+def layer_write(layer: Layer, inputs: StepInputs, cos_sin: torch.Tensor) -> torch.Tensor:
     """The cache-update hook: the new token's row into the window pool, and the rotated query back.
 
     Why the main entry: per layer and per step the engine has the query heads and the new latent
@@ -144,17 +150,24 @@ def layer_write(ops: ModuleType, layer: Layer, inputs: StepInputs, cos_sin: torc
     has no query: it is for rows without one (the compressed pool's writes, speculative context).
     """
     heads = inputs.q.shape[1]
-    return ops.cake_dsv4_nvfp4_rope_quantize_insert(
+    return nvfp4_mla.cake_dsv4_nvfp4_rope_quantize_insert(
         inputs.q, inputs.kv, layer.swa_cache, inputs.slot_mapping, inputs.positions, cos_sin, q_head_padded=heads
     )
 
 
 def layer_attend(
-    ops: ModuleType, layer: Layer, inputs: StepInputs, q_rot: torch.Tensor
+    layer: Layer,
+    inputs: StepInputs,
+    q_rot: torch.Tensor,
+    plan: nvfp4_mla.SparseMlaDecodePlan | None,
+    attend: Callable[..., tuple[torch.Tensor, torch.Tensor]] = nvfp4_mla.sparse_mla_decode,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode attention of one layer: one call over both pools; each call plans itself."""
+    """The decode attention of one layer: one call over both pools, on the step's plan (None: the
+    call deals its own work list). ``attend`` is the entry (the check passes the reference's, which
+    takes no plan)."""
     batch, heads = q_rot.shape[0], q_rot.shape[1]
-    return ops.sparse_mla_decode(
+    options = {} if plan is None else {"plan": plan}
+    return attend(
         q_rot.view(batch, 1, heads, HEAD_DIM),  # [batch, q_len = 1, heads, 512]
         layer.swa_cache,
         inputs.swa_slots,
@@ -164,16 +177,27 @@ def layer_attend(
         extra_lens=inputs.extra_lens,
         sm_scale=SM_SCALE,
         sinks=layer.sinks,
+        **options,
     )
 
 
-def decode_step(ops: ModuleType, layers: list[Layer], inputs: StepInputs, cos_sin: torch.Tensor) -> list:
-    """All layers of one step: write, then attend. (In the model, layer l's output feeds layer l+1
-    through projections and the MoE; here every layer reuses the same stand-in q and kv.)"""
+def decode_step(
+    layers: list[Layer],
+    inputs: StepInputs,
+    cos_sin: torch.Tensor,
+    plan: nvfp4_mla.SparseMlaDecodePlan | None,
+    q_rot: torch.Tensor | None = None,
+) -> list:
+    """All layers of one step: the plan's work list from this step's lengths, then each layer's
+    write and attention. (In the model, layer l's output feeds layer l+1 through projections and the
+    MoE; here every layer reuses the same stand-in q and kv.) With ``q_rot``, the attention alone:
+    no writes, every layer attends with that query."""
+    if plan is not None:
+        plan.update()  # one scheduler launch; a CUDA graph replays it with the step
     outputs = []
     for layer in layers:
-        q_rot = layer_write(ops, layer, inputs, cos_sin)
-        outputs.append(layer_attend(ops, layer, inputs, q_rot))
+        q_layer = layer_write(layer, inputs, cos_sin) if q_rot is None else q_rot
+        outputs.append(layer_attend(layer, inputs, q_layer, plan))
     return outputs
 
 
@@ -218,7 +242,7 @@ def check_against_reference(out: torch.Tensor, inputs: StepInputs, layer: Layer,
         cos_sin,
         q_head_padded=heads,
     )
-    want, _ = layer_attend(nvfp4_mla.reference, layer, inputs, q_rot)
+    want, _ = layer_attend(layer, inputs, q_rot, None, nvfp4_mla.reference.sparse_mla_decode)
     return ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
@@ -230,13 +254,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-len", type=int, help="longest context (default 4096 on a GPU, 512 on the CPU)")
     parser.add_argument("--replays", type=int, default=50, help="graph replays timed (GPU)")
     parser.add_argument("--cpu", action="store_true", help="run the reference on the CPU even with a GPU")
+    parser.add_argument("--one-call", action="store_true", help="no plan: each layer's call deals its own work")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     reason = "--cpu" if args.cpu else nvfp4_mla.gpu_unavailable_reason()
     on_gpu = reason is None
     device = "cuda" if on_gpu else "cpu"
-    ops: ModuleType = nvfp4_mla if on_gpu else nvfp4_mla.reference  # same entries, same arguments
     num_layers = args.layers or (61 if on_gpu else 2)
     batch = args.batch or (32 if on_gpu else 3)
     max_len = args.max_len or (4096 if on_gpu else 512)
@@ -255,8 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     swa_pages = Pages(batch, pages_per_request, g)
     extra_pages = Pages(batch, extra_pages_per_request, g)
     layers = [
-        new_layer(ops, batch * pages_per_request, batch * extra_pages_per_request, heads, device)
-        for _ in range(num_layers)
+        new_layer(batch * pages_per_request, batch * extra_pages_per_request, heads, device) for _ in range(num_layers)
     ]
     cos_sin = nvfp4_mla.rope_table(max_len, device)  # the engine passes its model's own table
 
@@ -269,15 +292,27 @@ def main(argv: list[str] | None = None) -> None:
         **{name: torch.empty_like(value, device=device) for name, value in index_tensors.items()},
     )
     load(inputs, index_tensors)
+    # Once for the batch shape, with the buffers every layer's call passes (on CPU tensors it is
+    # checked, and the reference runs).
+    plan = None
+    if not args.one_call:
+        plan = nvfp4_mla.plan_sparse_mla_decode(
+            heads,
+            inputs.swa_slots,
+            swa_lens=inputs.swa_lens,
+            extra_slots=inputs.extra_slots,
+            extra_lens=inputs.extra_lens,
+        )
     print(
         f"step: {num_layers} layers, batch {batch} (context lengths {min(seq_lens)}..{max(seq_lens)}), "
-        f"{heads} heads, window {WINDOW} + top-{TOPK} compressed, page size {PAGE_SIZE}"
+        f"{heads} heads, window {WINDOW} + top-{TOPK} compressed, page size {PAGE_SIZE}, "
+        + ("each call deals its own work" if plan is None else "one plan a step")
     )
 
     if on_gpu:
-        step_graph, outputs = capture(lambda: decode_step(ops, layers, inputs, cos_sin))
+        step_graph, outputs = capture(lambda: decode_step(layers, inputs, cos_sin, plan))
         q_rot = torch.randn(batch, heads, HEAD_DIM, device=device).bfloat16()
-        attention_graph, _ = capture(lambda: [layer_attend(ops, layer, inputs, q_rot) for layer in layers])
+        attention_graph, _ = capture(lambda: decode_step(layers, inputs, cos_sin, plan, q_rot))
         # The next step: every request one token longer, new top-k selections. Copy, replay: no recapture.
         seq_lens = [n + 1 for n in seq_lens]
         load(inputs, host_batch(seq_lens, swa_pages, extra_pages, g))
@@ -290,9 +325,9 @@ def main(argv: list[str] | None = None) -> None:
         write_s = attend_s = 0.0
         for layer in layers:  # the same step, eager, each half timed
             t0 = time.perf_counter()
-            q_rot = layer_write(ops, layer, inputs, cos_sin)
+            q_rot = layer_write(layer, inputs, cos_sin)
             t1 = time.perf_counter()
-            layer_attend(ops, layer, inputs, q_rot)
+            layer_attend(layer, inputs, q_rot, plan)
             t2 = time.perf_counter()
             write_s, attend_s = write_s + t1 - t0, attend_s + t2 - t1
         step_ms, attention_ms = 1e3 * (write_s + attend_s), 1e3 * attend_s

@@ -83,7 +83,7 @@ class CombineSpec(NamedTuple):
 # dims: SPREAD_PREFETCH loads 16 partial rows with the (m, l) (one round trip up to 16 partials; its
 # registers cost blocks an SM) and the partials past whole batches of 16 four at a time, SPREAD four
 # with the (m, l) (fewer registers, more blocks an SM) and the rest one at a time (four at a time
-# not shown faster). A warp a pair and four pairs a block: PACKED_PREFETCH loads four partial rows with
+# measured slower). A warp a pair and four pairs a block: PACKED_PREFETCH loads four partial rows with
 # the (m, l), PACKED one (fewer registers, more blocks an SM).
 SPREAD_PREFETCH = CombineSpec(4, 16, 16, tail_chunk=4)
 SPREAD = CombineSpec(4, 4, 16)
