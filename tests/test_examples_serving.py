@@ -85,11 +85,14 @@ def test_the_readme_links_the_serving_page():
 # ---------------------------------------------------------------- examples/decode_step.py
 
 
-def test_the_decode_step_example_runs_small_on_the_cpu():
-    output = run_example("--cpu", "--layers", "2", "--batch", "3", "--max-len", "256")
+@pytest.mark.parametrize(
+    ("option", "form"), [((), "one plan a step"), (("--one-call",), "each call deals its own work")]
+)
+def test_the_decode_step_example_runs_small_on_the_cpu(option, form):
+    output = run_example("--cpu", "--layers", "2", "--batch", "3", "--max-len", "256", *option)
     lines = output.splitlines()
     assert lines[0].startswith("device: cpu") and "reference" in lines[0], output
-    assert lines[1].startswith("step: 2 layers, batch 3 "), output
+    assert lines[1].startswith("step: 2 layers, batch 3 ") and lines[1].endswith(form), output
     assert re.match(r"step time: [0-9.]+ ms \(eager, reference", lines[2]), output
     assert re.match(r"attention: [0-9.]+ ms, [0-9]+% of the step", lines[3]), output
     assert lines[4].startswith("cache: 384 B a token (NVFP4) vs 584 B (FlashMLA FP8), 0.658x"), output
@@ -99,6 +102,7 @@ def test_the_decode_step_example_runs_small_on_the_cpu():
 def test_the_decode_step_example_runs_on_a_gpu_in_one_graph():
     output = run_example("--layers", "4", "--batch", "8", "--replays", "5")
     assert "captured in one CUDA graph" in output and "(graph-replayed)" in output, output
+    assert "one plan a step" in output, output  # the check below reads outputs after the lengths changed
     error = re.search(r"check: layer 0 .* largest difference ([0-9.e+-]+) of the largest value", output)
     assert error and float(error.group(1)) < 2**-5, output
     assert re.search(r"attention: [0-9.]+ ms, [0-9]+% of the step", output), output
