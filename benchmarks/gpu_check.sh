@@ -44,16 +44,17 @@ fi
 if wants sanitizers; then  # the reader and the attention kernel: invalid slots, masks, lonely rows, NaN records
     step memcheck-rd "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
         --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_reader_gpu.py tests/test_decode_gpu.py \
-        -k "invalid or lonely or nan or two_pools or random or split"
+        -k "invalid or lonely or nan or two_pools or random or split or long_selection"
     for tool in memcheck racecheck synccheck; do  # the decode scheduling: its shared marks, ballots and barriers, in the
         # scheduler and in the attention kernels' blocks
         step "$tool-s" "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" \
             --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_decode_scheduler.py \
             tests/test_decode_plan.py -k "device_list or (models_list and not 2000)"
     done
-    for tool in racecheck synccheck; do  # the Hopper kernel's mbarriers and named barriers too
+    for tool in racecheck synccheck; do  # the Hopper kernel's mbarriers and named barriers, and the combine
         step "$tool-d" "$OUT/sanitizers.log" 0 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" \
-            --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_decode_gpu.py -k "lonely or two_pools"
+            --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider tests/test_decode_gpu.py \
+            -k "lonely or two_pools or (long_selection and default)"
     done
 fi
 # The seeded out-of-bounds write must be reported (exit 9), else the sanitizer step proves nothing.

@@ -37,7 +37,7 @@ __device__ __forceinline__ RowPartials row_partials(const Params& p, i64 i, i64 
 // thread keeps IN_FLIGHT float4 loads in flight, then loads the last partials TAIL_CHUNK at a time.
 // The host's builds and which a call takes: decode_combine.launcher.
 extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(const Params p) {
-    __shared__ float weights[WARPS][MAX_SPLITS], sums[WARPS][MAX_SPLITS];
+    __shared__ float2 weighted[WARPS][MAX_SPLITS];  // a warp's partials' (m, l), then (weight, l)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = threadIdx.x % HEAD_THREADS;
     // Block b is (split row b / groups, heads (b % groups) HEADS_A_BLOCK on), in 32 bits (a 64-bit
     // division is a long call on the way to the first loads): the grid and the heads fit them.
@@ -62,24 +62,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
 #pragma unroll
         for (int v = 0; v < VECS; ++v)
             early[s][v] = s < count ? partial[s * step + v * HEAD_THREADS] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // The (m, l) are copied (cp.async), not loaded: no register waits for one, so a lane's copies
+    // go out together and the row's take one round trip however many partials it has.
+    const float2* ml = p.partial_ml + rp.first + lane * rp.stride;
+    for (int s = lane; s < count; s += 32, ml += 32 * rp.stride) cp_async_small<8>(&weighted[warp][s], ml);
+    cp_async_wait_all();  // a lane reads only its own copies before the __syncwarp below
     float m = neg_inf();
-    for (int s = lane; s < count; s += 32) {
-        const float2 ml = p.partial_ml[rp.first + s * rp.stride];
-        weights[warp][s] = ml.x;
-        sums[warp][s] = ml.y;
-        m = fmaxf(m, ml.x);
-    }
+    for (int s = lane; s < count; s += 32) m = fmaxf(m, weighted[warp][s].x);
     for (int d = 16; d; d >>= 1) m = fmaxf(m, __shfl_xor_sync(NVFP4_FULL_MASK, m, d));
     const float m_base = softmax_base(m);  // lonely: every weight below is 0
-    for (int s = lane; s < count; s += 32) weights[warp][s] = exp2_approx(weights[warp][s] - m_base);
+    for (int s = lane; s < count; s += 32) weighted[warp][s].x = exp2_approx(weighted[warp][s].x - m_base);
     __syncwarp();
     float l = 0.0f;
     float4 o[VECS];
 #pragma unroll
     for (int v = 0; v < VECS; ++v) o[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     const auto add = [&](int s, const float4(&x)[VECS]) {
-        const float w = weights[warp][s];
-        l += sums[warp][s] * w;
+        const float2 wl = weighted[warp][s];
+        const float w = wl.x;
+        l += wl.y * w;
 #pragma unroll
         for (int v = 0; v < VECS; ++v) {
             o[v].x += x[v].x * w;

@@ -389,6 +389,31 @@ def test_decode_shapes_of_the_benchmark(backend, seed):
     check(run(q, pools, sinks=sinks, library=backend), exact(q, pools, sinks=sinks), "benchmark shape")
 
 
+@pytest.mark.parametrize("heads", [64, 128])
+def test_one_row_over_a_long_selection(backend, seed, heads):
+    """One query row over 128 + 8,192 selections, with and without lengths, on each backend: the
+    default plan cuts it into more partials than a warp has lanes (so the combine copies a row's
+    (m, l) past lane 31), and 512 parts into 260; within the float64 answer's tolerances. Small
+    enough for the sanitizers (benchmarks/gpu_check.sh)."""
+    g = torch.Generator().manual_seed(seed)
+    swa, extra = Pool(8, 64, g), Pool(256, 64, g)
+    pools = [
+        (swa, swa.slots((1, 1, 128), g, invalid=0.05), None),
+        (extra, extra.slots((1, 1, 8192), g, torch.int32, invalid=0.05), None),
+    ]
+    q, sinks = queries(1, 1, heads, g), torch.randn(heads, generator=g).to(DEVICE)
+    want = exact(q, pools, sinks=sinks)
+    plan = plan_of(q, pools, backend)
+    assert backend is not None or (plan.combine is not None and plan.slots > 32), plan
+    check(run(q, pools, sinks=sinks, library=backend), want, f"{heads} heads, {plan.slots} partials")
+    full = torch.full((1, 1), 8192, dtype=torch.int64, device=DEVICE)
+    with_lengths = [pools[0], (extra, pools[1][1], full)]
+    check(run(q, with_lengths, sinks=sinks, library=backend), want, f"{heads} heads, with lengths")
+    if backend is None:  # 260 partials: eight or nine (m, l) copies a lane
+        most = cut("mma_sync", decode.MAX_LIST_PARTS)
+        check(run(q, pools, sinks=sinks, library=most), want, f"{heads} heads in {decode.MAX_LIST_PARTS} parts")
+
+
 def test_the_largest_prefill(backend, seed):
     """16,384 query rows (4 x 4,096) of 128 heads over 128 + 512 selections, the largest call
     DeepSeek-V4 makes: q and out are 2 GiB each, so the byte offsets of the last rows pass 2^31.
