@@ -409,17 +409,20 @@ def test_lengths_take_half_rows_for_little_work(parts, items, num_tiles, width_d
 
 
 @pytest.mark.parametrize(
-    ("parts", "items", "num_tiles", "want"),
+    ("parts", "items", "num_tiles", "split", "want"),
     [
-        ((1, 2), 16, 10, True),  # 8 rows of 128 heads over 640 entries: 1.2 tiles a whole-rows block
-        ((1, 2), 16, 18, True),  # over 1,152 entries: 2.2 tiles
-        ((1, 2), 32, 10, False),  # 16 rows over 640: 2.4 tiles
-        ((1, 2), 16, 34, False),  # 8 rows over 2,176: 4.1 tiles
-        ((1,), 2, 10, False),  # a backend with whole rows only
+        ((1, 2), 16, 10, (5, 2), True),  # 8 rows of 128 heads over 640 entries: 1.2 tiles a whole-rows block
+        ((1, 2), 16, 18, (6, 3), True),  # over 1,152 entries: 2.2 tiles
+        ((1, 2), 32, 10, (4, 3), False),  # 16 rows over 640: 2.4 tiles
+        ((1, 2), 16, 34, (7, 5), False),  # 8 rows over 2,176: 4.1 tiles
+        ((1,), 2, 10, (10, 1), False),  # a backend with whole rows only
+        ((1, 2), 2, 130, (65, 2), False),  # 1 row of 128 heads over 8,320: the split's blocks fill the GPU
+        ((1, 2), 2, 66, (66, 1), True),  # over 4,224: they fill it with one tile each
+        ((1, 2), 2, 98, (49, 2), True),  # over 6,272: 98 of 132 blocks
     ],
 )
-def test_few_rows_without_lengths_are_dealt_in_half_rows(parts, items, num_tiles, want):
-    assert decode_schedule.deals_half_rows(parts, items, num_tiles, 132) == want
+def test_few_rows_without_lengths_are_dealt_in_half_rows(parts, items, num_tiles, split, want):
+    assert decode_schedule.deals_half_rows(parts, items, num_tiles, 132, *split) == want
 
 
 @pytest.mark.parametrize(

@@ -187,7 +187,7 @@ def plan(
     half_rows_dealt = (
         not (lengths or batch_invariant or lib.decode_parts or lib.decode_dim_parts)
         and dim_parts == 1
-        and deals_half_rows(dims, rows * head_tiles, tiles, attention.max_blocks)
+        and deals_half_rows(dims, rows * head_tiles, tiles, attention.max_blocks, num_splits, tiles_per_split)
     )
     dim_parts = lib.decode_dim_parts or (2 if half_rows_dealt else dim_parts)
     if dim_parts != 1:

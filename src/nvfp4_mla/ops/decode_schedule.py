@@ -32,6 +32,9 @@ LENGTHS_HALF_ROWS_TILES = 3
 # longer parts than the width split's, at half the partial bytes a piece), where full rows broke
 # even (docs/performance.md#split-cost-model).
 DEALT_HALF_ROWS_TILES = 2.25
+# ... unless the width split's whole rows already fill this share of the launch's blocks, two tiles
+# a block or more (1-4 rows over long selections): there half rows add tile work and no SM.
+WIDTH_FILLS_SHARE = 0.95
 
 
 def cheapest_split(
@@ -71,11 +74,16 @@ def _little_work(parts: tuple[int, ...], items: int, num_tiles: int, max_blocks:
     return 2 in parts and items * num_tiles <= most_tiles * max_blocks
 
 
-def deals_half_rows(parts: tuple[int, ...], items: int, num_tiles: int, max_blocks: int) -> bool:
-    """Whether a call without length tensors, whose width split keeps whole rows, deals its rows as
-    a call with lengths is dealt (every part the GPU holds), in half rows: where a whole-rows block
-    would have :data:`DEALT_HALF_ROWS_TILES` tiles or fewer (``_little_work``)."""
-    return _little_work(parts, items, num_tiles, max_blocks, DEALT_HALF_ROWS_TILES)
+def deals_half_rows(
+    parts: tuple[int, ...], items: int, num_tiles: int, max_blocks: int, num_splits: int, tiles_per_split: int
+) -> bool:
+    """Whether a call without length tensors, whose width split keeps whole rows (``num_splits``
+    splits of ``tiles_per_split`` tiles an item), deals its rows as a call with lengths is dealt
+    (every part the GPU holds), in half rows: where a whole-rows block would have
+    :data:`DEALT_HALF_ROWS_TILES` tiles or fewer (``_little_work``), unless the split's blocks
+    fill :data:`WIDTH_FILLS_SHARE` of ``max_blocks`` with two tiles or more each."""
+    fills = items * num_splits >= WIDTH_FILLS_SHARE * max_blocks and tiles_per_split >= 2
+    return not fills and _little_work(parts, items, num_tiles, max_blocks, DEALT_HALF_ROWS_TILES)
 
 
 def lengths_dim_parts(parts: tuple[int, ...], items: int, num_tiles: int, max_blocks: int, width_dim_parts: int) -> int:
