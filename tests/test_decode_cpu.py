@@ -143,7 +143,7 @@ class _StandInLauncher(NamedTuple):
 
     @property
     def dependent_launch(self) -> bool:
-        return self.spec.template.dependent_launch and self.device.capability >= 90
+        return launch.asks_dependent_launch(self.spec.template, self.device)
 
     def launch(self, *args: int) -> None:
         raise AssertionError("a plan is built, never launched, here")

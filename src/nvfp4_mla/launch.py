@@ -200,6 +200,13 @@ _LAUNCH_CONFIG = struct.Struct("<7I4xQQI4x")
 _DEPENDENT_LAUNCH_ATTRIBUTE = ctypes.create_string_buffer(struct.pack("<i4xi60x", 6, 1), 72)
 
 
+def asks_dependent_launch(template: Template, device: Device) -> bool:
+    """Whether ``template``'s kernel launches with programmatic dependent launch on ``device``: a
+    kernel that waits for it (``Template.dependent_launch``), on sm_90 and newer. It hides the gap
+    between two kernels of a stream (docs/performance.md#programmatic-dependent-launch)."""
+    return template.dependent_launch and device.capability >= 90
+
+
 @functools.cache
 def _launch_kernel_ex() -> Any:
     """The driver's cuLaunchKernelEx (CUDA 12.0 on), None where it lacks it."""
@@ -288,9 +295,7 @@ class Launcher:
         self.threads = template.threads
         self.shared_bytes = template.max_shared_bytes  # what a launch of a fixed shared layout asks for
         self._current_context, self._launch_kernel = driver.ctxGetCurrent, driver.launchKernel  # bound once
-        # Programmatic dependent launch needs sm_90 and a kernel that waits for it; it hides the
-        # gap between two kernels of a stream (docs/performance.md#programmatic-dependent-launch).
-        self._launch_dependent = _launch_kernel_ex() if template.dependent_launch and device.capability >= 90 else None
+        self._launch_dependent = _launch_kernel_ex() if asks_dependent_launch(template, device) else None
 
     @property
     def dependent_launch(self) -> bool:
