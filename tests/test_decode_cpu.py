@@ -426,6 +426,29 @@ def test_few_rows_without_lengths_are_dealt_in_half_rows(parts, items, num_tiles
 
 
 @pytest.mark.parametrize(
+    ("num_heads", "rows", "k_extra", "want"),
+    [
+        (128, 1, 8192, (65, 65, 1)),  # the width split's 130 blocks of two tiles fill the H200: whole rows
+        (64, 4, 4096, (33, 132, 1)),  # 132 blocks of two tiles
+        (128, 13, 512, (5, 65, 1)),  # 130 blocks of two tiles
+        (128, 12, 512, (1, 33, 2)),  # 120 blocks: dealt half rows
+        (128, 1, 4096, (1, 33, 2)),  # 132 blocks of one tile: dealt half rows
+        (128, 4, 1024, (1, 33, 2)),  # 96 blocks: dealt half rows
+    ],
+)
+def test_whole_rows_where_the_width_split_fills_the_gpu(monkeypatch, num_heads, rows, k_extra, want):
+    """A call without lengths deals its rows in half rows where a whole-rows block would have little
+    work, but not where the width split's blocks already fill the GPU with two tiles or more each:
+    the plan's (splits, parts, dim parts) on the H200's Hopper kernel."""
+    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[90])
+    on_cpu = torch.tensor  # the host's list stays here: no GPU
+    monkeypatch.setattr(torch, "tensor", lambda data, dtype=None, device=None: on_cpu(data, dtype=dtype))
+    library = nvfp4_mla.KernelLibrary(_StandInKernels())  # type: ignore[arg-type]  # a stand-in cache
+    plan = decode.plan(library, 0, num_heads, rows, 128, k_extra, lengths=False)
+    assert plan.backend == "wgmma_sm90" and (plan.num_splits, plan.parts, plan.dim_parts) == want
+
+
+@pytest.mark.parametrize(
     ("num_heads", "rows", "with_lengths", "without"),
     [(128, 2, 2, 1), (128, 5, 2, 1), (128, 6, 1, 1), (64, 11, 2, 1), (64, 12, 1, 1)],
 )
