@@ -180,6 +180,16 @@ def _list_plan(monkeypatch, num_heads, rows, kernels=None, capability=90, **forc
     return decode.plan(library, 0, num_heads, rows, 128, 512), library
 
 
+def _host_list_plan(monkeypatch, num_heads, rows, k_extra, **forced):
+    """``decode.plan`` of a call without length tensors on a fake GPU (the H200) with stand-in
+    kernels: the host makes its list, kept here on the CPU (no GPU)."""
+    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[90])
+    on_cpu = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda data, dtype=None, device=None: on_cpu(data, dtype=dtype))
+    library = nvfp4_mla.KernelLibrary(_StandInKernels(), **forced)  # type: ignore[arg-type]  # a stand-in cache
+    return decode.plan(library, 0, num_heads, rows, 128, k_extra, lengths=False)
+
+
 def _check_list_plan(plan, num_heads, rows, parts, dim_parts):
     """What a work-list plan of ``parts`` parts and ``dim_parts`` dim parts holds: a block per
     (part, head tile, dim part), no width split, a combine (and a block per split row and head)
@@ -318,12 +328,8 @@ def test_the_combine_beside_the_attention(monkeypatch, num_heads, rows, k_extra,
     """Where the combine's blocks start beside the attention's (the Hopper kernel's early launch),
     the first build that fits the GPU gives way to ``BESIDE`` if its blocks would not all fit on the
     SMs the attention leaves free and ``BESIDE``'s would (at least a fifth of the SMs free)."""
-    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[90])
     monkeypatch.setattr(decode_sm90, "EARLY_DEPENDENTS_MAX_SPLITS", early_splits)
-    on_cpu = torch.tensor  # the host's list stays here: no GPU
-    monkeypatch.setattr(torch, "tensor", lambda data, dtype=None, device=None: on_cpu(data, dtype=dtype))
-    library = nvfp4_mla.KernelLibrary(_StandInKernels(), **forced)  # type: ignore[arg-type]  # a stand-in cache
-    plan = decode.plan(library, 0, num_heads, rows, 128, k_extra, False)
+    plan = _host_list_plan(monkeypatch, num_heads, rows, k_extra, **forced)
     combine: Any = plan.combine  # a stand-in launcher
     assert combine.spec == want
     split_rows = plan.combine_blocks // want.blocks(1, num_heads)
@@ -440,11 +446,7 @@ def test_whole_rows_where_the_width_split_fills_the_gpu(monkeypatch, num_heads, 
     """A call without lengths deals its rows in half rows where a whole-rows block would have little
     work, but not where the width split's blocks already fill the GPU with two tiles or more each:
     the plan's (splits, parts, dim parts) on the H200's Hopper kernel."""
-    monkeypatch.setattr(decode_planner, "device_info", lambda index: FAKE_GPUS[90])
-    on_cpu = torch.tensor  # the host's list stays here: no GPU
-    monkeypatch.setattr(torch, "tensor", lambda data, dtype=None, device=None: on_cpu(data, dtype=dtype))
-    library = nvfp4_mla.KernelLibrary(_StandInKernels())  # type: ignore[arg-type]  # a stand-in cache
-    plan = decode.plan(library, 0, num_heads, rows, 128, k_extra, lengths=False)
+    plan = _host_list_plan(monkeypatch, num_heads, rows, k_extra)
     assert plan.backend == "wgmma_sm90" and (plan.num_splits, plan.parts, plan.dim_parts) == want
 
 
