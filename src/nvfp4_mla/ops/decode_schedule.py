@@ -33,7 +33,7 @@ LENGTHS_HALF_ROWS_TILES = 3
 # even (docs/performance.md#split-cost-model).
 DEALT_HALF_ROWS_TILES = 2.25
 # ... unless the width split's whole rows already fill this share of the launch's blocks, two tiles
-# a block or more (1-4 rows over long selections): there half rows add tile work and no SM.
+# a block or more (few rows over long selections): there half rows add tile work, no idle SM.
 WIDTH_FILLS_SHARE = 0.95
 
 
