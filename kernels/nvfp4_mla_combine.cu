@@ -63,14 +63,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) nvfp4_mla_decode_combine(c
         for (int v = 0; v < VECS; ++v)
             early[s][v] = s < count ? partial[s * step + v * HEAD_THREADS] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     // The (m, l) are copied (cp.async), not loaded: no register waits for one, so a lane's copies
-    // go out together and the row's take one round trip however many partials it has.
+    // go out together and the row's take one round trip however many partials it has. A lane takes
+    // one pass of each loop below up to 32 partials: unrolled, their remainder code costs more
+    // instructions than the passes.
     const float2* ml = p.partial_ml + rp.first + lane * rp.stride;
+#pragma unroll 1
     for (int s = lane; s < count; s += 32, ml += 32 * rp.stride) cp_async_small<8>(&weighted[warp][s], ml);
     cp_async_wait_all();  // a lane reads only its own copies before the __syncwarp below
     float m = neg_inf();
+#pragma unroll 1
     for (int s = lane; s < count; s += 32) m = fmaxf(m, weighted[warp][s].x);
     for (int d = 16; d; d >>= 1) m = fmaxf(m, __shfl_xor_sync(NVFP4_FULL_MASK, m, d));
     const float m_base = softmax_base(m);  // lonely: every weight below is 0
+#pragma unroll 1
     for (int s = lane; s < count; s += 32) weighted[warp][s].x = exp2_approx(weighted[warp][s].x - m_base);
     __syncwarp();
     float l = 0.0f;
