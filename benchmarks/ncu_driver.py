@@ -5,7 +5,8 @@ the benchmark's, so a profile explains a benchmark row.
     python benchmarks/ncu_driver.py write ENTRY NUM_TOKENS [NUM_HEADS Q_HEAD_PADDED]
 
 ``DIST`` gives the extra pool's rows live lengths as ``nvfp4-mla bench decode --ragged`` does
-(full, tail1of8, uniform, short; q_len 1). ``FORM`` is how the calls get their work list: ``none``
+(full, tail1of8, uniform, short; q_len 1), or one of its other distributions (bimodal, geometric,
+mostly_empty, one_long, ramp). ``FORM`` is how the calls get their work list: ``none``
 (each call its own), ``reused`` (one plan, ``plan_sparse_mla_decode``) or ``updated`` (``plan.update()``
 before each call): with ``--replay-mode application --cache-control none`` ncu sees the attention
 kernel after what each form runs before it. ``ENTRY`` is main, inplace, kv, kv2 (compress ratio 2)
@@ -24,7 +25,7 @@ import nvfp4_mla
 from nvfp4_mla import ops
 from nvfp4_mla.bench import decode_arms
 from nvfp4_mla.bench.arms import fused_call
-from nvfp4_mla.bench.decode_ragged import RAGGED_DISTRIBUTIONS, ragged_lengths
+from nvfp4_mla.bench.decode_ragged import OTHER_DISTRIBUTIONS, RAGGED_DISTRIBUTIONS, ragged_lengths
 from nvfp4_mla.bench.grid import MAX_POSITION, Row
 from nvfp4_mla.bench.inputs import make_inputs
 from nvfp4_mla.testing import rope_table
@@ -48,7 +49,8 @@ def main() -> None:
     for name in ("batch", "q_len", "heads", "extra_k"):
         d.add_argument(name, type=int)
     d.add_argument("--batch-invariant", action="store_true", help="plan with batch_invariant=True")
-    d.add_argument("--lengths", choices=RAGGED_DISTRIBUTIONS, help="the extra pool's live lengths (q_len 1)")
+    lengths = RAGGED_DISTRIBUTIONS + OTHER_DISTRIBUTIONS
+    d.add_argument("--lengths", choices=lengths, help="the extra pool's live lengths (q_len 1)")
     d.add_argument("--plan", choices=("none", "reused", "updated"), default="none", help="the calls' work list")
     w = sub.add_parser("write")
     w.add_argument("entry", choices=("main", "inplace", "kv", "kv2", "append"))

@@ -863,6 +863,15 @@ def test_ragged_lengths_follow_their_distributions():
     assert int(uniform.min()) >= 1 and int(uniform.max()) <= k and int(short.min()) >= 1 and int(short.max()) <= 256
     with pytest.raises(ValueError, match="no length distribution 'long'"):
         decode_ragged.ragged_lengths("long", 4, k, g)
+    other = {d: decode_ragged.ragged_lengths(d, 64, k, g).view(-1) for d in decode_ragged.OTHER_DISTRIBUTIONS}
+    assert all(n.dtype == torch.int32 and int(n.min()) >= 1 and int(n.max()) <= k for n in other.values())
+    assert sorted(other["bimodal"].tolist()) == [64] * 32 + [k] * 32
+    assert sorted(other["mostly_empty"].tolist()) == [1] * 56 + [k] * 8
+    assert sorted(other["one_long"].tolist()) == [32] * 63 + [k]
+    assert sorted(other["ramp"].tolist()) == torch.linspace(1, k, 64).long().tolist()
+    assert other["ramp"].tolist() != sorted(other["ramp"].tolist())  # in a random order
+    mean = float(decode_ragged.ragged_lengths("geometric", 4096, k, g).float().mean())
+    assert 0.8 * k / 10 < mean < 1.2 * k / 10  # exponential, mean k / 10 (the clamp barely moves it)
 
 
 def test_a_ragged_row_times_both_forms_on_the_same_lengths(seed):

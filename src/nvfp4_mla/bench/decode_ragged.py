@@ -9,6 +9,13 @@ one-call form (``sparse_mla_decode`` with the lengths: the scheduler runs in eac
 reused plan (``plan_sparse_mla_decode`` once, ``plan=`` in each call). ``live_full`` is the
 batch's live selections over its full batch's, ``time_full`` the one-call time over the full
 batch's: a decode whose time follows its work keeps the two close.
+
+**Other distributions** (``OTHER_DISTRIBUTIONS``, for the benchmarks' scripts, e.g.
+``benchmarks/ncu_driver.py --lengths``; the bench's grid keeps the four above): ``bimodal`` (half the rows
+64, half ``k``), ``geometric`` (exponential, mean ``k / 10``), ``mostly_empty`` (one row in eight ``k``,
+the rest 1), ``one_long`` (one row ``k``, the rest 32) and ``ramp`` (1 to ``k`` evenly), the rows in a
+random order: the batches where the decode stands furthest from FlashMLA
+(docs/performance.md#against-flashmla).
 """
 
 from __future__ import annotations
@@ -27,12 +34,13 @@ from .timing import Timer
 RAGGED_STEM = "decode_ragged"
 RAGGED_EXTRA_K = 2048
 RAGGED_DISTRIBUTIONS = ("full", "tail1of8", "uniform", "short")
+OTHER_DISTRIBUTIONS = ("bimodal", "geometric", "mostly_empty", "one_long", "ramp")
 RAGGED_COLUMNS = ["batch", "heads", "lens", "live_full", "one_call_us", "plan_us", "plan_speedup", "time_full"]
 
 
 def ragged_lengths(dist: str, batch: int, k: int, g: torch.Generator) -> torch.Tensor:
     """int32 ``[batch, 1]`` live counts of the extra pool's ``k`` selections (see the module's
-    "Ragged batches")."""
+    "Ragged batches" and "Other distributions")."""
     if dist == "full":
         n = torch.full((batch,), k)
     elif dist == "tail1of8":
@@ -41,9 +49,25 @@ def ragged_lengths(dist: str, batch: int, k: int, g: torch.Generator) -> torch.T
         n = torch.randint(1, k + 1, (batch,), generator=g)
     elif dist == "short":
         n = torch.randint(1, 257, (batch,), generator=g)
+    elif dist in OTHER_DISTRIBUTIONS:
+        n = _other_lengths(dist, batch, k, g)
     else:
-        raise ValueError(f"no length distribution {dist!r}: one of {RAGGED_DISTRIBUTIONS}")
+        raise ValueError(f"no length distribution {dist!r}: one of {RAGGED_DISTRIBUTIONS + OTHER_DISTRIBUTIONS}")
     return n.to(torch.int32).view(batch, 1)
+
+
+def _other_lengths(dist: str, batch: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """The live counts of one of ``OTHER_DISTRIBUTIONS``, the rows in a random order."""
+    order = torch.randperm(batch, generator=g)
+    if dist == "bimodal":
+        return torch.where(order % 2 == 0, k, 64)
+    if dist == "geometric":
+        return (-(k / 10) * torch.log(torch.rand(batch, generator=g))).long().clamp(1, k)
+    if dist == "mostly_empty":
+        return torch.where(order % 8 == 0, k, 1)
+    if dist == "one_long":
+        return torch.where(order == 0, k, 32)
+    return torch.linspace(1, k, batch).long()[order]  # ramp
 
 
 def measure_ragged(
