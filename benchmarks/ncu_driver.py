@@ -25,7 +25,7 @@ import nvfp4_mla
 from nvfp4_mla import ops
 from nvfp4_mla.bench import decode_arms
 from nvfp4_mla.bench.arms import fused_call
-from nvfp4_mla.bench.decode_ragged import OTHER_DISTRIBUTIONS, RAGGED_DISTRIBUTIONS, ragged_lengths
+from nvfp4_mla.bench.decode_ragged import LENGTH_DISTRIBUTIONS, ragged_lengths
 from nvfp4_mla.bench.grid import MAX_POSITION, Row
 from nvfp4_mla.bench.inputs import make_inputs
 from nvfp4_mla.testing import rope_table
@@ -49,8 +49,7 @@ def main() -> None:
     for name in ("batch", "q_len", "heads", "extra_k"):
         d.add_argument(name, type=int)
     d.add_argument("--batch-invariant", action="store_true", help="plan with batch_invariant=True")
-    lengths = RAGGED_DISTRIBUTIONS + OTHER_DISTRIBUTIONS
-    d.add_argument("--lengths", choices=lengths, help="the extra pool's live lengths (q_len 1)")
+    d.add_argument("--lengths", choices=LENGTH_DISTRIBUTIONS, help="the extra pool's live lengths (q_len 1)")
     d.add_argument("--plan", choices=("none", "reused", "updated"), default="none", help="the calls' work list")
     w = sub.add_parser("write")
     w.add_argument("entry", choices=("main", "inplace", "kv", "kv2", "append"))

@@ -35,6 +35,7 @@ RAGGED_STEM = "decode_ragged"
 RAGGED_EXTRA_K = 2048
 RAGGED_DISTRIBUTIONS = ("full", "tail1of8", "uniform", "short")
 OTHER_DISTRIBUTIONS = ("bimodal", "geometric", "mostly_empty", "one_long", "ramp")
+LENGTH_DISTRIBUTIONS = RAGGED_DISTRIBUTIONS + OTHER_DISTRIBUTIONS  # what ragged_lengths takes
 RAGGED_COLUMNS = ["batch", "heads", "lens", "live_full", "one_call_us", "plan_us", "plan_speedup", "time_full"]
 
 
@@ -52,22 +53,25 @@ def ragged_lengths(dist: str, batch: int, k: int, g: torch.Generator) -> torch.T
     elif dist in OTHER_DISTRIBUTIONS:
         n = _other_lengths(dist, batch, k, g)
     else:
-        raise ValueError(f"no length distribution {dist!r}: one of {RAGGED_DISTRIBUTIONS + OTHER_DISTRIBUTIONS}")
+        raise ValueError(f"no length distribution {dist!r}: one of {LENGTH_DISTRIBUTIONS}")
     return n.to(torch.int32).view(batch, 1)
 
 
 def _other_lengths(dist: str, batch: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """The live counts of one of ``OTHER_DISTRIBUTIONS``, the rows in a random order."""
-    order = torch.randperm(batch, generator=g)
-    if dist == "bimodal":
-        return torch.where(order % 2 == 0, k, 64)
+    """The live counts of one of ``OTHER_DISTRIBUTIONS``: exponential, or a fixed set of counts in a
+    random order."""
     if dist == "geometric":
         return (-(k / 10) * torch.log(torch.rand(batch, generator=g))).long().clamp(1, k)
-    if dist == "mostly_empty":
-        return torch.where(order % 8 == 0, k, 1)
-    if dist == "one_long":
-        return torch.where(order == 0, k, 32)
-    return torch.linspace(1, k, batch).long()[order]  # ramp
+    r = torch.arange(batch)
+    if dist == "bimodal":
+        n = torch.where(r % 2 == 0, k, 64)
+    elif dist == "mostly_empty":
+        n = torch.where(r % 8 == 0, k, 1)
+    elif dist == "one_long":
+        n = torch.where(r == 0, k, 32)
+    else:  # ramp
+        n = torch.linspace(1, k, batch).long()
+    return n[torch.randperm(batch, generator=g)]
 
 
 def measure_ragged(
