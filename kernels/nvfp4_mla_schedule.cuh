@@ -57,15 +57,35 @@ struct Costs {
         return live_tiles(swa.live(row) + extra.live(row), tile_shift) + segment_cost;
     }
 
-    // The costs of rows r .. r + LOADS - 1 below r_end, summed, their lengths loaded together: a
-    // thread's rows are a contiguous run, and one at a time their loads would wait in turn.
-    __device__ __forceinline__ u32 sum(int r, int r_end) const {
+    // The costs of rows r .. r + LOADS - 1 below r_end, their lengths loaded together (a thread's
+    // rows are a contiguous run, and one at a time their loads would wait in turn), each also
+    // written at its row of `kept` unless that is null; from `kept` instead where `from_kept`.
+    // Summed. The stores come after every load: the loads are generic (a table without lengths is
+    // read from shared memory), so a store between them would order them.
+    __device__ __forceinline__ u32 sum(int r, int r_end, u32* kept, bool from_kept) const {
+        u32 c[LOADS];
+#pragma unroll
+        for (int i = 0; i < LOADS; ++i) c[i] = r + i >= r_end ? 0u : (from_kept ? kept[r + i] : of(r + i));
         u32 total = 0;
 #pragma unroll
-        for (int i = 0; i < LOADS; ++i) total += r + i < r_end ? of(r + i) : 0u;
+        for (int i = 0; i < LOADS; ++i) {
+            if (kept != nullptr && !from_kept && r + i < r_end) kept[r + i] = c[i];
+            total += c[i];
+        }
         return total;
     }
 };
+
+// A thread's rows: a contiguous run [begin, end), so the prefix of the costs is one block sum.
+struct Run {
+    int begin, end;
+};
+
+__device__ __forceinline__ Run thread_rows(int rows) {
+    const int per_thread = (rows + THREADS - 1) / THREADS;
+    const int begin = min(rows, static_cast<int>(threadIdx.x) * per_thread);
+    return {begin, min(rows, begin + per_thread)};
+}
 
 // No 64-bit division here: it is a call, whose stack frame ptxas reports as a spill on sm_80.
 // ceil(a / d) for a >= 0 and 0 < d < 2^16: one 32-bit division where a fits, else a long division
@@ -134,11 +154,16 @@ struct Bound {
     i64 row_start;
 };
 
+// The rows whose costs a block keeps in shared memory: up to LOADS a thread, one batch of loads.
+constexpr int KEPT_ROWS = THREADS * LOADS;
+
 }  // namespace schedule_detail
 
 // The shared memory of a block's scheduling. Boundary q (0 <= q <= parts) begins part q and ends
 // part q - 1.
 struct ScheduleScratch {
+    // The rows' costs a list was dealt from, where the rows fit: a thread's own run of rows.
+    u32 row_costs[schedule_detail::KEPT_ROWS];
     // The first boundary inside a row, marked with the row and the cost its row begins at; -1: no
     // row's first.
     int mark_row[THREADS];
@@ -149,29 +174,44 @@ struct ScheduleScratch {
     u32 cut_counts[schedule_detail::WARPS];    // each warp's cuts and first cuts (as `counted` below)
 };
 
+// What a thread of the dealing block holds of the list: part threadIdx.x (valid below the parts),
+// the split row whose first cut ends that part (at index `split`; -1: none), and the list's numbers
+// of split rows and slots.
+struct Dealt {
+    WorkPart part;
+    SplitRow first;
+    int split, split_rows, slots;
+};
+
+// The rows' costs as a block reads them from the lengths (the thread's own INT_MAX in `x` for a
+// table without lengths).
+__device__ __forceinline__ schedule_detail::Costs row_costs(const Schedule& s, const schedule_detail::Rows& rows_in,
+                                                            ScheduleScratch& x) {
+    using namespace schedule_detail;
+    x.unlimited[threadIdx.x] = 0x7FFFFFFF;
+    return {table_lengths(rows_in.swa_lens, rows_in.swa_lens_int64, rows_in.swa_k, &x.unlimited[threadIdx.x]),
+            table_lengths(rows_in.extra_lens, rows_in.extra_lens_int64, rows_in.extra_k, &x.unlimited[threadIdx.x]),
+            static_cast<u32>(s.tile_shift), static_cast<u32>(s.segment_cost)};
+}
+
 // The list of a call's rows in s.parts parts (at most THREADS - 1), every thread of the block
-// taking part (it holds __syncthreads). Returns part threadIdx.x (valid below s.parts); writes the
-// split rows at `split_rows` unless it is null. The lengths may come from the stream's previous
-// kernel: the caller has waited for it.
-__device__ __forceinline__ WorkPart schedule_parts(const Schedule& s, const schedule_detail::Rows& rows_in,
-                                                   ScheduleScratch& x, SplitRow* split_rows) {
+// taking part (it holds __syncthreads); it writes no global memory. Where the rows fit
+// (KEPT_ROWS), their costs are kept in x.row_costs, read from the lengths or, with `from_kept`,
+// already there; else read from the lengths twice (the second pass from the L1).
+__device__ __forceinline__ Dealt schedule_parts(const Schedule& s, const schedule_detail::Rows& rows_in,
+                                                ScheduleScratch& x, bool from_kept) {
     using namespace schedule_detail;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, parts = static_cast<int>(s.parts);
     x.mark_row[tid] = -1;
-    x.unlimited[tid] = 0x7FFFFFFF;
-    const Costs costs_of = {
-        table_lengths(rows_in.swa_lens, rows_in.swa_lens_int64, rows_in.swa_k, &x.unlimited[tid]),
-        table_lengths(rows_in.extra_lens, rows_in.extra_lens_int64, rows_in.extra_k, &x.unlimited[tid]),
-        static_cast<u32>(s.tile_shift), static_cast<u32>(s.segment_cost)};
+    const Costs costs_of = row_costs(s, rows_in, x);
     const int rows = static_cast<int>(rows_in.rows);  // the list's rows are int
+    u32* const kept = rows <= KEPT_ROWS ? x.row_costs : nullptr;
 
-    // A thread's rows: a contiguous run, so the prefix of the costs is one block sum. Their lengths
-    // are loaded LOADS rows at a time, then again row by row in the second pass (from the L1).
-    const int per_thread = (rows + THREADS - 1) / THREADS;
-    const int r0 = min(rows, tid * per_thread), r1 = min(rows, r0 + per_thread);
+    // A thread's run of rows, LOADS rows at a time, summed in one block sum.
+    const Run run = thread_rows(rows);
     i64 mine = 0;
 #pragma unroll 1
-    for (int r = r0; r < r1; r += LOADS) mine += costs_of.sum(r, r1);
+    for (int r = run.begin; r < run.end; r += LOADS) mine += costs_of.sum(r, run.end, kept, from_kept);
     const Scan costs = block_inclusive_sum(mine, x.warp_costs);
     const i64 total = costs.total;
     i64 start = costs.upto - mine;
@@ -181,12 +221,12 @@ __device__ __forceinline__ WorkPart schedule_parts(const Schedule& s, const sche
     const i64 payload = ceil_div_small_divisor(total, static_cast<u32>(parts));
     i64 q = boundary_at(start, payload);  // the first boundary at or past `start`
 #pragma unroll 1
-    for (int r = r0; r < r1; ++r) {
-        const i64 end = start + costs_of.of(r);
+    for (int r = run.begin; r < run.end; ++r) {
+        const i64 end = start + (kept != nullptr ? x.row_costs[r] : costs_of.of(r));
         if (q * payload < end) {
             x.mark_row[q] = r;
             x.mark_start[q] = start;
-            if (r + 1 < r1) q = boundary_at(end, payload);  // the next row's first boundary
+            if (r + 1 < run.end) q = boundary_at(end, payload);  // the next row's first boundary
         }
         start = end;
     }
@@ -243,21 +283,74 @@ __device__ __forceinline__ WorkPart schedule_parts(const Schedule& s, const sche
 
     // Split row s, whose first cut is cut j (both counted from 0), has the slots j + s on: before
     // it, s rows and j cuts made j + s segments of split rows.
-    if (split_rows != nullptr) {
-        if (cut >> 16) split_rows[splits_next - 1] = {next.row, cuts_next + splits_next - 2};
-        const int num_split_rows = static_cast<int>(all >> 16);
-        const int slots = static_cast<int>((all & 0xFFFFu) + (all >> 16));
-        for (int r = num_split_rows + tid; r < parts; r += THREADS) split_rows[r] = {-1, slots};
-    }
-    WorkPart w = {};
+    Dealt d = {};
+    d.first = {next.row, cuts_next + splits_next - 2};
+    d.split = cut >> 16 ? splits_next - 1 : -1;
+    d.split_rows = static_cast<int>(all >> 16);
+    d.slots = static_cast<int>((all & 0xFFFFu) + (all >> 16));
     if (tid < parts) {
+        WorkPart& w = d.part;
         w.begin_row = here.row, w.begin_tile = here.tile, w.end_row = next.row, w.end_tile = next.tile;
         // Past a cut: the slot after that cut's. At a row's start: a whole row, or the first slot of
         // the split row whose first cut ends this part.
         w.begin_slot = here.tile > 0 ? cuts + splits - 1 : (next.row == here.row && next.tile > 0 ? cuts + splits : -1);
         w.end_slot = next.row > here.row && next.tile > 0 ? cuts_next + splits_next - 2 : -1;
     }
-    return w;
+    return d;
+}
+
+// After the dependent-launch wait: whether a row's cost differs from the one the list was dealt
+// from (its lengths changed since the block read them), keeping the new one. Each thread reads its
+// own run of rows (at most LOADS where the costs are kept), the costs it kept itself.
+__device__ __forceinline__ bool kept_costs_changed(const Schedule& s, const schedule_detail::Rows& rows_in,
+                                                   ScheduleScratch& x) {
+    using namespace schedule_detail;
+    const Costs costs_of = row_costs(s, rows_in, x);
+    const Run run = thread_rows(static_cast<int>(rows_in.rows));
+    u32 c[LOADS];
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) c[i] = run.begin + i < run.end ? costs_of.of(run.begin + i) : 0u;
+    bool changed = false;
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+        if (run.begin + i < run.end) {
+            changed |= c[i] != x.row_costs[run.begin + i];
+            x.row_costs[run.begin + i] = c[i];
+        }
+    }
+    return changed;
+}
+
+// The scheduler kernel's list, dealt across the wait for the stream's previous kernel, which may
+// write the lengths. Where the rows' costs fit in shared memory, the block deals it from the
+// lengths as they are before the wait, while that kernel ends, then waits, reads every row's
+// lengths again and deals again only where a cost changed, from the new costs; else it waits
+// first. The same list either way: a list is a function of the rows' costs. The attention
+// kernels' blocks deal theirs after the wait: in a decode step most of them start once the
+// kernel before (the writer) is done, and the check's round trip then comes on top
+// (docs/performance_history.md).
+__device__ __forceinline__ Dealt schedule_across_wait(const Schedule& s, const schedule_detail::Rows& rows,
+                                                      ScheduleScratch& x) {
+    const bool early = rows.rows <= schedule_detail::KEPT_ROWS;
+    if (!early) wait_for_prior_grids();
+    bool from_kept = false;
+    Dealt d;
+#pragma unroll 1
+    for (;;) {  // at most twice, one copy of the dealing's code
+        d = schedule_parts(s, rows, x, from_kept);
+        if (!early || from_kept) return d;
+        wait_for_prior_grids();
+        if (!__syncthreads_or(kept_costs_changed(s, rows, x))) return d;
+        from_kept = true;
+    }
+}
+
+// The list's records, written by the dealing block: each part's, each first cut's split row, and
+// (-1, slots) past the last split row.
+__device__ __forceinline__ void write_list(const Dealt& d, u32 parts, WorkPart* parts_out, SplitRow* split_rows) {
+    if (threadIdx.x < parts) parts_out[threadIdx.x] = d.part;
+    if (d.split >= 0) split_rows[d.split] = d.first;
+    for (u32 r = d.split_rows + threadIdx.x; r < parts; r += THREADS) split_rows[r] = {-1, d.slots};
 }
 
 // An attention kernel's own list (Params::own_list): each block deals the whole list after the
@@ -271,14 +364,13 @@ __device__ __noinline__ WorkPart schedule_own_part(const Schedule s, const sched
                                                    u8* scratch, u32 part) {
     ScheduleScratch& x = *reinterpret_cast<ScheduleScratch*>(scratch);
     WorkPart* const mine = reinterpret_cast<WorkPart*>(scratch + sizeof(ScheduleScratch));
-    // The workspace the host passes as the list (const for the blocks that only read it).
-    WorkPart* const list = blockIdx.x == 0 ? static_cast<WorkPart*>(const_cast<void*>(work)) : nullptr;
     const u32 parts = static_cast<u32>(s.parts);
-    const WorkPart w = schedule_parts(s, rows, x, list ? reinterpret_cast<SplitRow*>(list + parts) : nullptr);
-    if (threadIdx.x < parts) {
-        if (list) list[threadIdx.x] = w;
-        if (threadIdx.x == part) *mine = w;
+    const Dealt d = schedule_parts(s, rows, x, false);
+    if (blockIdx.x == 0) {  // the workspace the host passes as the list (const for the blocks that only read it)
+        WorkPart* const list = static_cast<WorkPart*>(const_cast<void*>(work));
+        write_list(d, parts, list, reinterpret_cast<SplitRow*>(list + parts));
     }
+    if (threadIdx.x == part) *mine = d.part;
     __syncthreads();
     return *mine;
 }

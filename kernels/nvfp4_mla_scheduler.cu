@@ -9,9 +9,9 @@
 extern "C" __global__ void __launch_bounds__(THREADS, 1) nvfp4_mla_decode_scheduler(const Params p) {
     __shared__ ScheduleScratch scratch;
     launch_dependents();
-    wait_for_prior_grids();  // the lengths may come from the stream's previous kernel
     const schedule_detail::Rows rows = {p.swa_lens, p.extra_lens, p.swa_lens_int64, p.extra_lens_int64, p.swa_k,
                                         p.extra_k,  p.rows};
-    const WorkPart w = schedule_parts(p.schedule, rows, scratch, p.split_rows);
-    if (threadIdx.x < p.schedule.parts) p.parts_out[threadIdx.x] = w;
+    // The lengths may come from the stream's previous kernel: dealt across the wait for it.
+    write_list(schedule_across_wait(p.schedule, rows, scratch), static_cast<u32>(p.schedule.parts), p.parts_out,
+               p.split_rows);
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_decode_gpu import SM_SCALE, Pool, _backends_here, bits_equal, captured, check, exact, lengths, queries
+from test_decode_scheduler import late_copy
 
 import nvfp4_mla
 from nvfp4_mla.ops import decode
@@ -270,6 +271,59 @@ def test_update_follows_new_lengths_also_in_a_graph(seed, heads):
             for got in ((out, lse), eager):
                 assert bits_equal(got[0], alone[0]) and bits_equal(got[1], alone[1]), f"{kind}, {plan!r}"
         check((out, lse), exact(q, pools, sinks=sinks), f"update in a graph, heads {heads}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [40, 2000])
+def test_lengths_written_late_by_the_kernel_before(monkeypatch, seed, rows):
+    """The kernel before a call (or before ``update``) lets it launch, then writes new lengths:
+    the list is the CPU model's of the new lengths and the outputs are the bits of a call on them,
+    on every backend of this GPU. The attention blocks deal their list after their dependent-launch
+    wait; the scheduler (``update``) deals it from the old lengths before its wait and again after
+    it where its build keeps the rows' costs (4 rows a thread: both row counts here)."""
+    from nvfp4_mla.ops import decode_launch, decode_planner
+    from nvfp4_mla.ops import decode_scheduler as ds
+
+    workspaces: list[torch.Tensor] = []
+    new_output = decode_launch.new_output
+
+    def recorded(*args):
+        workspaces.append(new_output(*args))
+        return workspaces[-1]
+
+    monkeypatch.setattr(decode_launch, "new_output", recorded)
+    g = torch.Generator().manual_seed(seed)
+    for heads in (16, 64, 128):
+        q, pools, sinks = gpu_case(g, rows, heads)
+        (_, swa_slots, swa_lens), (_, extra_slots, extra_lens) = pools
+        k_swa, k_extra = swa_slots.shape[2], extra_slots.shape[2]
+        new, old = extra_lens.clone(), torch.zeros_like(extra_lens)
+        for library in libraries():
+            plan = plan_of(pools, heads, library)
+            launches = decode_planner.plan(plan.library, q.get_device(), heads, rows, k_swa, k_extra)
+            want_list, old_list = (
+                ds.schedule(
+                    ds.row_tiles(rows, k_swa, swa_lens, k_extra, lens, launches.tile_tokens),
+                    launches.parts,
+                    *launches.schedule.costs,
+                ).ints()
+                for lens in (new, old)
+            )
+            assert old_list != want_list  # a list dealt from the old lengths would show
+            want = call(q, pools, sinks, library=plan.library)
+            extra_lens.copy_(old)
+            workspaces.clear()
+            late_copy(extra_lens, new)  # the attention kernel comes next on the stream
+            got = call(q, pools, sinks, library=plan.library)
+            (workspace,) = [w for w in workspaces if w.shape == (launches.workspace,)]
+            assert workspace[: len(want_list)].view(torch.int32).tolist() == want_list, (heads, launches.backend)
+            extra_lens.copy_(old)
+            late_copy(extra_lens, new)  # then the scheduler
+            plan.update()
+            assert plan.work is not None and plan.work.tolist() == want_list, (heads, launches.backend)
+            updated = call(q, pools, sinks, plan=plan)
+            for out, lse in (got, updated):
+                assert bits_equal(out, want[0]) and bits_equal(lse, want[1]), (heads, launches.backend)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """The decode scheduler: its CPU model holds the properties a work list promises, and on the GPU
 the kernel writes the model's list bit for bit (also from a captured graph whose lengths change
-between replays), and nothing past it."""
+between replays, and after a kernel that writes the lengths while the list is dealt), and nothing
+past it."""
 
 import random
 
@@ -245,6 +246,60 @@ def test_graph_replays_follow_changed_lengths(seed):
         values = [rng.choice([0, 1, 100, k, rng.randrange(k + 1)]) for _ in range(rows)]
         source.copy_(torch.tensor(values, dtype=torch.int32))
         graph.replay()
+        tiles = [ds.live_tiles(128, v, 64) for v in values]
+        assert work.tolist() == ds.schedule(tiles, parts, 4, 1).ints()
+
+
+LATE_COPY = r"""
+extern "C" __global__ void late_copy(const int* source, int* target, int words, unsigned long long delay_ns) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); while (now - start < delay_ns);
+    for (int i = threadIdx.x; i < words; i += blockDim.x) target[i] = source[i];
+}
+"""
+
+
+def late_copy(target: torch.Tensor, source: torch.Tensor, delay_us: int = 200) -> None:
+    """``target.copy_(source)`` on the current stream by a kernel that first lets the stream's next
+    kernel launch (programmatic dependent launch, from sm_90), then waits ``delay_us``: that
+    kernel's blocks start while ``target`` holds its old values, and its wait ends after the copy."""
+    import cupy
+    import numpy
+
+    assert target.dtype == source.dtype and target.shape == source.shape and target.is_contiguous()
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"--gpu-architecture=sm_{major}{minor}"
+    kernel = cupy.RawKernel(LATE_COPY, "late_copy", options=(arch,), backend="nvrtc")
+    words = numpy.int32(target.numel() * target.element_size() // 4)
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        args = (cupy.from_dlpack(source.contiguous()), cupy.from_dlpack(target), words, numpy.uint64(delay_us * 1000))
+        kernel((1,), (128,), args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [300, 16384])
+def test_lengths_written_late_by_the_kernel_before(seed, rows):
+    """The kernel before the scheduler lets it launch, then writes new lengths: the list is the
+    model's of the new lengths. At 300 rows (costs kept in shared memory) the block has dealt from
+    the old ones before its dependent-launch wait, and deals again; at 16,384 it deals after it."""
+    rng = random.Random(seed)
+    lib = KernelLibrary()
+    parts, k = 132, 2048
+    launcher = lib.launcher(torch.cuda.current_device(), lib.spec(ds.spec_for(rows, parts)))
+    stream = current_raw_stream(torch.cuda.current_device())
+    schedule = ds.schedule_fields(parts, 64, 4, 1, False)
+    lens = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    work = torch.zeros(ds.work_ints(parts), dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        values = [rng.choice([0, 1, 100, k, rng.randrange(k + 1)]) for _ in range(rows)]
+        new = torch.tensor(values, dtype=torch.int32, device="cuda")
+        lens.zero_()
+        late_copy(lens, new)  # the scheduler's launch comes next on the stream
+        ds.launch(launcher, stream, work.data_ptr(), rows, 128, None, k, lens, schedule)
         tiles = [ds.live_tiles(128, v, 64) for v in values]
         assert work.tolist() == ds.schedule(tiles, parts, 4, 1).ints()
 

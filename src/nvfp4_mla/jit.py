@@ -39,9 +39,9 @@ class Template(NamedTuple):
     headers: tuple[str, ...] = (NUMERICS_HEADER,)  # the files of kernels/ it includes, all in its key
     # (beside them, the generated PARAMS_HEADER)
     arch: str | None = None  # the architecture it is built for (e.g. "sm_90a"); None: the GPU's own
-    # It waits for the stream's previous kernel before its first global access (the decode
-    # header's wait_for_prior_grids), so from sm_90 it is launched with programmatic dependent
-    # launch: its start overlaps that kernel's end.
+    # It waits for the stream's previous kernel (the decode header's wait_for_prior_grids) before it
+    # writes global memory or uses what that kernel may write, so from sm_90 it is launched with
+    # programmatic dependent launch: its start overlaps that kernel's end.
     dependent_launch: bool = False
 
 
