@@ -326,9 +326,8 @@ __device__ __forceinline__ bool kept_costs_changed(const Schedule& s, const sche
 // lengths as they are before the wait, while that kernel ends, then waits, reads every row's
 // lengths again and deals again only where a cost changed, from the new costs; else it waits
 // first. The same list either way: a list is a function of the rows' costs. The attention
-// kernels' blocks deal theirs after the wait: in a decode step most of them start once the
-// kernel before (the writer) is done, and the check's round trip then comes on top
-// (docs/performance_history.md).
+// kernels' blocks deal theirs after the wait: dealt before it, the check after it made a decode
+// step slower, its dealing ending about when the writer before it does (docs/performance_history.md).
 __device__ __forceinline__ Dealt schedule_across_wait(const Schedule& s, const schedule_detail::Rows& rows,
                                                       ScheduleScratch& x) {
     const bool early = rows.rows <= schedule_detail::KEPT_ROWS;
