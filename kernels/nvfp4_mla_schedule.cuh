@@ -57,15 +57,20 @@ struct Costs {
         return live_tiles(swa.live(row) + extra.live(row), tile_shift) + segment_cost;
     }
 
-    // The costs of rows r .. r + LOADS - 1 below r_end, their lengths loaded together (a thread's
-    // rows are a contiguous run, and one at a time their loads would wait in turn), each also
-    // written at its row of `kept` unless that is null; from `kept` instead where `from_kept`.
-    // Summed. The stores come after every load: the loads are generic (a table without lengths is
-    // read from shared memory), so a store between them would order them.
-    __device__ __forceinline__ u32 sum(int r, int r_end, u32* kept, bool from_kept) const {
-        u32 c[LOADS];
+    // The costs of rows r .. r + LOADS - 1 below r_end (0 past it), their lengths loaded together:
+    // a thread's rows are a contiguous run, and one at a time their loads would wait in turn. From
+    // `kept` instead where `from_kept`.
+    __device__ __forceinline__ void load(int r, int r_end, const u32* kept, bool from_kept, u32 (&c)[LOADS]) const {
 #pragma unroll
         for (int i = 0; i < LOADS; ++i) c[i] = r + i >= r_end ? 0u : (from_kept ? kept[r + i] : of(r + i));
+    }
+
+    // The same costs summed, each also written at its row of `kept` unless that is null or they
+    // came from there. The stores come after every load: the loads are generic (a table without
+    // lengths is read from shared memory), so a store between them would order them.
+    __device__ __forceinline__ u32 sum(int r, int r_end, u32* kept, bool from_kept) const {
+        u32 c[LOADS];
+        load(r, r_end, kept, from_kept, c);
         u32 total = 0;
 #pragma unroll
         for (int i = 0; i < LOADS; ++i) {
@@ -308,8 +313,7 @@ __device__ __forceinline__ bool kept_costs_changed(const Schedule& s, const sche
     const Costs costs_of = row_costs(s, rows_in, x);
     const Run run = thread_rows(static_cast<int>(rows_in.rows));
     u32 c[LOADS];
-#pragma unroll
-    for (int i = 0; i < LOADS; ++i) c[i] = run.begin + i < run.end ? costs_of.of(run.begin + i) : 0u;
+    costs_of.load(run.begin, run.end, nullptr, false, c);
     bool changed = false;
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
