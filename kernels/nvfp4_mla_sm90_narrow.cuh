@@ -56,35 +56,50 @@ __device__ __forceinline__ void reduce_heads(float (&v)[4], float* exchange, int
 
 // The item's outputs from O^T, staged in K/V buffer `held` as whole rows (a head's 512 dims: BF16
 // times the head's factor for out (slot -1), the raw fp32 for the partial outputs at `slot`), chunk c of row h at
-// ((c ^ h) & 7 | c & ~7) * 16 as copy_rows_out reads them, then copied out.
+// ((c ^ h) & 7 | c & ~7) * 16 as copy_rows_out reads them, then copied out. A thread's dims 64 i + 16 warp + g + 8 r
+// keep their swizzled place in every m-block i, which only moves them by a whole number of chunks: each (j, r)
+// address is computed once, m-block i adds a constant, and the output type is chosen once, not at every store (run
+// once a segment, this code is fetched cold: docs/performance.md#against-flashmla).
 __device__ __forceinline__ void write_rows_narrow(const Params& p, const float (&o)[8 * DIM_BLOCKS], u8* smem, i64 row,
                                                   i64 head0, i64 slot, int held, int warp, int g, int quad,
                                                   const float (&factor)[4], int tid) {
     u8* const region = smem + SM_KV + held * KV_BYTES;
-    const bool split_outputs = slot >= 0;
-#pragma unroll
-    for (int i = 0; i < DIM_BLOCKS; ++i)
+    if (slot >= 0) {  // fp32: dim d in chunk d / 4 = 16 i + 4 warp + 2 r + g / 4, at byte (d % 4) * 4 = (g % 4) * 4
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {  // rows (dims) 16 w + g + 8 r of m-block i, heads h and h + 1
-                const int d = 64 * i + 16 * warp + g + 8 * r, h = column_head(2 * j, quad);
-                const float x = o[8 * i + 4 * j + 2 * r], y = o[8 * i + 4 * j + 2 * r + 1];
-                if (split_outputs) {
-                    const int chunk = d >> 2, at = (((chunk ^ h) & 7) | (chunk & ~7)) * 16 + (d & 3) * 4;
-                    *reinterpret_cast<float*>(region + h * STAGED_ROW_BYTES<true> + at) = x;
-                    *reinterpret_cast<float*>(region + (h + 1) * STAGED_ROW_BYTES<true> + (at ^ 16)) = y;
-                } else {  // torch's NaN in copy_rows_out
-                    const u32 pair = bf16x2_rn(x * factor[2 * j], y * factor[2 * j + 1]);
-                    const int chunk = d >> 3, at = (((chunk ^ h) & 7) | (chunk & ~7)) * 16 + (d & 7) * 2;
-                    *reinterpret_cast<u16*>(region + h * STAGED_ROW + at) = static_cast<u16>(pair);
-                    *reinterpret_cast<u16*>(region + (h + 1) * STAGED_ROW + (at ^ 16)) = static_cast<u16>(pair >> 16);
+            for (int r = 0; r < 2; ++r) {  // heads h and h + 1
+                const int h = column_head(2 * j, quad), chunk = 4 * warp + 2 * r + (g >> 2);
+                const int at = (((chunk ^ h) & 7) | (chunk & 8)) * 16 + (g & 3) * 4;
+                u8* const at_h = region + h * STAGED_ROW_BYTES<true> + at;
+                u8* const at_h1 = region + (h + 1) * STAGED_ROW_BYTES<true> + (at ^ 16);
+#pragma unroll
+                for (int i = 0; i < DIM_BLOCKS; ++i) {  // m-block i: 16 i chunks further
+                    *reinterpret_cast<float*>(at_h + 256 * i) = o[8 * i + 4 * j + 2 * r];
+                    *reinterpret_cast<float*>(at_h1 + 256 * i) = o[8 * i + 4 * j + 2 * r + 1];
                 }
             }
-    if (split_outputs)
         copy_rows_out<true>(p, region, row, head0, slot, 0, tid);
-    else
-        copy_rows_out<false>(p, region, row, head0, slot, 0, tid);
+        return;
+    }
+    // BF16: dim d in chunk d / 8 = 8 i + 2 warp + r, at byte (d % 8) * 2 = g * 2; torch's NaN in copy_rows_out
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int h = column_head(2 * j, quad), chunk = 2 * warp + r;
+            const int at = ((chunk ^ h) & 7) * 16 + g * 2;
+            u8* const at_h = region + h * STAGED_ROW + at;
+            u8* const at_h1 = region + (h + 1) * STAGED_ROW + (at ^ 16);
+#pragma unroll
+            for (int i = 0; i < DIM_BLOCKS; ++i) {  // m-block i: 8 i chunks further
+                const u32 pair = bf16x2_rn(o[8 * i + 4 * j + 2 * r] * factor[2 * j],
+                                           o[8 * i + 4 * j + 2 * r + 1] * factor[2 * j + 1]);
+                *reinterpret_cast<u16*>(at_h + 128 * i) = static_cast<u16>(pair);
+                *reinterpret_cast<u16*>(at_h1 + 128 * i) = static_cast<u16>(pair >> 16);
+            }
+        }
+    copy_rows_out<false>(p, region, row, head0, slot, 0, tid);
 }
 
 // NARROW, the consumer warpgroup, one item: per tile S^T, the online softmax of the 16 heads

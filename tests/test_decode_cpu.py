@@ -79,9 +79,9 @@ FAKE_GPUS = {  # capability -> a Device as the planners see it (SMs, shared-memo
 @pytest.mark.parametrize("tokens", [1, 640, 4095, 4096, 8320])
 def test_selection_rule(capability, heads, rows, tokens):
     """By architecture, then shape. On sm_90: the wgmma kernel from 17 heads; below, its NARROW
-    build from 6 query rows or from 2 rows over 4,096 selected tokens, its 64-head build at 1 row
-    over 4,096 tokens and at 2-5 rows above 8 heads. The mma.sync kernel everywhere else; only
-    backends that support the GPU are compiled for it."""
+    build from 2 query rows above 8 heads, and up to 8 heads from 6 rows or from 2 rows over 4,096
+    selected tokens; its 64-head build at 1 row over 4,096 tokens. The mma.sync kernel everywhere
+    else; only backends that support the GPU are compiled for it."""
     gpu = FAKE_GPUS[capability]
     hopper = capability == 90
     long = tokens >= 4096
@@ -89,9 +89,9 @@ def test_selection_rule(capability, heads, rows, tokens):
         want = "mma_sync"
     elif heads >= 17:
         want = "wgmma_sm90"
-    elif rows >= 6 or (rows >= 2 and long):
+    elif rows >= 2 and (heads > 8 or rows >= 6 or long):
         want = "wgmma_sm90_narrow"
-    elif (rows == 1 and long) or (rows >= 2 and heads > 8):
+    elif rows == 1 and long:
         want = "wgmma_sm90"
     else:
         want = "mma_sync"

@@ -59,10 +59,10 @@ NARROW_SEGMENT_COST = 2
 EARLY_DEPENDENTS_MAX_SPLITS = 32
 
 # The shapes each build takes. The 64-head build wins from WGMMA_MIN_HEADS heads at every row
-# count. Up to NARROW_HEAD_TILE heads the NARROW build wins from NARROW_MIN_ROWS rows, and from 2
-# rows over LONG_TOKENS selected tokens; below those the 64-head build in paired half rows wins
-# from 2 rows above MMA_MAX_HEADS heads, and at 1 row over LONG_TOKENS tokens; the mma.sync
-# kernel takes the rest (docs/performance.md#decode-backend-rule).
+# count. Up to NARROW_HEAD_TILE heads the NARROW build wins from 2 rows above MMA_MAX_HEADS heads,
+# and up to those heads from NARROW_MIN_ROWS rows or from 2 rows over LONG_TOKENS selected tokens;
+# at 1 row the 64-head build wins over LONG_TOKENS tokens; the mma.sync kernel takes the rest
+# (docs/performance.md#decode-backend-rule).
 WGMMA_MIN_HEADS = 17
 LONG_TOKENS = 4096
 NARROW_MIN_ROWS = 6
@@ -212,12 +212,14 @@ def narrow_attention(lib: KernelLibrary, device: Device, num_heads: int, dim_par
 
 def prefers(num_heads: int, rows: int, tokens: int) -> bool:
     """The 64-head build's shapes (where the NARROW build, before it, does not take them)."""
-    return num_heads >= WGMMA_MIN_HEADS or (tokens >= LONG_TOKENS if rows == 1 else num_heads > MMA_MAX_HEADS)
+    return num_heads >= WGMMA_MIN_HEADS or (rows == 1 and tokens >= LONG_TOKENS)
 
 
 def narrow_prefers(num_heads: int, rows: int, tokens: int) -> bool:
-    """The NARROW build's shapes: few heads over enough rows."""
-    return num_heads <= NARROW_HEAD_TILE and (rows >= NARROW_MIN_ROWS or (rows >= 2 and tokens >= LONG_TOKENS))
+    """The NARROW build's shapes: few heads over more than one row, at most MMA_MAX_HEADS heads only
+    over enough rows or tokens."""
+    enough = num_heads > MMA_MAX_HEADS or rows >= NARROW_MIN_ROWS or tokens >= LONG_TOKENS
+    return num_heads <= NARROW_HEAD_TILE and rows >= 2 and enough
 
 
 BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, prefers, frozenset(), PARTS)
