@@ -13,6 +13,13 @@ path::
 
 A refactoring that only moves code leaves every hash as it was; ``--compare`` lists the specs
 whose SASS changed, appeared or went away, and exits 1 if any did.
+
+``--lines TEXT`` reports where one spec's machine code comes from (the spec whose description holds
+TEXT, on sm_90): its instructions and reconvergence points (``BSSY``), then the source lines that
+produce the most instructions (``nvdisasm -g``; the kernels are built with line info). Code that a
+block runs once, cold, costs instruction fetch (docs/performance.md#against-flashmla)::
+
+    PYTHONPATH=src python benchmarks/sass.py --nvdisasm PATH --lines "16 heads a block"
 """
 
 from __future__ import annotations
@@ -21,18 +28,47 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def disassemble(nvdisasm: str, cubin: bytes) -> str:
+def disassemble(nvdisasm: str, cubin: bytes, *options: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([nvdisasm, "-c", f.name], check=True, capture_output=True, text=True).stdout
+        return subprocess.run([nvdisasm, "-c", *options, f.name], check=True, capture_output=True, text=True).stdout
+
+
+INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4,}\*/")  # an instruction's line: its address in a comment
+SOURCE_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
+
+
+def line_report(nvdisasm: str, text: str, top: int = 25) -> str:
+    """The sm_90 spec whose description holds ``text``: its instructions and ``BSSY`` count, then
+    the ``top`` source lines by the instructions they produce."""
+    from nvfp4_mla import jit
+    from nvfp4_mla.ops import registry
+
+    spec = next((s for s in registry.catalogue("sm_90") if text in s.describe()), None)
+    if spec is None:
+        raise SystemExit(f"no sm_90 spec's description holds {text!r}")
+    sass = disassemble(nvdisasm, jit.compile_kernel(spec, jit.target_arch(spec, "sm_90")).cubin, "-g")
+    source, counts = "?", Counter[str]()
+    for line in sass.splitlines():
+        found = SOURCE_LINE.search(line)
+        if found:
+            source = f"{Path(found[1]).name}:{found[2]}"
+        elif INSTRUCTION.match(line):
+            counts[source] += 1
+    total, reconvergences = sum(counts.values()), sass.count(" BSSY ")
+    rows = [f"{spec.describe()}: {total} instructions, {reconvergences} BSSY"]
+    rows += [f"{n:6d}  {where}" for where, n in counts.most_common(top)]
+    return "\n".join(rows)
 
 
 def collect(nvdisasm: str, dump: Path | None, only: str) -> dict[str, str]:
@@ -76,7 +112,11 @@ def main() -> int:
     parser.add_argument("--dump", type=Path, help="write each disassembly into this directory")
     parser.add_argument("--only", default="", help="only the specs whose description holds this text")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("OLD", "NEW"))
+    parser.add_argument("--lines", metavar="TEXT", help="one sm_90 spec's instructions by source line")
     args = parser.parse_args()
+    if args.lines:
+        print(line_report(args.nvdisasm, args.lines))
+        return 0
     if args.compare:
         return compare(*(json.loads(p.read_text()) for p in args.compare))
     if args.dump:
