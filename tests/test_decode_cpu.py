@@ -75,24 +75,22 @@ FAKE_GPUS = {  # capability -> a Device as the planners see it (SMs, shared-memo
 
 @pytest.mark.parametrize("capability", FAKE_GPUS)
 @pytest.mark.parametrize("heads", [1, 8, 9, 16, 17, 32, 33, 64, 128])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 32, 256])
-@pytest.mark.parametrize("tokens", [1, 640, 4095, 4096, 8320])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 32, 256])
+@pytest.mark.parametrize("tokens", [1, 640, 1152, 4032, 4033, 4096, 8320])
 def test_selection_rule(capability, heads, rows, tokens):
     """By architecture, then shape. On sm_90: the wgmma kernel from 17 heads; below, its NARROW
-    build from 2 query rows above 8 heads, and up to 8 heads from 6 rows or from 2 rows over 4,096
-    selected tokens; its 64-head build at 1 row over 4,096 tokens. The mma.sync kernel everywhere
-    else; only backends that support the GPU are compiled for it."""
+    build from 64 tiles of 64 selected tokens a call (rows x a row's tiles: 7 rows of 640 tokens,
+    1 row of 4,033), else the mma.sync kernel. Everywhere else the mma.sync kernel; only backends
+    that support the GPU are compiled for it."""
     gpu = FAKE_GPUS[capability]
     hopper = capability == 90
-    long = tokens >= 4096
+    tiles = rows * -(-tokens // 64)
     if not hopper:
         want = "mma_sync"
     elif heads >= 17:
         want = "wgmma_sm90"
-    elif rows >= 2 and (heads > 8 or rows >= 6 or long):
+    elif tiles >= 64:
         want = "wgmma_sm90_narrow"
-    elif rows == 1 and long:
-        want = "wgmma_sm90"
     else:
         want = "mma_sync"
     assert decode.select_backend(gpu, heads, rows, tokens).name == want
@@ -220,7 +218,7 @@ def _check_list_plan(plan, num_heads, rows, parts, dim_parts):
         (192, 20, "wgmma_sm90", 1, 1),  # 3 head tiles: no cluster; 120 half-row items would not fit
         (64, 64, "wgmma_sm90", 2, 2),  # the cost model's paired halves
         (128, 64, "wgmma_sm90", 1, 2),
-        (16, 6, "wgmma_sm90_narrow", 1, 1),
+        (16, 7, "wgmma_sm90_narrow", 1, 1),  # 70 tiles: the NARROW build from 64
         (16, 16384, "wgmma_sm90_narrow", 1, 1),
         (40, 2, "wgmma_sm90", 2, 2),
     ],

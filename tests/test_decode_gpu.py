@@ -878,7 +878,7 @@ def test_rows_kept_whole_where_cutting_costs_more(backend, seed, heads):
     want = exact(q, with_lens, sinks=sinks)
     forced = {} if backend is None else {"decode_backend": backend.decode_backend}
     kept = 0
-    for rows, parts in ((4, 5), (6, 7), (7, 8), (7, 9), (6, 8)):
+    for rows, parts in ((4, 5), (6, 7), (7, 8), (7, 9), (6, 8), (7, 4)):
         library = nvfp4_mla.KernelLibrary(**forced, decode_parts=parts)
         plan = plan_of(q[:rows], with_lens, library)
         tiles = [decode_scheduler.live_tiles(640, 0, plan.tile_tokens)] * rows

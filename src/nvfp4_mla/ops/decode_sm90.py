@@ -58,15 +58,12 @@ NARROW_SEGMENT_COST = 2
 # onto the few SMs this grid leaves free (docs/performance.md#programmatic-dependent-launch).
 EARLY_DEPENDENTS_MAX_SPLITS = 32
 
-# The shapes each build takes. The 64-head build wins from WGMMA_MIN_HEADS heads at every row
-# count. Up to NARROW_HEAD_TILE heads the NARROW build wins from 2 rows above MMA_MAX_HEADS heads,
-# and up to those heads from NARROW_MIN_ROWS rows or from 2 rows over LONG_TOKENS selected tokens;
-# at 1 row the 64-head build wins over LONG_TOKENS tokens; the mma.sync kernel takes the rest
-# (docs/performance.md#decode-backend-rule).
+# The shapes each build takes (docs/performance.md#decode-backend-rule): the 64-head build from
+# WGMMA_MIN_HEADS heads; up to NARROW_HEAD_TILE heads the NARROW build once a call holds
+# NARROW_MIN_TILES tiles (query rows x a row's tiles of BLOCK_N selections), below that the mma.sync
+# kernel: where each measured the fastest on a dense grid of heads, rows and widths.
 WGMMA_MIN_HEADS = 17
-LONG_TOKENS = 4096
-NARROW_MIN_ROWS = 6
-MMA_MAX_HEADS = 8
+NARROW_MIN_TILES = 64
 
 
 def producers(head_tile: int) -> int:
@@ -211,15 +208,13 @@ def narrow_attention(lib: KernelLibrary, device: Device, num_heads: int, dim_par
 
 
 def prefers(num_heads: int, rows: int, tokens: int) -> bool:
-    """The 64-head build's shapes (where the NARROW build, before it, does not take them)."""
-    return num_heads >= WGMMA_MIN_HEADS or (rows == 1 and tokens >= LONG_TOKENS)
+    """The 64-head build's shapes: every call of WGMMA_MIN_HEADS heads or more."""
+    return num_heads >= WGMMA_MIN_HEADS
 
 
 def narrow_prefers(num_heads: int, rows: int, tokens: int) -> bool:
-    """The NARROW build's shapes: few heads over more than one row, at most MMA_MAX_HEADS heads only
-    over enough rows or tokens."""
-    enough = num_heads > MMA_MAX_HEADS or rows >= NARROW_MIN_ROWS or tokens >= LONG_TOKENS
-    return num_heads <= NARROW_HEAD_TILE and rows >= 2 and enough
+    """The NARROW build's shapes: at most NARROW_HEAD_TILE heads over NARROW_MIN_TILES tiles or more."""
+    return num_heads <= NARROW_HEAD_TILE and rows * -(-tokens // BLOCK_N) >= NARROW_MIN_TILES
 
 
 BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, prefers, frozenset(), PARTS)
