@@ -74,25 +74,26 @@ FAKE_GPUS = {  # capability -> a Device as the planners see it (SMs, shared-memo
 
 
 @pytest.mark.parametrize("capability", FAKE_GPUS)
-@pytest.mark.parametrize("heads", [1, 8, 9, 16, 17, 32, 33, 64, 128])
+@pytest.mark.parametrize("heads", [1, 8, 9, 16, 17, 32, 48, 49, 64, 128])
 @pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 32, 256])
 @pytest.mark.parametrize("tokens", [1, 640, 1152, 4032, 4033, 4096, 8320])
 def test_selection_rule(capability, heads, rows, tokens):
-    """By architecture, then shape. On sm_90: the wgmma kernel from 17 heads; below, its NARROW
-    build from 64 tiles of 64 selected tokens a call (rows x a row's tiles: 7 rows of 640 tokens,
-    1 row of 4,033), else the mma.sync kernel. Everywhere else the mma.sync kernel; only backends
-    that support the GPU are compiled for it."""
+    """By architecture, then shape, by the call's tiles of 64 selected tokens (rows x a row's
+    tiles: 64 from 7 rows of 640 tokens or 1 row of 4,033). On sm_90 up to 16 heads: the wgmma
+    kernel's NARROW build from 64 tiles, else the mma.sync kernel; from 17 heads its 64-head build,
+    but up to 48 heads the NARROW build under 64 tiles. Everywhere else the mma.sync kernel; only
+    backends that support the GPU are compiled for it."""
     gpu = FAKE_GPUS[capability]
     hopper = capability == 90
-    tiles = rows * -(-tokens // 64)
+    many = rows * -(-tokens // 64) >= 64
     if not hopper:
         want = "mma_sync"
-    elif heads >= 17:
-        want = "wgmma_sm90"
-    elif tiles >= 64:
+    elif heads <= 16:
+        want = "wgmma_sm90_narrow" if many else "mma_sync"
+    elif heads <= 48 and not many:
         want = "wgmma_sm90_narrow"
     else:
-        want = "mma_sync"
+        want = "wgmma_sm90"
     assert decode.select_backend(gpu, heads, rows, tokens).name == want
     for name in ("wgmma_sm90", "wgmma_sm90_narrow"):
         assert decode.BACKENDS[name].supports(gpu.capability) == hopper
@@ -220,7 +221,8 @@ def _check_list_plan(plan, num_heads, rows, parts, dim_parts):
         (128, 64, "wgmma_sm90", 1, 2),
         (16, 7, "wgmma_sm90_narrow", 1, 1),  # 70 tiles: the NARROW build from 64
         (16, 16384, "wgmma_sm90_narrow", 1, 1),
-        (40, 2, "wgmma_sm90", 2, 2),
+        (40, 7, "wgmma_sm90", 2, 2),  # 70 tiles
+        (40, 2, "wgmma_sm90_narrow", 1, 1),  # 20 tiles: three NARROW head tiles
     ],
 )
 def test_a_list_plan_fills_the_gpu(monkeypatch, num_heads, rows, backend, dim_parts, cluster):

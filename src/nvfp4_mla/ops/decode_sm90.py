@@ -58,12 +58,14 @@ NARROW_SEGMENT_COST = 2
 # onto the few SMs this grid leaves free (docs/performance.md#programmatic-dependent-launch).
 EARLY_DEPENDENTS_MAX_SPLITS = 32
 
-# The shapes each build takes (docs/performance.md#decode-backend-rule): the 64-head build from
-# WGMMA_MIN_HEADS heads; up to NARROW_HEAD_TILE heads the NARROW build once a call holds
-# NARROW_MIN_TILES tiles (query rows x a row's tiles of BLOCK_N selections), below that the mma.sync
-# kernel: where each measured the fastest on a dense grid of heads, rows and widths.
+# The shapes each build takes (docs/performance.md#decode-backend-rule), by the call's tiles (query
+# rows x a row's tiles of BLOCK_N selections) against NARROW_MIN_TILES: up to NARROW_HEAD_TILE heads
+# the NARROW build from that many tiles, the mma.sync kernel below; from WGMMA_MIN_HEADS heads the
+# 64-head build, but up to NARROW_FEW_TILES_MAX_HEADS heads the NARROW build (a block per head tile)
+# below that many tiles: where each measured the fastest on a dense grid of heads, rows and widths.
 WGMMA_MIN_HEADS = 17
 NARROW_MIN_TILES = 64
+NARROW_FEW_TILES_MAX_HEADS = 48
 
 
 def producers(head_tile: int) -> int:
@@ -208,13 +210,16 @@ def narrow_attention(lib: KernelLibrary, device: Device, num_heads: int, dim_par
 
 
 def prefers(num_heads: int, rows: int, tokens: int) -> bool:
-    """The 64-head build's shapes: every call of WGMMA_MIN_HEADS heads or more."""
+    """The 64-head build's shapes: every call of WGMMA_MIN_HEADS heads or more (where the NARROW
+    build, before it, does not take them)."""
     return num_heads >= WGMMA_MIN_HEADS
 
 
 def narrow_prefers(num_heads: int, rows: int, tokens: int) -> bool:
-    """The NARROW build's shapes: at most NARROW_HEAD_TILE heads over NARROW_MIN_TILES tiles or more."""
-    return num_heads <= NARROW_HEAD_TILE and rows * -(-tokens // BLOCK_N) >= NARROW_MIN_TILES
+    """The NARROW build's shapes: at most NARROW_HEAD_TILE heads over NARROW_MIN_TILES tiles or more,
+    and up to NARROW_FEW_TILES_MAX_HEADS heads over fewer."""
+    many = rows * -(-tokens // BLOCK_N) >= NARROW_MIN_TILES
+    return many if num_heads <= NARROW_HEAD_TILE else num_heads <= NARROW_FEW_TILES_MAX_HEADS and not many
 
 
 BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, prefers, frozenset(), PARTS)
