@@ -19,11 +19,10 @@ import nvfp4_mla
 from nvfp4_mla.bench import decode_arms
 from nvfp4_mla.bench.timing import DeviceTimer
 from nvfp4_mla.device import device_info
-from nvfp4_mla.ops import decode_planner
+from nvfp4_mla.ops import decode_planner, decode_sm90
 
 TIMER = DeviceTimer(reps=1, graph_s=10e-3)  # graph-replayed only
 ROUNDS = 2
-TILE = 64  # selections a tile of the Hopper builds
 
 
 def numbers(text: str) -> list[int]:
@@ -37,15 +36,14 @@ def main() -> None:
     parser.add_argument("--rows", type=numbers, default=rows_default, help="query rows (batch, q_len 1)")
     parser.add_argument("--tokens", type=numbers, default=[640, 1152, 2176, 3200, 4224], help="selections a row")
     args, pools, g = start(__doc__, parser)
-    capability = device_info(0).capability
-    names = [n for n, b in decode_planner.BACKENDS.items() if b.supports(capability)]
+    gpu = device_info(0)
+    names = [n for n, b in decode_planner.BACKENDS.items() if b.supports(gpu.capability)]
     libraries = {n: nvfp4_mla.KernelLibrary(decode_backend=n) for n in names}
-    default = nvfp4_mla.KernelLibrary()
     print("H,rows,k,tiles,rule," + ",".join(f"t_{n}" for n in names) + ",rule_over_best", flush=True)
     shapes = [(h, r, k) for h in args.heads for r in args.rows for k in args.tokens]
     for heads, rows, k in shapes[:: args.every]:
         x = decode_arms.Inputs(rows, 1, heads, k - decode_arms.SWA_K, g, pools)
-        rule = decode_planner.plan(default, 0, heads, rows, decode_arms.SWA_K, k - decode_arms.SWA_K, False).backend
+        rule = decode_planner.select_backend(gpu, heads, rows, k).name
         times = {n: math.inf for n in names}
         for _ in range(ROUNDS):
             for n in names:
@@ -54,7 +52,7 @@ def main() -> None:
                     return decode_arms.fused(pools, inputs, library=lib)
 
                 times[n] = min(times[n], TIMER.graph(call, [x]) * 1e6)
-        cells = [heads, rows, k, rows * -(-k // TILE), rule, *(f"{times[n]:.2f}" for n in names)]
+        cells = [heads, rows, k, rows * -(-k // decode_sm90.BLOCK_N), rule, *(f"{times[n]:.2f}" for n in names)]
         print(",".join(map(str, [*cells, f"{times[rule] / min(times.values()):.3f}"])), flush=True)
 
 

@@ -219,7 +219,9 @@ def narrow_prefers(num_heads: int, rows: int, tokens: int) -> bool:
     """The NARROW build's shapes: at most NARROW_HEAD_TILE heads over NARROW_MIN_TILES tiles or more,
     and up to NARROW_FEW_TILES_MAX_HEADS heads over fewer."""
     many = rows * -(-tokens // BLOCK_N) >= NARROW_MIN_TILES
-    return many if num_heads <= NARROW_HEAD_TILE else num_heads <= NARROW_FEW_TILES_MAX_HEADS and not many
+    if num_heads <= NARROW_HEAD_TILE:
+        return many
+    return num_heads <= NARROW_FEW_TILES_MAX_HEADS and not many
 
 
 BACKEND = DecodeBackend("wgmma_sm90", 90, 90, specs, attention, prefers, frozenset(), PARTS)
